@@ -1,0 +1,291 @@
+"""Wall-clock overhead of the MeSH topology (+mesh) over the plain looped model (base), same layout.
+
+    python benchmarks/bench_mesh_overhead.py                      # cpu-base, 2+4R2+2, 4 x 512, 10 reps
+    python benchmarks/bench_mesh_overhead.py --variants base,mesh,mesh-eq6,mesh-lazy --isolated --profile
+
+One process, one forward+backward (``model.loss`` + ``backward``) per model per repetition; the
+models are interleaved (ABAB, then BABA on odd repetitions so neither always runs first) after a
+warm-up, and medians are compared. Every model holds the same transformer weights.
+
+Variants ``mesh-eq6`` and ``mesh-lazy`` are *prototypes* of a faster MeSH read/write, patched onto
+the MeSH module here (``recursive_lightning/model/topology.py`` is not modified):
+
+* ``mesh-eq6``: read the *old* buffer and add the gated core output (MeSH Eq. 6),
+  ``h = sum_b m_b w_read,b + (w_write . w_read) u``, with the buffer update done by one ``addcmul``.
+* ``mesh-lazy``: no buffer at all. The buffer is linear in its inputs, m_b = [b=0] h_emb +
+  sum_tau w_write,b^(tau) u^(tau), so every read is a weighted sum of the t + 2 sources written so
+  far with per-token scalar gains ``<w_read^(t), w_write^(tau)>`` (the same unrolling as
+  ``probes.metrics.mesh_state_composition``). Work per step is O((t+2) N d) instead of O(5 B N d).
+
+Both are checked against the stock MeSH (logits and all gradients) before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from recursive_lightning.model.accounting import describe  # noqa: E402
+from recursive_lightning.model.config import preset  # noqa: E402
+from recursive_lightning.model.model import RecursiveLM  # noqa: E402
+from recursive_lightning.model.topology import MeSH  # noqa: E402
+
+# ----------------------------------------------------------------------------- prototype formulations
+
+
+def _write_read_eq6(buffer, u, w_write, w_read):
+    """Eq. 6 form: read the old buffer, add the gated update; one addcmul for the write (Eq. 5)."""
+    ww = w_write.permute(2, 0, 1).unsqueeze(-1)  # (B, b, l, 1)
+    wr = w_read.permute(2, 0, 1).unsqueeze(-1)
+    gate = (w_write * w_read).sum(-1, keepdim=True)  # (b, l, 1): the gating factor of Eq. 6
+    h = torch.addcmul((buffer * wr).sum(0), gate, u)
+    return h, torch.addcmul(buffer, ww, u)
+
+
+class LazyMeSH(MeSH):
+    """Buffer-free MeSH: same parameters, same outputs, no (B, b, l, d) tensor.
+
+    carry["sources"] = [h_emb, h_pre, u^(0), ...] and carry["writes"] = the matching per-token write
+    weights (b, l, B) (h_emb's is the one-hot of slot 0, Eq. 2).
+    """
+
+    def _read(self, sources, writes, w_read):
+        h = None
+        for src, w in zip(sources, writes):
+            gain = (w * w_read).sum(-1, keepdim=True)  # (b, l, 1)
+            h = src * gain if h is None else torch.addcmul(h, gain, src)
+        return h
+
+    def start(self, h_emb, h_pre):
+        if self.record is not None:
+            self.record = {"write": [], "read": []}
+        router_in = h_pre if self.transition_input == "prelude" else h_emb
+        w_write, w_read = self._route(0, router_in)
+        h_emb = h_emb.to(h_pre.dtype)
+        # slot 0 holds h_emb with weight 1: its gain is just w_read[..., 0]
+        h0 = torch.addcmul(h_emb * w_read[..., :1], (w_write * w_read).sum(-1, keepdim=True), h_pre)
+        return h0, {"h0": h0, "h_emb": h_emb, "sources": [h_pre], "writes": [w_write], "read0": None}
+
+    def step(self, t, h, u, carry):
+        w_write, w_read = self._route(t + 1, h)
+        sources, writes = [*carry["sources"], u], [*carry["writes"], w_write]
+        h_next = torch.addcmul(self._read(sources, writes, w_read), carry["h_emb"], w_read[..., :1])
+        return h_next, {**carry, "sources": sources, "writes": writes}
+
+
+def make_model(cfg_kwargs: dict, variant: str, weights: dict | None) -> RecursiveLM:
+    topology = "base" if variant == "base" else "mesh"
+    torch.manual_seed(0)
+    model = RecursiveLM(preset(cfg_kwargs["preset"], layout=cfg_kwargs["layout"], topology=topology))
+    if weights is not None:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert not unexpected and all(k.startswith("topology.") for k in missing), (missing, unexpected)
+    if variant == "mesh-eq6":
+        model.topology._write_read = _write_read_eq6  # instance attribute shadows the staticmethod
+    elif variant == "mesh-lazy":
+        model.topology.__class__ = LazyMeSH
+    elif variant not in ("base", "mesh"):
+        raise SystemExit(f"unknown variant '{variant}'; use base, mesh, mesh-eq6, mesh-lazy")
+    return model
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def fwd_bwd(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> None:
+    model.loss(idx, tgt).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> dict[str, list[float]]:
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(reps):
+        for n in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            fns[n]()
+            times[n].append(time.perf_counter() - t0)
+    return times
+
+
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 4:
+        return min(xs), max(xs)
+    q = statistics.quantiles(xs, n=4)
+    return q[0], q[2]
+
+
+def check_equivalent(ref: RecursiveLM, other: RecursiveLM, idx: torch.Tensor, tgt: torch.Tensor) -> float:
+    """Max abs difference of loss gradients and logits between two models with equal weights."""
+    other.load_state_dict(ref.state_dict())
+    diffs = []
+    outs = []
+    for m in (ref, other):
+        logits = m(idx)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten()).backward()
+        outs.append((logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+        m.zero_grad(set_to_none=True)
+    diffs.append((outs[0][0] - outs[1][0]).abs().max().item())
+    for n, g in outs[0][1].items():
+        diffs.append((g - outs[1][1][n]).abs().max().item() / (g.abs().max().item() + 1e-12))
+    return max(diffs)
+
+
+def isolated_topology(cfg_kwargs: dict, variants: list[str], batch: int, seq: int, reps: int) -> dict[str, float]:
+    """Forward+backward of the topology alone (routers + buffer ops) on random states: ms per call."""
+    cfg = preset(cfg_kwargs["preset"], layout=cfg_kwargs["layout"], topology="mesh")
+    k, d = cfg.parsed_layout.n_loop, cfg.d_model
+    g = torch.Generator().manual_seed(0)
+    h_emb, h_pre = (torch.randn(batch, seq, d, generator=g) for _ in range(2))
+    us = [torch.randn(batch, seq, d, generator=g) for _ in range(k)]
+    fns = {}
+    for v in variants:
+        if v == "base":
+            continue
+        topo = make_model(cfg_kwargs, v, None).topology
+
+        def run(topo=topo):
+            leaves = [x.detach().requires_grad_() for x in (h_emb, h_pre, *us)]
+            h, carry = topo.start(leaves[0], leaves[1])
+            for t in range(k):
+                h, carry = topo.step(t, h, leaves[2 + t], carry)
+            topo.finish(h, carry).sum().backward()
+            topo.zero_grad(set_to_none=True)
+
+        fns[v] = run
+    times = interleaved(fns, reps, warmup=2)
+    return {v: 1e3 * statistics.median(ts) for v, ts in times.items()}
+
+
+def profile(model: RecursiveLM, idx: torch.Tensor, tgt: torch.Tensor, reps: int = 3, rows: int = 25) -> None:
+    """torch.profiler table of a fwd+bwd; MeSH start/step forward are wrapped in record_function."""
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as tprofile
+
+    topo = model.topology
+    orig_start, orig_step = topo.start, topo.step
+
+    def start(*a):
+        with record_function("mesh.start (routers + write/read)"):
+            return orig_start(*a)
+
+    def step(*a):
+        with record_function("mesh.step (routers + write/read)"):
+            return orig_step(*a)
+
+    topo.start, topo.step = start, step
+    try:
+        fwd_bwd(model, idx, tgt)
+        with tprofile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(reps):
+                fwd_bwd(model, idx, tgt)
+    finally:
+        del topo.start, topo.step
+    print(f"\n## torch.profiler, {reps} fwd+bwd of the mesh model (self CPU time, top {rows})\n")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    print("\n## grouped by input shape: buffer-sized ops (B, b, l, d) and router ops\n")
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="cpu-base")
+    p.add_argument("--layout", default="2+4R2+2", help="a looped layout (MeSH needs loop steps)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--variants", default="base,mesh", help="comma list of base, mesh, mesh-eq6, mesh-lazy")
+    p.add_argument("--isolated", action="store_true", help="also time the topology alone (fwd+bwd)")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table of the mesh model")
+    p.add_argument("--bf16", action="store_true", help="run under torch.autocast('cpu', bfloat16)")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if "base" not in variants or "mesh" not in variants:
+        raise SystemExit("--variants must include base and mesh")
+    cfgk = {"preset": args.preset, "layout": args.layout}
+    lay = preset(args.preset, layout=args.layout).parsed_layout
+    if lay.n_loop == 0:
+        raise SystemExit(f"layout '{args.layout}' has no loop steps; MeSH needs a looped layout like 2+4R2+2")
+
+    base = make_model(cfgk, "base", None)
+    weights = base.state_dict()
+    models = {"base": base, **{v: make_model(cfgk, v, weights) for v in variants if v != "base"}}
+    for m in models.values():
+        m.train()
+    g = torch.Generator().manual_seed(1)
+    vocab = base.cfg.vocab_size
+    idx = torch.randint(0, vocab, (args.batch, args.seq_len), generator=g)
+    tgt = torch.randint(0, vocab, (args.batch, args.seq_len), generator=g)
+
+    print("# MeSH wall-clock overhead (forward + backward)\n")
+    print(f"machine  {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}{', bf16 autocast' if args.bf16 else ''}")
+    print(f"model    preset {args.preset}, layout {args.layout}, batch {args.batch} x seq {args.seq_len}, "
+          f"reps {args.reps} (+{args.warmup} warm-up), interleaved")
+
+    small = idx[:2, :64], tgt[:2, :64]
+    for v in variants:
+        if v.startswith("mesh-"):
+            err = check_equivalent(models["mesh"], make_model(cfgk, v, None), *small)
+            print(f"check    {v} vs mesh: max rel. grad / abs. logit difference {err:.2e}")
+            assert err < 1e-4, f"{v} is not equivalent to mesh ({err})"
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
+    with autocast:
+        times = interleaved({v: (lambda m=m: fwd_bwd(m, idx, tgt)) for v, m in models.items()}, args.reps, args.warmup)
+
+    fl = {t: describe(preset(args.preset, layout=args.layout, topology=t), args.seq_len, args.batch) for t in ("base", "mesh")}
+    flop_ratio = fl["mesh"]["flops_forward"] / fl["base"]["flops_forward"]
+    eq8 = fl["mesh"]["flops_mesh_eq8"]
+    fvcore_ratio = (fl["base"]["flops_forward_fvcore"] + eq8) / fl["base"]["flops_forward_fvcore"]
+
+    med_base = statistics.median(times["base"])
+    print("\n| variant | median ms | IQR ms | min ms | ratio to base (medians) | paired ratio (median) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for v, ts in times.items():
+        lo, hi = quartiles(ts)
+        paired = statistics.median(a / b for a, b in zip(ts, times["base"]))
+        print(f"| {v} | {1e3 * statistics.median(ts):.1f} | {1e3 * lo:.1f}-{1e3 * hi:.1f} | {1e3 * min(ts):.1f} | "
+              f"{statistics.median(ts) / med_base:.4f} | {paired:.4f} |")
+    mesh_ratio = statistics.median(times["mesh"]) / med_base
+    print(f"\nmesh / base wall-clock          {mesh_ratio:.4f}  (overhead {100 * (mesh_ratio - 1):+.2f} %, goal < +3 %)")
+    print(f"mesh / base describe() FLOPs    {flop_ratio:.6f}  (overhead {100 * (flop_ratio - 1):+.4f} %, matmuls: routers)")
+    print(f"mesh / base fvcore + Eq. 8      {fvcore_ratio:.6f}  (overhead {100 * (fvcore_ratio - 1):+.4f} %, paper: +0.014 %)")
+    print(f"goal {'MET' if mesh_ratio < 1.03 else 'MISSED'}")
+
+    if args.isolated:
+        iso = isolated_topology(cfgk, variants, args.batch, args.seq_len, max(args.reps, 10))
+        print("\n| topology alone (fwd+bwd, routers included) | median ms | share of base fwd+bwd |")
+        print("| --- | ---: | ---: |")
+        for v, ms in iso.items():
+            print(f"| {v} | {ms:.2f} | {100 * ms / (1e3 * med_base):.2f} % |")
+    if args.profile:
+        profile(models["mesh"], idx, tgt)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,3 @@
+from recursive_lightning.cli import main
+
+raise SystemExit(main())

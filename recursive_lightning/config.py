@@ -1,0 +1,254 @@
+"""The run config: one YAML with ``name``, ``model``, ``data`` and ``train`` sections.
+
+Every field can be overridden from the command line with a dotted key (``--model.topology mesh``,
+``--train.lr 3e-4``). Unknown keys and values of the wrong type fail with one sentence naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from recursive_lightning.errors import ConfigError
+from recursive_lightning.model.config import ModelConfig
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # text file, folder, glob or hf:<dataset>; None = the embedded corpus
+    tokenizer: str = "bpe:4096"  # tokenizer.json path, a Hub name, or bpe:<vocab> trained and cached
+    seq_len: int = 256
+    batch_size: int = 16
+    val_batches: int = 16
+    cache_dir: str | None = None  # token shards and tokenizers; default ~/.cache/recursive_lightning
+    num_workers: int = 0
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    lr: float = 1e-3  # peak learning rate
+    warmup_ratio: float = 0.01  # MeSH App. B: 1% warm-up
+    min_lr_ratio: float = 0.1  # cosine decay to 10% of the peak
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    accumulate: int = 1
+    precision: str = "auto"  # auto: bf16-mixed where the hardware has it, else 32-true
+    compile: bool = False
+    activation_checkpointing: bool = False
+    seed: int = 0
+    val_every: int = 100  # steps between validations (and best-checkpoint selection)
+    checkpoint_every: int = 100  # steps between `last` checkpoints
+    log_every: int = 1
+    accelerator: str = "auto"
+    devices: Any = 1
+    num_nodes: int = 1
+    strategy: str = "auto"  # auto | ddp | fsdp (FSDP2 via ModelParallelStrategy)
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "model": self.model.to_dict(),
+            "data": dataclasses.asdict(self.data),
+            "train": dataclasses.asdict(self.train),
+        }
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys -> values (MLflow params)."""
+        out = {}
+        for section, values in self.to_dict().items():
+            if isinstance(values, dict):
+                out.update({f"{section}.{k}": v for k, v in values.items()})
+            else:
+                out[section] = values
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        data = dict(data or {})
+        unknown = sorted(set(data) - {"name", "model", "data", "train"})
+        if unknown:
+            raise ConfigError(f"'{unknown[0]}' is not a config section; use name, model, data and train.")
+        name = data.get("name", "run")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"name must be a non-empty string, not {name!r}.")
+        return cls(
+            name=name,
+            model=ModelConfig.from_dict(data.get("model") or {}),
+            data=_build(DataConfig, data.get("data") or {}, "data"),
+            train=_build(TrainConfig, data.get("train") or {}, "train"),
+        ).validate()
+
+    def validate(self) -> RunConfig:
+        d, t = self.data, self.train
+        for section, obj, names in (
+            ("data", d, ("seq_len", "batch_size", "val_batches")),
+            ("train", t, ("max_steps", "accumulate", "val_every", "checkpoint_every", "log_every")),
+        ):
+            for n in names:
+                if getattr(obj, n) < 1:
+                    raise ConfigError(f"{section}.{n} must be >= 1, not {getattr(obj, n)}.")
+        if d.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len {d.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}; raise model.max_seq_len or lower data.seq_len."
+            )
+        if t.lr <= 0:
+            raise ConfigError(f"train.lr must be positive, not {t.lr}.")
+        if not 0 <= t.warmup_ratio < 1 or not 0 <= t.min_lr_ratio <= 1:
+            raise ConfigError("train.warmup_ratio must lie in [0, 1) and train.min_lr_ratio in [0, 1].")
+        if t.strategy not in ("auto", "ddp", "fsdp"):
+            raise ConfigError(f"train.strategy '{t.strategy}' is unknown; choose auto, ddp or fsdp.")
+        if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):
+            raise ConfigError(
+                f"train.precision '{t.precision}' is unknown; choose auto, 32-true, bf16-mixed, 16-mixed or bf16-true."
+            )
+        return self
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, not {value!r}.")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where} must be an integer, not {value!r}.")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} must be a number, not {value!r}.")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where} must be a string, not {value!r}.")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], section: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"the '{section}' section must be a mapping of fields, not {data!r}.")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in known:
+            hint = difflib.get_close_matches(key, known, n=1)
+            extra = f" (did you mean '{section}.{hint[0]}'?)" if hint else ""
+            raise ConfigError(f"{section}.{key} is not a {section} field{extra}.")
+        kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
+    return cls(**kwargs)
+
+
+def check_model_types(data: dict[str, Any]) -> dict[str, Any]:
+    hints = typing.get_type_hints(ModelConfig)
+    return {k: (_coerce(v, hints[k], f"model.{k}") if k in hints else v) for k, v in data.items()}
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"config file '{path}' does not exist; pass a YAML file such as experiments/cpu/looped-mesh.yaml."
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{path}' is not valid YAML ({str(e).splitlines()[0]}).") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping with name/model/data/train sections.")
+    return data
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{key}': '{p}' is not a section.")
+    node[parts[-1]] = value
+
+
+def apply_overrides(
+    data: dict[str, Any], argv: list[str], sections: tuple[str, ...] = ("model", "data", "train", "name")
+) -> dict[str, Any]:
+    """Apply ``--section.field value`` (or ``--section.field=value``) pairs; values parse as YAML scalars."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}'; overrides look like --model.topology mesh.")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"override --{key} needs a value.")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        if key.split(".")[0] not in sections:
+            raise ConfigError(
+                f"unknown option --{key}; config overrides start with one of: {', '.join('--' + s + '.' for s in sections)}"
+            )
+        try:
+            parsed = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError:
+            parsed = value
+        if key == "model.layout":
+            parsed = str(value)
+        set_dotted(data, key, parsed)
+    return data
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    data = load_yaml(path) if path else {}
+    data = apply_overrides(data, overrides or [])
+    if "model" in data and isinstance(data["model"], dict):
+        data["model"] = check_model_types(data["model"])
+    return RunConfig.from_dict(data)

@@ -1,0 +1,141 @@
+"""The transformer layer: GPT-NeoX (Pythia) by default, LLaMA-style by config.
+
+Parallel residual (Pythia): x + Attn(LN1(x)) + MLP(LN2(x)); sequential otherwise.
+Attention goes through ``F.scaled_dot_product_attention``, or flash-attn on CUDA when installed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from recursive_lightning.model.config import ModelConfig
+
+try:  # flash-attn is optional; used only for CUDA half-precision tensors
+    from flash_attn import flash_attn_func
+except Exception:  # pragma: no cover - not installed on CPU machines
+    flash_attn_func = None
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+class Rotary(nn.Module):
+    """GPT-NeoX rotary embedding on the first ``rotary_pct`` of each head's dims (rotate-half form)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.dim = int(cfg.head_dim * cfg.rotary_pct)
+        self.base = cfg.rotary_base
+
+    def cos_sin(
+        self, length: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = 1.0 / (
+            self.base ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim)
+        )
+        t = torch.arange(length, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: (b, h, l, hd); cos/sin: (l, dim)."""
+        if self.dim == 0:
+            return x
+        rot, rest = x[..., : self.dim], x[..., self.dim :]
+        x1, x2 = rot.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.rotary = Rotary(cfg)
+        self.capture: list[torch.Tensor] | None = None  # set to a list to record attention maps (probes)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        hd = self.head_dim
+        q, k, v = self.qkv(x).split([self.n_heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        q = rearrange(q, "b l (h d) -> b h l d", d=hd)
+        k = rearrange(k, "b l (h d) -> b h l d", d=hd)
+        v = rearrange(v, "b l (h d) -> b h l d", d=hd)
+        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+        if self.capture is not None:
+            y = self._explicit(q, k, v)
+        elif flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            y = flash_attn_func(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True
+            ).transpose(1, 2)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads
+            )
+        return self.proj(rearrange(y, "b h l d -> b l (h d)"))
+
+    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Materialised softmax(QK^T) so probes can read the attention map; same output as SDPA."""
+        rep = self.n_heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        length = q.shape[-2]
+        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+        attn = scores.float().masked_fill(mask, float("-inf")).softmax(-1).to(q.dtype)
+        self.capture.append(attn.detach())
+        return attn @ v
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gated = cfg.mlp == "swiglu"
+        self.up = nn.Linear(cfg.d_model, cfg.hidden * (2 if self.gated else 1), bias=cfg.bias)
+        self.down = nn.Linear(cfg.hidden, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = self.up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    """One transformer layer: 12d^2 + 13d parameters in the GPT-NeoX configuration."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.parallel = cfg.parallel_residual
+        self.norm1, self.norm2 = make_norm(cfg), make_norm(cfg)
+        self.attn, self.mlp = Attention(cfg), MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.parallel:
+            return x + self.attn(self.norm1(x), cos, sin) + self.mlp(self.norm2(x))
+        x = x + self.attn(self.norm1(x), cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class Stack(nn.Module):
+    """A run of layers (prelude, one core, or coda); rotary positions 0..L-1 of its input."""
+
+    def __init__(self, cfg: ModelConfig, n_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(n_layers))
+        self.rotary = Rotary(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(x.shape[1], x.device, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return x

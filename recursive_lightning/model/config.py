@@ -1,0 +1,268 @@
+"""One typed model config: a size preset plus a layout, topology and resolution options.
+
+Presets carry the public Pythia dimensions (GPT-NeoX: parallel attention+MLP residual, LayerNorm,
+GELU MLP of 4d, rotary on 25% of head dims, untied embeddings, vocab 50304) and small CPU sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from recursive_lightning.errors import ConfigError
+from recursive_lightning.model.layout import Layout, parse_layout
+
+# name -> (layers, hidden, heads); all Pythia sizes share the GPT-NeoX recipe.
+PYTHIA = {
+    "pythia-160m": (12, 768, 12),
+    "pythia-410m": (24, 1024, 16),
+    "pythia-1b": (16, 2048, 8),
+    "pythia-1.4b": (24, 2048, 16),
+    "pythia-2.8b": (32, 2560, 32),
+    "pythia-6.9b": (32, 4096, 32),
+}
+# Small sizes that train on a 2-core CPU in minutes (vocab matches the default `bpe:4096` tokenizer).
+CPU = {
+    "cpu-tiny": (8, 64, 4),
+    "cpu-small": (8, 128, 4),
+    "cpu-base": (12, 256, 8),
+}
+PRESETS: dict[str, dict[str, Any]] = {
+    **{
+        k: {"n_layers_hint": n, "d_model": d, "n_heads": h, "vocab_size": 50304, "max_seq_len": 2048}
+        for k, (n, d, h) in PYTHIA.items()
+    },
+    **{
+        k: {"n_layers_hint": n, "d_model": d, "n_heads": h, "vocab_size": 4096, "max_seq_len": 1024}
+        for k, (n, d, h) in CPU.items()
+    },
+}
+
+TOPOLOGY_TERMS = ("residual", "anchor", "anchor_emb")
+TOPOLOGIES = (
+    "base",
+    "residual",
+    "anchor",
+    "anchor_emb",
+    "residual+anchor",
+    "residual+anchor+anchor_emb",
+    "anchor+anchor_emb",
+    "static",
+    "dynamic",
+    "mesh",
+)
+
+
+def _choice(name: str, value: Any, options: tuple[str, ...]) -> None:
+    if value not in options:
+        hint = difflib.get_close_matches(str(value), options, n=1)
+        extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+        raise ConfigError(f"model.{name} '{value}' is unknown{extra}; choose one of: {', '.join(options)}.")
+
+
+def normalize_topology(name: str) -> str:
+    """Canonical name; '+' combinations of residual/anchor/anchor_emb in any order, 'anchor*' = anchor_emb."""
+    name = str(name).strip().replace("anchor*", "anchor_emb").replace(" ", "")
+    parts = name.split("+")
+    if len(parts) > 1 and all(p in TOPOLOGY_TERMS for p in parts) and len(set(parts)) == len(parts):
+        return "+".join(t for t in TOPOLOGY_TERMS if t in parts)
+    return name
+
+
+@dataclass
+class ModelConfig:
+    """Everything that defines a model's architecture. Serialises to and from YAML."""
+
+    preset: str | None = None
+    layout: str = "12"
+    vocab_size: int = 50304
+    d_model: int = 768
+    n_heads: int = 12
+    n_kv_heads: int | None = None  # grouped-query attention when < n_heads
+    mlp: str = "gelu"  # gelu (GPT-NeoX) | swiglu (LLaMA)
+    mlp_hidden: int | None = None  # default 4 d for gelu, 8/3 d rounded to 64 for swiglu
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    bias: bool = True
+    parallel_residual: bool = True
+    rotary_pct: float = 0.25
+    rotary_base: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    scale_embeddings: bool = True  # h_emb = sqrt(d) * E[x] (MeSH App. B); False for stock Pythia
+    init_std: float = 0.02
+    depth_init: bool = True  # output projections std / sqrt(2 N_compute) (MeSH App. B)
+    # --- recurrence topology (MeSH Sec. 3) ---
+    topology: str = "base"
+    buffer: int | None = None  # MeSH slots B; default N_loop + 3 (MeSH App. E.2)
+    # transitional routers read the prelude output (MeSH Alg. 2, line 9) or the embeddings (SpiralFormer Eq. 25)
+    mesh_transition_input: str = "prelude"
+    # --- multi-resolution recursion (SpiralFormer Sec. 2.3) ---
+    downscale: str = "self_aggregation"  # self_aggregation | mean
+    upscale: str = "allocation"  # allocation | broadcast
+    offset: Any = "half"  # half (floor(g/2)) | zero | int | list per step
+    shift: Any = "overlap"  # overlap (g-1) | parallel (g) | int | list per step
+    gain: Any = "sqrt"  # sqrt (sqrt(g)) | float
+    allow_noncausal: bool = False  # permit s <= g-2 (Prop. 1) only to demonstrate the leak
+    n_layers_hint: int | None = field(default=None, repr=False)  # the preset's depth (default layout)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def parsed_layout(self) -> Layout:
+        return parse_layout(self.layout)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden(self) -> int:
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        if self.mlp == "swiglu":
+            return 64 * -(-int(8 * self.d_model / 3) // 64)
+        return 4 * self.d_model
+
+    @property
+    def buffer_slots(self) -> int:
+        return self.buffer if self.buffer is not None else self.parsed_layout.n_loop + 3
+
+    def offsets(self) -> list[int]:
+        return self._per_step("offset", self.offset, {"half": lambda g: g // 2, "zero": lambda g: 0})
+
+    def shifts(self) -> list[int]:
+        return self._per_step("shift", self.shift, {"overlap": lambda g: g - 1, "parallel": lambda g: g})
+
+    def gains(self) -> list[float]:
+        chunk = self.parsed_layout.chunk
+        if self.gain == "sqrt":
+            return [g**0.5 for g in chunk]
+        return [float(self.gain)] * len(chunk)
+
+    def _per_step(self, name: str, value: Any, named: dict) -> list[int]:
+        chunk = self.parsed_layout.chunk
+        if isinstance(value, str):
+            if value in named:
+                return [named[value](g) for g in chunk]
+            try:
+                value = int(value)
+            except ValueError:
+                raise ConfigError(
+                    f"model.{name} '{value}' is unknown; use {' / '.join(named)}, an integer or a list per loop step."
+                ) from None
+        if isinstance(value, bool) or not isinstance(value, int | list | tuple):
+            raise ConfigError(
+                f"model.{name} must be {' / '.join(named)}, an integer or a list, not {value!r}."
+            )
+        values = list(value) if isinstance(value, list | tuple) else [value] * len(chunk)
+        if len(values) != len(chunk):
+            raise ConfigError(
+                f"model.{name} lists {len(values)} values but the layout has {len(chunk)} loop steps."
+            )
+        return [int(v) for v in values]
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> ModelConfig:
+        lay = self.parsed_layout
+        self.topology = normalize_topology(self.topology)
+        _choice("topology", self.topology, TOPOLOGIES)
+        _choice("mlp", self.mlp, ("gelu", "swiglu"))
+        _choice("norm", self.norm, ("layernorm", "rmsnorm"))
+        _choice("downscale", self.downscale, ("self_aggregation", "mean"))
+        _choice("upscale", self.upscale, ("allocation", "broadcast"))
+        _choice("mesh_transition_input", self.mesh_transition_input, ("prelude", "embedding"))
+        for name in ("vocab_size", "d_model", "n_heads", "max_seq_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"model.{name} must be a positive integer, not {v!r}.")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.d_model {self.d_model} must be divisible by model.n_heads {self.n_heads}."
+            )
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"model.n_kv_heads {self.kv_heads} must divide model.n_heads {self.n_heads}.")
+        if not 0 <= self.rotary_pct <= 1:
+            raise ConfigError(f"model.rotary_pct {self.rotary_pct} must lie in [0, 1].")
+        if lay.kind == "vanilla" and self.topology != "base":
+            raise ConfigError(
+                f"model.topology '{self.topology}' needs a recurrent layout; '{self.layout}' is vanilla "
+                "(use e.g. 4+8R2+4, or 4+8+8+4 for distinct cores with the topology at block boundaries)."
+            )
+        if self.buffer is not None and (
+            isinstance(self.buffer, bool) or not isinstance(self.buffer, int) or self.buffer < 1
+        ):
+            raise ConfigError(f"model.buffer must be an integer >= 1 (MeSH slots B), not {self.buffer!r}.")
+        if self.buffer is not None and self.topology != "mesh":
+            raise ConfigError(
+                f"model.buffer is set but model.topology is '{self.topology}'; only mesh has a buffer."
+            )
+        if self.gain != "sqrt":
+            try:
+                float(self.gain)
+            except (TypeError, ValueError):
+                raise ConfigError(f"model.gain must be 'sqrt' or a number, not {self.gain!r}.") from None
+        for t, (g, w, s) in enumerate(zip(lay.chunk, self.offsets(), self.shifts())):
+            if not 0 <= w < g:
+                raise ConfigError(
+                    f"model.offset {w} at loop step {t} must lie in [0, g) = [0, {g}) (SpiralFormer Eq. 12)."
+                )
+            if s < 0:
+                raise ConfigError(f"model.shift {s} at loop step {t} must be >= 0.")
+            if s <= g - 2 and not self.allow_noncausal:
+                raise ConfigError(
+                    f"model.shift {s} at loop step {t} (chunk size g={g}) breaks causality: SpiralFormer "
+                    f"Proposition 1 needs s >= g-1 = {g - 1}; use shift 'overlap' (g-1) or 'parallel' (g)."
+                )
+        return self
+
+    # ------------------------------------------------------------------ (de)serialisation
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> ModelConfig:
+        data = dict(data or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            hint = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+            extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+            raise ConfigError(f"model.{unknown[0]} is not a model field{extra}.")
+        base: dict[str, Any] = {}
+        preset = data.get("preset")
+        if preset is not None:
+            if preset not in PRESETS:
+                hint = difflib.get_close_matches(str(preset), list(PRESETS), n=1)
+                extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+                raise ConfigError(
+                    f"model.preset '{preset}' is unknown{extra}; choose one of: {', '.join(PRESETS)}."
+                )
+            base = dict(PRESETS[preset])
+            base["layout"] = str(base["n_layers_hint"])
+        merged = {**base, **data}
+        if "layout" in merged:
+            merged["layout"] = str(merged["layout"])
+        return cls(**merged).validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ModelConfig:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        return cls.from_dict(data.get("model", data))
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """``preset("pythia-1.4b", layout="4+8R2+4", topology="mesh")``."""
+    return ModelConfig.from_dict({"preset": name, **overrides})

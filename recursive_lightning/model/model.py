@@ -1,0 +1,174 @@
+"""The recursive language model: embeddings -> prelude -> loop steps over the core -> coda -> head.
+
+    h_emb        = sqrt(d) * E[x]                          (MeSH App. B)
+    h^(0), H^(0) = topology.start(h_emb, f_pre(h_emb))
+    for t in 0..K-1:
+        u~       = step_t(h^(t), f_core)                   full resolution: f_core(h^(t)); else Eqs. 8-22
+        h^(t+1), H^(t+1) = topology.step(t, h^(t), u~, H^(t))  (SpiralFormer Eq. 4)
+    logits       = head(norm(f_coda(topology.finish(h^(K)))))
+
+A vanilla layout has no loop steps; ``4+8+8+4`` loops over distinct cores (MeSH Table 8).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recursive_lightning.model.block import Block, Stack, make_norm
+from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.resolution import ResolutionStep
+from recursive_lightning.model.topology import Combination, MeSH, build_topology
+
+
+@dataclass
+class Trace:
+    """Hidden states captured along the prelude -> core iterations -> coda path (for probes).
+
+    ``blocks`` lists (name, input, output) of each computational block f: prelude, each core step
+    (input h^(t), output the update u~^(t)), coda. ``states`` are h_emb, h^(0) .. h^(K), h_out.
+    """
+
+    blocks: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    states: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    routing: dict[str, list[torch.Tensor]] | None = None  # MeSH write/read weights per step t = -1..K-1
+    coefficients: list[torch.Tensor] | None = None  # static/dynamic combination coefficients per step
+    scaling: list[list[dict[str, torch.Tensor]]] | None = None  # per step: self-aggregation α / allocation β
+    attention: dict[str, list[torch.Tensor]] | None = None  # per stack name: attention maps per layer
+
+
+class RecursiveLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        lay = cfg.parsed_layout
+        self.layout = lay
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.prelude = Stack(cfg, lay.prelude)
+        self.cores = nn.ModuleList(Stack(cfg, n) for n in lay.cores)
+        self.coda = Stack(cfg, lay.coda)
+        self.norm = make_norm(cfg)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.topology = build_topology(cfg, lay.n_loop)
+        self.steps = nn.ModuleList(
+            ResolutionStep(cfg, g, w, s, lam)
+            for g, w, s, lam in zip(lay.chunk, cfg.offsets(), cfg.shifts(), cfg.gains())
+        )
+        self.emb_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ init (MeSH App. B)
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.layout.n_compute) if self.cfg.depth_init else std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, nn.LayerNorm | nn.RMSNorm) and module.weight is not None:
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        for block in self.blocks():
+            nn.init.normal_(block.attn.proj.weight, std=out_std)
+            nn.init.normal_(block.mlp.down.weight, std=out_std)
+        if isinstance(self.topology, Combination):
+            self.topology.reset_parameters()
+
+    def blocks(self) -> list[Block]:
+        """Every distinct transformer layer (the FSDP wrapping unit)."""
+        stacks = [self.prelude, *self.cores, self.coda]
+        return [layer for s in stacks for layer in s.layers]
+
+    # ------------------------------------------------------------------ forward
+    def hidden(self, idx: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
+        """Final hidden states (b, l, d) after the final norm."""
+        h_emb = self.embed(idx) * self.emb_scale
+        h_pre = self.prelude(h_emb)
+        if trace is not None:
+            trace.blocks.append(("prelude", h_emb, h_pre))
+            trace.states.append(("h_emb", h_emb))
+        h, carry = self.topology.start(h_emb, h_pre)
+        if trace is not None:
+            trace.states.append(("h(0)", h))
+        for t, (step, core_id) in enumerate(zip(self.steps, self.layout.core_index)):
+            u = step(h, self.cores[core_id])
+            if trace is not None:
+                trace.blocks.append((f"core {t + 1}", h, u))
+            h, carry = self.topology.step(t, h, u, carry)
+            if trace is not None:
+                trace.states.append((f"h({t + 1})", h))
+        h = self.topology.finish(h, carry)
+        out = self.coda(h)
+        if trace is not None:
+            trace.blocks.append(("coda", h, out))
+            trace.states.append(("h_out", out))
+        return self.norm(out)
+
+    def forward(self, idx: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
+        """Logits (b, l, vocab) for token ids (b, l)."""
+        return self.head(self.hidden(idx, trace))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(idx)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    @torch.no_grad()
+    def traced(self, idx: torch.Tensor, attention: bool = False) -> tuple[torch.Tensor, Trace]:
+        """Run once recording states, router weights and (optionally) attention maps; same logits."""
+        trace = Trace()
+        topo = self.topology
+        if isinstance(topo, MeSH):
+            topo.record = {"write": [], "read": []}
+        if isinstance(topo, Combination):
+            topo.record = []
+        for step in self.steps:
+            step.record = []
+        stacks = {
+            "prelude": self.prelude,
+            **{f"core{i}": c for i, c in enumerate(self.cores)},
+            "coda": self.coda,
+        }
+        if attention:
+            for s in stacks.values():
+                for layer in s.layers:
+                    layer.attn.capture = []
+        try:
+            logits = self(idx, trace)
+        finally:
+            if isinstance(topo, MeSH):
+                trace.routing, topo.record = topo.record, None
+            if isinstance(topo, Combination):
+                trace.coefficients, topo.record = topo.record, None
+            trace.scaling = [step.record for step in self.steps]
+            for step in self.steps:
+                step.record = None
+            if attention:
+                trace.attention = {}
+                for name, s in stacks.items():
+                    trace.attention[name] = [layer.attn.capture for layer in s.layers]
+                    for layer in s.layers:
+                        layer.attn.capture = None
+        return logits, trace
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, stop: list[int] | None = None) -> torch.Tensor:
+        """Greedy decoding by full recomputation over a context window of ``max_seq_len``."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.cfg.max_seq_len :])[:, -1]
+            nxt = logits.argmax(-1, keepdim=True)
+            idx = torch.cat([idx, nxt], dim=1)
+            if stop is not None and idx.shape[0] == 1 and nxt.item() in stop:
+                break
+        return idx

@@ -1,0 +1,83 @@
+"""Multi-resolution recursion (SpiralFormer Sec. 2.2-2.3): one loop step at chunk size g.
+
+    z  = S_down(h)          (Eqs. 16-18)  mean pooling or self-aggregation within chunks
+    z^ = f_core(z)          (Eq. 9)       the shared core on the short sequence (L_t = floor(L / g))
+    u  = S_up(z^)           (Eqs. 19-21)  uniform broadcast or output-dependent allocation, gain λ
+    u~ = CausalShift(u, s)  (Eq. 22)      right shift by s (g-1: overlap; >= g: parallel)
+
+Chunks use the offset maps π(i) = floor((i + ω) / g), ρ(i) = (i + ω) - g π(i) (Eq. 12): the sequence
+is left-padded by ω so chunk 0 holds the first g - ω tokens, and the incomplete trailing chunk is
+dropped (Eq. 14). Positions that receive no update get zero. Everything is reshapes and one pad;
+no Python loop over chunks or tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from recursive_lightning.model.config import ModelConfig
+
+
+def chunk_maps(length: int, g: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """π(i) and ρ(i) of Eq. 12 for i = 0..L-1 (π = -1 marks positions dropped by Eq. 14)."""
+    i = torch.arange(length)
+    pi, rho = (i + offset) // g, (i + offset) % g
+    pi = torch.where(pi <= length // g - 1, pi, torch.full_like(pi, -1))
+    return pi, rho
+
+
+class ResolutionStep(nn.Module):
+    """The down-scale → core → up-scale → shift transition of one loop step at chunk size ``g``."""
+
+    def __init__(self, cfg: ModelConfig, g: int, offset: int, shift: int, gain: float) -> None:
+        super().__init__()
+        self.g, self.offset, self.shift, self.gain = g, offset, shift, gain
+        learn_down = g > 1 and cfg.downscale == "self_aggregation"
+        learn_up = g > 1 and cfg.upscale == "allocation"
+        # at g = 1 both operators are the identity, so no scorer/router exists (LoopedFormer exactly)
+        self.scorer = nn.Linear(cfg.d_model, 1) if learn_down else None  # A^(t), Eq. 17
+        self.allocator = nn.Linear(cfg.d_model, g) if learn_up else None  # B^(t), Eq. 21
+        self.record: list[dict[str, torch.Tensor]] | None = None
+
+    def down(self, h: torch.Tensor) -> torch.Tensor:
+        """(b, L, d) -> (b, L_t, d), Eqs. 16-18."""
+        g, w = self.g, self.offset
+        n = h.shape[1] // g  # L_t, Eq. 13
+        chunks = rearrange(F.pad(h, (0, 0, w, 0))[:, : n * g], "b (n g) d -> b n g d", g=g)
+        if self.scorer is None:
+            return chunks.sum(2) / g  # Eq. 16 (left padding contributes zero)
+        score = F.pad(self.scorer(h).squeeze(-1).float(), (w, 0), value=float("-inf"))[:, : n * g]
+        alpha = rearrange(score, "b (n g) -> b n g", g=g).softmax(-1).to(h.dtype)  # Eq. 17
+        if self.record is not None:
+            self.record.append({"alpha": alpha.detach()})
+        return torch.einsum("bng,bngd->bnd", alpha, chunks)  # Eq. 18
+
+    def up(self, z: torch.Tensor, length: int) -> torch.Tensor:
+        """(b, L_t, d) -> shifted token-level update u~ of shape (b, L, d), Eqs. 19-22."""
+        g, w, s = self.g, self.offset, self.shift
+        n = z.shape[1]
+        if self.allocator is None:
+            u = (self.gain / g) * z.unsqueeze(2).expand(-1, -1, g, -1)  # Eq. 20
+        else:
+            beta = self.allocator(z).float().softmax(-1).to(z.dtype)  # Eq. 21
+            if self.record is not None:
+                self.record.append({"beta": beta.detach()})
+            u = self.gain * beta.unsqueeze(-1) * z.unsqueeze(2)  # Eq. 19
+        u = rearrange(u, "b n g d -> b (n g) d")  # row k is position k - ω (rows k < ω are padding)
+        # shift right by s (Eq. 22): position p lands on p + s; keep 0..L-1 and zero-fill the rest
+        u = u[:, w : w + max(0, min(n * g - w, length - s))]
+        front = min(s, length)
+        return F.pad(u, (0, 0, front, length - front - u.shape[1]))
+
+    def forward(self, h: torch.Tensor, core: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        length = h.shape[1]
+        if self.g == 1 and self.shift == 0 and self.gain == 1:
+            return core(h)  # full resolution: u~ = f_core(h)
+        if length < self.g:
+            return torch.zeros_like(h)  # no complete chunk yet: no position receives an update
+        return self.up(core(self.down(h)), length)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up a fresh machine (Python 3.11): a .venv with the CPU torch wheel and the locked stack.
+# litdata declares torchvision, whose PyPI build does not import beside torch 2.13.0 and then
+# breaks `import lightning`; nothing here uses it, so the lock is installed with --no-deps.
+# On a CUDA machine install your torch build first (and `pip install flash-attn`), then run this.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+if .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  grep -v '^torch==' requirements.lock > .venv/requirements.gpu.lock
+  .venv/bin/python -m pip install -q --no-deps -r .venv/requirements.gpu.lock
+else
+  .venv/bin/python -m pip install -q --no-deps -r requirements.lock
+fi
+.venv/bin/python -m pip install -q --no-deps -e .
+.venv/bin/python -c "import torch, lightning, litdata, mlflow, optuna, lm_eval; print('recursive_lightning environment ready: torch', torch.__version__)"

@@ -1,0 +1,184 @@
+"""Model properties: causality for every topology and layout, exact parameter counts, MeSH subsumption."""
+
+import copy
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recursive_lightning.model.accounting import describe
+from recursive_lightning.model.config import TOPOLOGIES, ModelConfig, preset
+from recursive_lightning.model.model import RecursiveLM
+from recursive_lightning.model.topology import MeSH
+
+TINY = dict(vocab_size=61, d_model=32, n_heads=4, max_seq_len=64)
+
+
+def tiny(layout: str, topology: str = "base", **kw) -> RecursiveLM:
+    torch.manual_seed(0)
+    return RecursiveLM(ModelConfig.from_dict({**TINY, "layout": layout, "topology": topology, **kw})).double()
+
+
+def assert_causal(model: RecursiveLM, length: int = 24, trials: int = 4) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, model.cfg.vocab_size, (2, length), generator=g)
+    base = model(x)
+    for j in torch.randint(0, length, (trials,), generator=g).tolist():
+        y = x.clone()
+        y[:, j] = (
+            y[:, j] + 1 + torch.randint(0, model.cfg.vocab_size - 1, (1,), generator=g)
+        ) % model.cfg.vocab_size
+        out = model(y)
+        torch.testing.assert_close(out[:, :j], base[:, :j], atol=1e-9, rtol=0)
+        assert not torch.allclose(out[:, j:], base[:, j:])  # and the perturbation is seen from j on
+
+
+LAYOUTS = ["6", "2+2R3+2", "1+2+2+1", "0+2R2+0", "2+2x{1/4,1/2,1}+2"]
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_causal_every_topology_and_layout(layout, topology):
+    if layout == "6" and topology != "base":
+        pytest.skip("vanilla layouts have no topology")
+    model = tiny(layout, topology)
+    if topology in ("static", "dynamic"):  # move away from the initial point so every term matters
+        with torch.no_grad():
+            for p in model.topology.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+    assert_causal(model)
+
+
+def test_pythia_parameter_counts_exact():
+    """README numbers: 12d^2 + 13d per layer; MeSH Table 6."""
+    vanilla = describe(preset("pythia-1.4b"), seq_len=8)
+    assert vanilla["params_non_embedding"] == 1_208_602_624
+    d = 2048
+    assert vanilla["params_non_embedding"] == 24 * (12 * d * d + 13 * d) + 2 * d
+    looped = describe(preset("pythia-1.4b", layout="4+8R2+4"), seq_len=8)
+    assert looped["params_non_embedding"] == 805_736_448
+    mesh = describe(preset("pythia-1.4b", layout="4+8R2+4", topology="mesh", buffer=5), seq_len=8)
+    assert mesh["params_non_embedding"] == 805_797_918
+    assert mesh["params_router"] == 61_470
+    assert mesh["params_total"] - mesh["params_non_embedding"] == 2 * 50304 * d
+
+
+def test_table7_flops():
+    """SpiralFormer Table 1 convention: 14.08e12 for a 4096 prefill of 4+8R2+4 at 1.4B; MeSH Eq. 8."""
+    base = describe(preset("pythia-1.4b", layout="4+8R2+4"))
+    mesh = describe(preset("pythia-1.4b", layout="4+8R2+4", topology="mesh", buffer=5))
+    assert base["flops_forward"] == pytest.approx(14.08e12, rel=0.02)
+    assert base["flops_forward_fvcore"] == pytest.approx(5373.792e9, rel=0.01)  # MeSH Table 7
+    assert mesh["flops_mesh_eq8"] == pytest.approx(0.755e9, rel=0.001)
+    extra = mesh["flops_forward"] - base["flops_forward"]
+    assert 0 < extra < 2 * mesh["flops_mesh_eq8"]  # router cost is of the order of Eq. 8
+    assert extra / base["flops_forward"] < 1e-3
+
+
+@settings(max_examples=25, deadline=None)
+@given(d=st.integers(8, 96).map(lambda x: 4 * x), slots=st.integers(1, 9), loops=st.integers(1, 5))
+def test_router_parameter_formula(d, slots, loops):
+    """MeSH App. E.4: (N_loop + 1) * d * B * 2 weights, plus (N_loop + 1) * B * 2 biases."""
+    cfg = ModelConfig.from_dict(
+        {
+            "vocab_size": 11,
+            "d_model": d,
+            "n_heads": 4,
+            "layout": f"1+1R{loops}+1",
+            "topology": "mesh",
+            "buffer": slots,
+        }
+    )
+    with torch.device("meta"):
+        m = RecursiveLM(cfg)
+    n = sum(p.numel() for p in m.topology.parameters())
+    assert n == (loops + 1) * d * slots * 2 + (loops + 1) * slots * 2
+
+
+def test_buffer_default_is_nloop_plus_3():
+    assert preset("cpu-tiny", layout="2+4R2+2", topology="mesh").buffer_slots == 5
+    assert preset("cpu-tiny", layout="2+4R4+2", topology="mesh").buffer_slots == 7
+
+
+def test_depth_aware_init():
+    m = RecursiveLM(preset("cpu-base", layout="2+4R3+2"))  # N_compute = 16
+    std = m.prelude.layers[0].attn.proj.weight.std().item()
+    assert std == pytest.approx(0.02 / math.sqrt(2 * 16), rel=0.1)
+    assert m.prelude.layers[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert m.emb_scale == pytest.approx(math.sqrt(256))
+
+
+def _set_router(router: torch.nn.Linear, slot: int, margin: float = 60.0) -> None:
+    with torch.no_grad():
+        router.weight.zero_()
+        router.bias.fill_(-margin)
+        router.bias[slot] = margin
+
+
+def _clone_weights(src: RecursiveLM, dst: RecursiveLM) -> None:
+    own = {k: v for k, v in src.state_dict().items() if not k.startswith("topology.")}
+    missing, unexpected = dst.load_state_dict(own, strict=False)
+    assert not unexpected and all(k.startswith("topology.") for k in missing)
+
+
+def test_mesh_reproduces_residual():
+    """Hand-set routers: write the prelude output and every core output into slot 1, read slot 1.
+    Then h^(0) = h_pre and h^(t+1) = h^(t) + f_core(h^(t)): exactly the residual topology."""
+    mesh = tiny("2+2R3+2", "mesh")
+    residual = tiny("2+2R3+2", "residual")
+    _clone_weights(mesh, residual)
+    for t in range(4):
+        _set_router(mesh.topology.write[t], 1)
+        _set_router(mesh.topology.read[t], 1)
+    x = torch.randint(0, 61, (2, 20))
+    torch.testing.assert_close(mesh(x), residual(x), atol=1e-4, rtol=0)
+
+
+def test_mesh_reproduces_anchor_emb():
+    """Slot 0 holds h_emb (Eq. 2); writing f_core's output into it and reading it gives h_emb + f_core(h):
+    anchor* for a single loop step (reads are convex, so one slot can carry the sum only once)."""
+    mesh = tiny("2+2R1+2", "mesh")
+    anchor = tiny("2+2R1+2", "anchor_emb")
+    _clone_weights(mesh, anchor)
+    _set_router(mesh.topology.write[0], 1)
+    _set_router(mesh.topology.read[0], 1)  # h^(0) = prelude output, as in anchor*
+    _set_router(mesh.topology.write[1], 0)
+    _set_router(mesh.topology.read[1], 0)
+    x = torch.randint(0, 61, (2, 20))
+    torch.testing.assert_close(mesh(x), anchor(x), atol=1e-4, rtol=0)
+
+
+def test_mesh_routing_is_inspectable_and_traced_logits_match():
+    m = tiny("2+2R2+2", "mesh")
+    x = torch.randint(0, 61, (2, 12))
+    logits, trace = m.traced(x, attention=True)
+    torch.testing.assert_close(logits, m(x))
+    assert len(trace.routing["write"]) == 3 and trace.routing["read"][0].shape == (2, 12, 5)
+    torch.testing.assert_close(trace.routing["read"][1].sum(-1), torch.ones(2, 12, dtype=torch.double))
+    assert [n for n, _ in trace.states] == ["h_emb", "h(0)", "h(1)", "h(2)", "h_out"]
+    assert [n for n, _, _ in trace.blocks] == ["prelude", "core 1", "core 2", "coda"]
+    assert len(trace.attention["core0"]) == 2 and len(trace.attention["core0"][0]) == 2  # 2 layers x 2 loops
+    assert isinstance(m.topology, MeSH) and m.topology.record is None
+
+
+def test_unshared_cores_have_distinct_weights():
+    m = tiny("1+2+2+1", "mesh")
+    assert (
+        len(m.cores) == 2 and m.cores[0].layers[0].attn.qkv.weight is not m.cores[1].layers[0].attn.qkv.weight
+    )
+    assert (
+        describe(preset("pythia-1.4b", layout="4+8+8+4", topology="mesh"), seq_len=8)["params_non_embedding"]
+        == 1_208_602_624 + 61_470
+    )
+
+
+def test_generate_greedy():
+    m = tiny("2+2R2+2", "anchor")
+    out = m.generate(torch.randint(0, 61, (1, 5)), 4)
+    assert out.shape == (1, 9)
+    ref = copy.deepcopy(out[:, :5])
+    for _ in range(4):
+        ref = torch.cat([ref, m(ref)[:, -1:].argmax(-1)], 1)
+    assert torch.equal(out, ref)
