@@ -245,7 +245,9 @@ class ModelConfig:
                 )
             base = dict(PRESETS[preset])
             base["layout"] = str(base["n_layers_hint"])
-        merged = {**base, **data}
+        merged = {**base, **{k: v for k, v in data.items() if not (k == "layout" and v is None)}}
+        if merged.get("layout") is None:
+            merged.pop("layout", None)  # no preset: the dataclass default
         if "layout" in merged:
             merged["layout"] = str(merged["layout"])
         return cls(**merged).validate()

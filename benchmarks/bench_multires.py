@@ -1,0 +1,286 @@
+"""Wall-clock of SpiralFormer-B against LoopedFormer with the same layer allocation (SpiralFormer Table 1).
+
+    python benchmarks/bench_multires.py                      # cpu-base, 2+4x{1/8,1/4,1/2,1}+2 vs 2+4x{1,1}+2, mesh
+    python benchmarks/bench_multires.py --breakdown          # + where the time goes, component by component
+    python benchmarks/bench_multires.py --variants looped,spiral,looped+lazy,spiral+lazy+mulsum  # + prototypes
+
+Table 1 compares, at every Pythia size, LoopedFormer ``P+Nx{1,1}+P`` with SpiralFormer-B
+``P+Nx{1/8,1/4,1/2,1}+P`` (same prelude/core/coda, same parameters; e.g. 160M: 2+4x{1,1}+2 at 1.65e12
+vs 2+4x{1/8,1/4,1/2,1}+2 at 1.48e12 FLOPs). The 12-layer ``cpu-base`` preset mirrors the 160M
+allocation. Both use the MeSH topology by default (Table 1's unstarred rows).
+
+One process; one forward+backward (``model.loss`` + ``backward``) per model per repetition,
+interleaved (ABAB, BABA on odd repetitions) after a warm-up; medians are compared. The measured
+time ratio is reported next to the forward FLOP ratio of ``accounting.describe`` (goal: time ratio
+<= FLOP ratio + 0.03).
+
+``--breakdown`` times each component alone (forward+backward on random inputs of the right shape,
+interleaved the same way): prelude+coda, the shared core at each resolution, S_down / S_up of each
+step (``ResolutionStep.down/up``), the MeSH topology, embeddings+head+loss - and prints each
+component's share of the measured time next to its share of the FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_mesh_overhead import ROUNDS, LazyMeSH, fwd_bwd, interleaved, quartiles  # noqa: E402
+
+from recursive_lightning.model.accounting import describe  # noqa: E402
+from recursive_lightning.model.config import preset  # noqa: E402
+from recursive_lightning.model.model import RecursiveLM  # noqa: E402
+from recursive_lightning.model.topology import MeSH  # noqa: E402
+
+
+def down_mulsum(self, h: torch.Tensor) -> torch.Tensor:
+    """Prototype S_down (Eqs. 16-18): the Eq. 18 contraction as broadcast multiply + sum over the chunk
+    instead of ``einsum("bng,bngd->bnd")`` (which becomes a bmm of (1 x g)(g x d) blocks)."""
+    g, w = self.g, self.offset
+    n = h.shape[1] // g
+    chunks = rearrange(F.pad(h, (0, 0, w, 0))[:, : n * g], "b (n g) d -> b n g d", g=g)
+    if self.scorer is None:
+        return chunks.sum(2) / g
+    score = F.pad(self.scorer(h).squeeze(-1).float(), (w, 0), value=float("-inf"))[:, : n * g]
+    alpha = rearrange(score, "b (n g) -> b n g", g=g).softmax(-1).to(h.dtype)
+    if self.record is not None:
+        self.record.append({"alpha": alpha.detach()})
+    return (alpha.unsqueeze(-1) * chunks).sum(2)
+
+
+MODIFIERS = {
+    "lazy": "buffer-free MeSH prototype (bench_mesh_overhead.LazyMeSH)",
+    "mulsum": "S_down contraction as multiply + sum (down_mulsum)",
+}
+
+
+def build(args: argparse.Namespace, variant: str) -> RecursiveLM:
+    """``looped`` / ``spiral`` with optional ``+lazy`` / ``+mulsum`` prototype patches."""
+    kind, *mods = variant.split("+")
+    if kind not in ("looped", "spiral") or any(m not in MODIFIERS for m in mods):
+        raise SystemExit(f"variant '{variant}': use looped or spiral, optionally +{' +'.join(MODIFIERS)}")
+    torch.manual_seed(0)
+    layout = args.looped if kind == "looped" else args.spiral
+    model = RecursiveLM(preset(args.preset, layout=layout, topology=args.topology))
+    if "lazy" in mods and isinstance(model.topology, MeSH):
+        model.topology.__class__ = LazyMeSH
+    if "mulsum" in mods:
+        for step in model.steps:
+            step.down = types.MethodType(down_mulsum, step)
+    return model.train()
+
+
+def reference(variant: str, names: list[str]) -> str:
+    """The looped model a spiral variant is compared with: same MeSH implementation when timed."""
+    ref = "looped+lazy" if "lazy" in variant.split("+")[1:] else "looped"
+    return ref if ref in names else "looped"
+
+
+def _grad_leaf(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).requires_grad_()
+
+
+def _fwd_flops(fn) -> int:
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        fn()
+    return counter.get_total_flops()
+
+
+def components(model: RecursiveLM, batch: int, seq: int) -> dict[str, tuple]:
+    """name -> (fwd+bwd closure, forward FLOPs) for each part of the model."""
+    d, vocab = model.cfg.d_model, model.cfg.vocab_size
+    lay = model.layout
+    out: dict[str, tuple] = {}
+    x = _grad_leaf(batch, seq, d)
+    idx = torch.randint(0, vocab, (batch, seq))
+
+    def module_fn(fn, *inputs):
+        def run():
+            leaves = [t.detach().requires_grad_() for t in inputs]
+            fn(*leaves).float().sum().backward()
+            model.zero_grad(set_to_none=True)
+
+        return run, _fwd_flops(lambda: fn(*inputs))
+
+    out["prelude + coda"] = module_fn(lambda h: model.coda(model.prelude(h)), x)
+
+    def embed_head(h):
+        logits = model.head(model.norm(h + model.embed(idx)))
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx.flatten())
+
+    out["embed + norm + head + loss"] = module_fn(embed_head, x)
+    for t, (step, core_id) in enumerate(zip(model.steps, lay.core_index)):
+        core = model.cores[core_id]
+        g = step.g
+        if g == 1 and step.shift == 0 and step.gain == 1:
+            out[f"step {t} (g=1): core at L={seq}"] = module_fn(core, x)
+            continue
+        n = seq // g
+        z = _grad_leaf(batch, n, d)
+        out[f"step {t} (g={g}): core at L={n}"] = module_fn(core, z)
+        out[f"step {t} (g={g}): down"] = module_fn(step.down, x)
+        out[f"step {t} (g={g}): up"] = module_fn(lambda z_, step=step: step.up(z_, seq), z)
+    topo = model.topology
+    srcs = [_grad_leaf(batch, seq, d) for _ in range(lay.n_loop + 2)]
+
+    def topology(*leaves):
+        h, carry = topo.start(leaves[0], leaves[1])
+        for t in range(lay.n_loop):
+            h, carry = topo.step(t, h, leaves[2 + t], carry)
+        return topo.finish(h, carry)
+
+    out[f"topology ({model.cfg.topology})"] = module_fn(topology, *srcs)
+    return out
+
+
+def breakdown(
+    models: dict[str, RecursiveLM], measured: dict[str, float], batch: int, seq: int, reps: int
+) -> None:
+    """Each component alone; min over reps (one-sided noise on a shared machine), median alongside."""
+    for name, model in models.items():
+        comps = components(model, batch, seq)
+        times = interleaved({k: v[0] for k, v in comps.items()}, reps, warmup=1)
+        total_ms = sum(1e3 * min(ts) for ts in times.values())
+        total_fl = sum(v[1] for v in comps.values())
+        print(
+            f"\n### {name}: components alone (fwd+bwd), sum of mins {total_ms:.0f} ms, whole model {measured[name]:.0f} ms\n"
+        )
+        print("| component | min ms | median ms | share of time | share of FLOPs | ms per GFLOP |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for k, ts in times.items():
+            ms, fl = 1e3 * min(ts), comps[k][1]
+            per = f"{ms / (fl / 1e9):.1f}" if fl else "-"
+            print(
+                f"| {k} | {ms:.1f} | {1e3 * statistics.median(ts):.1f} | {100 * ms / total_ms:.1f} % | "
+                f"{100 * fl / total_fl:.1f} % | {per} |"
+            )
+
+
+def profile(model: RecursiveLM, idx: torch.Tensor, tgt: torch.Tensor, rows: int = 25) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    fwd_bwd(model, idx, tgt)
+    with tprofile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(2):
+            fwd_bwd(model, idx, tgt)
+    print(f"\n## torch.profiler, 2 fwd+bwd of {model.cfg.layout} (self CPU time, top {rows})\n")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="cpu-base")
+    p.add_argument("--spiral", default="2+4x{1/8,1/4,1/2,1}+2", help="SpiralFormer-B layout")
+    p.add_argument("--looped", default="2+4x{1,1}+2", help="LoopedFormer layout with the same allocation")
+    p.add_argument("--topology", default="mesh", help="topology of both models (Table 1: mesh)")
+    p.add_argument(
+        "--variants",
+        default="looped,spiral",
+        help="comma list of looped / spiral with optional prototype patches +lazy (buffer-free MeSH) "
+        "and +mulsum (S_down as multiply+sum), e.g. looped,spiral,looped+lazy,spiral+lazy+mulsum",
+    )
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--min-util",
+        type=float,
+        default=0.9,
+        help="keep a round only if CPU time / wall >= this x threads in every call (0: keep all)",
+    )
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--breakdown", action="store_true", help="time every component alone")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table of the SpiralFormer model")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if "looped" not in variants or not any(v.startswith("spiral") for v in variants):
+        raise SystemExit("--variants needs looped and at least one spiral variant")
+    layouts = {v: args.looped if v.startswith("looped") else args.spiral for v in variants}
+    models = {v: build(args, v) for v in variants}
+    vocab = models["looped"].cfg.vocab_size
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, vocab, (args.batch, args.seq_len), generator=g)
+    tgt = torch.randint(0, vocab, (args.batch, args.seq_len), generator=g)
+
+    print("# SpiralFormer-B vs LoopedFormer wall-clock (forward + backward)\n")
+    print(
+        f"machine  {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} at start"
+    )
+    print(
+        f"model    preset {args.preset}, topology {args.topology}, batch {args.batch} x seq "
+        f"{args.seq_len}, reps {args.reps} (+{args.warmup} warm-up), interleaved"
+    )
+    for m in sorted({m for v in variants for m in v.split("+")[1:]}):
+        print(f"patch    +{m}: {MODIFIERS[m]}")
+
+    times = interleaved(
+        {k: (lambda m=m: fwd_bwd(m, idx, tgt)) for k, m in models.items()},
+        args.reps,
+        args.warmup,
+        min_util=args.min_util or None,
+    )
+    print(f"rounds   {ROUNDS['kept']} uncontended of {ROUNDS['run']} run (--min-util {args.min_util})")
+    flops = {
+        lay: describe(preset(args.preset, layout=lay, topology=args.topology), args.seq_len, args.batch)[
+            "flops_forward"
+        ]
+        for lay in set(layouts.values())
+    }
+    med = {k: 1e3 * statistics.median(ts) for k, ts in times.items()}
+
+    print("\n| model | layout | fwd FLOPs (1e9) | median ms | IQR ms | min ms |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for k, ts in times.items():
+        lo, hi = quartiles(ts)
+        print(
+            f"| {k} | `{layouts[k]}` | {flops[layouts[k]] / 1e9:.1f} | {med[k]:.1f} | {1e3 * lo:.1f}-{1e3 * hi:.1f} | "
+            f"{1e3 * min(ts):.1f} |"
+        )
+    flop_ratio = flops[args.spiral] / flops[args.looped]
+    print(
+        f"\nFLOP ratio spiral / looped (describe, forward): {flop_ratio:.4f}; goal: time ratio <= {flop_ratio + 0.03:.4f}\n"
+    )
+    print("| ratio | medians | paired (median of per-rep ratios) | mins | goal |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for v in variants:
+        if not v.startswith("spiral"):
+            continue
+        ref = reference(v, variants)
+        r = med[v] / med[ref]
+        paired = statistics.median(a / b for a, b in zip(times[v], times[ref]))
+        mins = min(times[v]) / min(times[ref])
+        print(
+            f"| {v} / {ref} | {r:.4f} | {paired:.4f} | {mins:.4f} | {'MET' if r <= flop_ratio + 0.03 else 'MISSED'} |"
+        )
+    print(f"\nload average {os.getloadavg()[0]:.2f} at end")
+
+    if args.breakdown:
+        breakdown(models, med, args.batch, args.seq_len, max(5, args.reps))
+    if args.profile:
+        profile(models[next(v for v in variants if v.startswith("spiral"))], idx, tgt)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,195 @@
+"""``python -m recursive_lightning report``: tables per axis (mean ± std over seeds, best marked) and plots.
+
+Written as ``report.md`` + PNGs into the sweep's run directory and logged to the parent MLflow run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from recursive_lightning.errors import ConfigError
+from recursive_lightning.tracking import atomic_write_text, log_artifact
+
+SEED_AXIS = "train.seed"
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    m = sum(values) / len(values)
+    s = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return m, s
+
+
+def _ppl_columns(rows: list[dict]) -> list[str]:
+    cols = sorted({k for r in rows for k in r["metrics"] if k.endswith("/ppl") or k.startswith("eval/")})
+    return [c for c in cols if not c.startswith("final/")]
+
+
+def collect(storage_url: str, study_name: str) -> tuple[list[dict], list[dict], dict]:
+    import optuna
+    from optuna.trial import TrialState
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=study_name, storage=storage_url)
+    done, failed = [], []
+    for t in study.get_trials(deepcopy=False):
+        row = {"number": t.number, "params": dict(t.params), "metrics": dict(t.user_attrs.get("metrics", {})),
+               "value": t.value, "state": t.state.name, "key": t.user_attrs.get("point_key"),
+               "mlflow_run_id": t.user_attrs.get("mlflow_run_id"), "error": t.user_attrs.get("error")}
+        if t.state == TrialState.COMPLETE:
+            done.append(row)
+        elif t.state == TrialState.FAIL:
+            failed.append(row)
+    # a failed attempt that was retried successfully is not a failure of the sweep
+    ok_keys = {r["key"] for r in done}
+    failed = [r for r in failed if r["key"] not in ok_keys]
+    return done, failed, dict(study.user_attrs)
+
+
+def axis_table(rows: list[dict], axis: str, metric: str) -> tuple[list[tuple[Any, float, float, int, dict]], Any]:
+    groups: dict[Any, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[r["params"].get(axis)].append(r)
+    table = []
+    for label, members in groups.items():
+        vals = [m["metrics"][metric] for m in members if metric in m["metrics"]]
+        if not vals:
+            continue
+        mean, std = _mean_std(vals)
+        extra = {}
+        for col in _ppl_columns(members):
+            cv = [m["metrics"][col] for m in members if col in m["metrics"]]
+            if cv:
+                extra[col] = _mean_std(cv)
+        table.append((label, mean, std, len(vals), extra))
+    best = min(table, key=lambda r: r[1])[0] if table else None
+    return table, best
+
+
+def _fmt(label: Any) -> str:
+    return str(label)
+
+
+def _plot_axis(table, axis: str, metric: str, path: Path, kind: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def num(x: Any) -> float | None:
+        try:
+            return None if isinstance(x, bool) else float(x)
+        except (TypeError, ValueError):
+            return None
+
+    if all(num(r[0]) is not None for r in table):
+        table = [(num(r[0]), *r[1:]) for r in table]
+    labels = [_fmt(r[0]) for r in table]
+    means = [r[1] for r in table]
+    stds = [r[2] for r in table]
+    fig, ax = plt.subplots(figsize=(max(4.5, 0.9 * len(table) + 2), 3.4))
+    numeric = all(isinstance(r[0], int | float) and not isinstance(r[0], bool) for r in table)
+    if kind == "line" or (kind == "auto" and numeric and len(table) > 2):
+        order = sorted(range(len(table)), key=lambda i: table[i][0]) if numeric else range(len(table))
+        xs = [table[i][0] for i in order] if numeric else list(range(len(table)))
+        ax.errorbar(xs, [means[i] for i in order], yerr=[stds[i] for i in order], marker="o", capsize=3, color="#8e44ad")
+        if not numeric:
+            ax.set_xticks(xs, [labels[i] for i in order], rotation=20, ha="right")
+    else:
+        best = min(range(len(means)), key=means.__getitem__)
+        colors = ["#8e44ad" if i == best else "#95a5a6" for i in range(len(means))]
+        ax.bar(range(len(means)), means, yerr=stds, capsize=3, color=colors)
+        ax.set_xticks(range(len(means)), labels, rotation=20, ha="right")
+        lo = min(m - s for m, s in zip(means, stds))
+        hi = max(m + s for m, s in zip(means, stds))
+        pad = 0.15 * (hi - lo + 1e-9)
+        ax.set_ylim(lo - pad, hi + pad)
+    ax.set_xlabel(axis)
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{metric} by {axis} (mean ± std over seeds)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(run_dir: str | Path, spec=None, storage_url: str | None = None, tracking_uri: str | None = None) -> dict:
+    run_dir = Path(run_dir).resolve()
+    info_file = run_dir / "sweep.json"
+    if not info_file.exists():
+        raise ConfigError(f"'{run_dir}' is not a sweep directory (no sweep.json); pass the --run-dir of a sweep.")
+    info = json.loads(info_file.read_text())
+    storage_url = storage_url or info["storage"]
+    tracking_uri = tracking_uri or info["tracking_uri"]
+    if spec is None:
+        from recursive_lightning.sweep.spec import load_sweep
+
+        spec = load_sweep(run_dir / "sweep.yaml")
+    rows, failed, attrs = collect(storage_url, info["name"])
+    metric = spec.metric
+    ppl_metric = metric.replace("/loss", "/ppl")
+    axes = [a.name for a in spec.axes if a.name != SEED_AXIS] or sorted({k for r in rows for k in r["params"]} - {SEED_AXIS})
+    hints = spec.report or {}
+    lines = [f"# Sweep `{spec.name}`", ""]
+    if spec.description:
+        lines += [spec.description, ""]
+    lines += [f"{len(rows)} finished trials" + (f", {len(failed)} failed" if failed else "") +
+              f"; metric `{ppl_metric}` (lower is better), mean ± std over seeds; ★ marks the best row.", ""]
+    figures = []
+    for axis in axes:
+        used = ppl_metric if any(ppl_metric in r["metrics"] for r in rows) else metric
+        table, best = axis_table(rows, axis, used)
+        if not table:
+            continue
+        extra_cols = sorted({c for r in table for c in r[4] if c != used})
+        lines += [f"## {axis}", "", "| " + " | ".join([axis, used, "n"] + extra_cols) + " |",
+                  "|" + "---|" * (3 + len(extra_cols))]
+        order = sorted(table, key=lambda r: (str(type(r[0])), r[0])) if all(not isinstance(r[0], str) for r in table) else table
+        for label, mean, std, n, extra in order:
+            star = " ★" if label == best else ""
+            cells = [f"{_fmt(label)}{star}", f"{mean:.3f} ± {std:.3f}", str(n)]
+            cells += [f"{extra[c][0]:.3f} ± {extra[c][1]:.3f}" if c in extra else "" for c in extra_cols]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+        safe = "".join(c if c.isalnum() else "_" for c in axis)
+        png = _plot_axis(table, axis, used, run_dir / f"report_{safe}.png", hints.get("plot", "auto"))
+        figures.append(png)
+        lines += [f"![{axis}]({png.name})", ""]
+    if failed:
+        lines += ["## Failed trials", ""]
+        for r in failed:
+            lines.append(f"- trial {r['number']} ({r['key']}): {r['error']}")
+        lines.append("")
+    md = "\n".join(lines)
+    path = run_dir / "report.md"
+    atomic_write_text(path, md)
+    parent = attrs.get("mlflow_parent_run_id") or info.get("parent_run_id")
+    if parent:
+        try:
+            log_artifact(tracking_uri, parent, path, subdir="report")
+            for f in figures:
+                log_artifact(tracking_uri, parent, f, subdir="report")
+            from recursive_lightning.tracking import log_metrics
+
+            if rows:
+                best = min(rows, key=lambda r: r["value"] if r["value"] is not None else float("inf"))
+                log_metrics(tracking_uri, parent, {"best/" + metric: best["value"], "trials/finished": len(rows),
+                                                   "trials/failed": len(failed)})
+        except Exception as e:  # the report on disk is still complete
+            print(f"warning: could not log the report to MLflow ({e})")
+    return {"path": path, "markdown": md, "figures": figures, "rows": rows, "failed": failed}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="recursive_lightning report", description="Tables and plots of a sweep.")
+    p.add_argument("--run-dir", required=True, help="the sweep's run directory")
+    args = p.parse_args(argv)
+    out = write_report(args.run_dir)
+    print(out["markdown"])
+    print(f"\nreport: {out['path']}")
+    return 0

@@ -1,0 +1,188 @@
+"""Sweep files (``ablations/*.yaml``): a base run config plus named axes crossed into a grid.
+
+    name: mesh-buffer-cpu
+    description: MeSH Table 4 (B = N_loop + 1 + k)
+    base: ../experiments/cpu/looped-mesh.yaml     # a run YAML (relative to this file) or an inline mapping
+    overrides: {train.max_steps: 200}             # dotted fields applied to every trial
+    axes:
+      model.buffer: [3, 4, 5, 6]                  # a field and its values
+      variant:                                    # a named axis of rows, each a set of dotted overrides
+        anchor: {model.topology: anchor}
+        mesh: {model.topology: mesh}
+    seeds: [0, 1]                                 # shorthand for the axis train.seed
+    search:                                       # instead of a grid: Optuna TPE over ranges and choices
+      n_trials: 20
+      space: {train.lr: {low: 1.0e-4, high: 3.0e-3, log: true}, model.topology: {choices: [anchor, mesh]}}
+    metric: val/heldout/loss                      # minimised; reported as PPL too
+    max_retries: 2
+    pruning: {enabled: false, warmup_steps: 100}
+    evaluate: {ppl: {name: path}, tasks: [], limit: 50, shots: [0]}
+    report: {plot: line, x: model.buffer}         # hints for the report's figures
+
+Every trial config is built and validated before anything trains, so a bad sweep fails in one sentence.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recursive_lightning.config import RunConfig, check_model_types, load_yaml, set_dotted
+from recursive_lightning.errors import ConfigError
+
+TOP_KEYS = {"name", "description", "base", "overrides", "axes", "seeds", "search", "metric", "max_retries",
+            "pruning", "evaluate", "report", "full_size"}
+SCALAR = (str, int, float, bool, type(None))
+
+
+@dataclass
+class Axis:
+    name: str
+    labels: list[Any]  # grid values as Optuna sees them (primitives)
+    overrides: dict[Any, dict[str, Any]]  # label -> dotted overrides
+
+    @property
+    def is_field(self) -> bool:
+        return "." in self.name and all(list(o) == [self.name] for o in self.overrides.values())
+
+
+@dataclass
+class SweepSpec:
+    name: str
+    path: Path | None
+    base: dict[str, Any]
+    axes: list[Axis]
+    description: str = ""
+    search: dict[str, Any] | None = None
+    metric: str = "val/heldout/loss"
+    max_retries: int = 2
+    pruning: dict[str, Any] = field(default_factory=dict)
+    evaluate: dict[str, Any] = field(default_factory=dict)
+    report: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ grid
+    def grid(self) -> list[dict[str, Any]]:
+        """Every grid point as {axis name: label}, in a deterministic order."""
+        if not self.axes:
+            return [{}]
+        return [dict(zip([a.name for a in self.axes], combo)) for combo in itertools.product(*[a.labels for a in self.axes])]
+
+    def search_space(self) -> dict[str, list[Any]]:
+        return {a.name: list(a.labels) for a in self.axes}
+
+    def trial_config(self, point: dict[str, Any]) -> RunConfig:
+        data = copy.deepcopy(self.base)
+        for axis in self.axes:
+            if axis.name in point:
+                for key, value in axis.overrides[_key(point[axis.name])].items():
+                    set_dotted(data, key, value)
+        for key, value in point.items():  # search-space parameters are plain dotted fields
+            if key not in {a.name for a in self.axes}:
+                set_dotted(data, key, value)
+        if isinstance(data.get("model"), dict):
+            if data["model"].get("layout") is not None:
+                data["model"]["layout"] = str(data["model"]["layout"])
+            data["model"] = check_model_types(data["model"])
+        data["name"] = self.name
+        return RunConfig.from_dict(data)
+
+    def validate(self) -> SweepSpec:
+        points = self.grid() if self.search is None else [{}]
+        for point in points:
+            try:
+                self.trial_config(point)
+            except ConfigError as e:
+                where = ", ".join(f"{k}={v}" for k, v in point.items())
+                raise ConfigError(f"sweep '{self.name}'" + (f" at {where}" if where else "") + f": {e}") from None
+        return self
+
+
+def _key(label: Any) -> Any:
+    return label
+
+
+def point_key(point: dict[str, Any]) -> str:
+    """A short, stable name for a grid point (its trial directory)."""
+    text = json.dumps(point, sort_keys=True, default=str)
+    readable = "-".join(f"{str(v)}" for v in point.values())
+    readable = "".join(c if c.isalnum() or c in "-._" else "_" for c in readable)[:60] or "point"
+    return f"{readable}-{hashlib.sha1(text.encode()).hexdigest()[:6]}"
+
+
+def _parse_axis(name: str, values: Any, where: str) -> Axis:
+    if isinstance(values, dict):
+        if not values:
+            raise ConfigError(f"{where}: axis '{name}' is empty; give it at least one row.")
+        overrides = {}
+        for label, row in values.items():
+            if not isinstance(row, dict):
+                raise ConfigError(f"{where}: row '{label}' of axis '{name}' must be a mapping of dotted fields, not {row!r}.")
+            overrides[str(label)] = {str(k): v for k, v in row.items()}
+        return Axis(name, list(overrides), overrides)
+    if not isinstance(values, list):
+        raise ConfigError(f"{where}: axis '{name}' must be a list of values or a mapping of named rows, not {values!r}.")
+    if not values:
+        raise ConfigError(f"{where}: axis '{name}' is empty; give it at least one value.")
+    if "." not in name:
+        raise ConfigError(f"{where}: axis '{name}' must be a dotted config field like model.buffer (or a mapping of named rows).")
+    labels = []
+    for v in values:
+        if not isinstance(v, SCALAR):
+            raise ConfigError(f"{where}: axis '{name}' holds {v!r}; values must be numbers, strings or booleans.")
+        labels.append(v)
+    if len(set(map(repr, labels))) != len(labels):
+        raise ConfigError(f"{where}: axis '{name}' repeats a value.")
+    return Axis(name, labels, {v: {name: v} for v in labels})
+
+
+def load_sweep(path: str | Path) -> SweepSpec:
+    path = Path(path)
+    raw = load_yaml(path)
+    where = f"sweep file '{path}'"
+    unknown = sorted(set(raw) - TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: '{unknown[0]}' is not a sweep field; use {', '.join(sorted(TOP_KEYS))}.")
+    base = raw.get("base")
+    if isinstance(base, str):
+        base_path = (path.parent / base).resolve()
+        if not base_path.is_file():
+            raise ConfigError(f"{where}: base config '{base}' does not exist (paths are relative to the sweep file).")
+        base = load_yaml(base_path)
+    elif base is None:
+        base = {}
+    elif not isinstance(base, dict):
+        raise ConfigError(f"{where}: base must be a run YAML path or a mapping, not {base!r}.")
+    base = copy.deepcopy(base)
+    for key, value in (raw.get("overrides") or {}).items():
+        set_dotted(base, str(key), value)
+    axes = [_parse_axis(str(k), v, where) for k, v in (raw.get("axes") or {}).items()]
+    if raw.get("seeds") is not None:
+        if any(a.name == "train.seed" for a in axes):
+            raise ConfigError(f"{where}: give seeds either as `seeds:` or as the axis train.seed, not both.")
+        axes.append(_parse_axis("train.seed", raw["seeds"], where))
+    search = raw.get("search")
+    if search is not None:
+        if not isinstance(search, dict) or not isinstance(search.get("space"), dict) or not search["space"]:
+            raise ConfigError(f"{where}: search needs a non-empty `space` mapping of dotted fields to ranges or choices.")
+        for k, v in search["space"].items():
+            if not isinstance(v, dict) or not ({"low", "high"} <= set(v) or "choices" in v):
+                raise ConfigError(f"{where}: search.space.{k} must be {{low, high[, log, step]}} or {{choices: [...]}}.")
+        if int(search.get("n_trials", 0)) < 1:
+            raise ConfigError(f"{where}: search.n_trials must be >= 1.")
+    max_retries = raw.get("max_retries", 2)
+    if not isinstance(max_retries, int) or max_retries < 0:
+        raise ConfigError(f"{where}: max_retries must be an integer >= 0, not {max_retries!r}.")
+    name = raw.get("name") or path.stem
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}: name must be a string.")
+    spec = SweepSpec(
+        name=name, path=path, base=base, axes=axes, description=str(raw.get("description", "")),
+        search=search, metric=str(raw.get("metric", "val/heldout/loss")), max_retries=max_retries,
+        pruning=dict(raw.get("pruning") or {}), evaluate=dict(raw.get("evaluate") or {}), report=dict(raw.get("report") or {}),
+    )
+    return spec.validate()

@@ -1,0 +1,167 @@
+"""Checkpoints: atomic writes, damage detection, and self-contained loading for eval/probe/generate.
+
+A checkpoint carries the resolved run config and the tokenizer JSON (``checkpoint["recursive_lightning"]``),
+so ``load_checkpoint(path)`` needs nothing else. Files are written to a temporary name and renamed,
+so a killed process never leaves a half-written ``last.ckpt``; the previous periodic checkpoints stay.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from recursive_lightning.config import RunConfig
+from recursive_lightning.errors import UserError
+from recursive_lightning.model.model import RecursiveLM
+
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, truncated or not one of ours."""
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save to ``<path>.tmp``, fsync, then os.replace: readers see the old or the new file, never half."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        return read_checkpoint(path, map_location=map_location or "cpu")
+
+
+def _step_of(p: Path) -> int:
+    m = re.search(r"step=?(\d+)", p.name)
+    return int(m.group(1)) if m else -1
+
+
+def candidates(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoints of a run, newest first: last.ckpt, then periodic step checkpoints, then best."""
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        return []
+    out = [d / "last.ckpt"] if (d / "last.ckpt").exists() else []
+    out += sorted((p for p in d.glob("step*.ckpt")), key=_step_of, reverse=True)
+    out += [p for p in d.glob("best*.ckpt")]
+    return out
+
+
+def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
+    """Load with ``weights_only=True``; a damaged file raises one sentence that names the file and the
+    previous good checkpoint beside it."""
+    path = Path(path)
+    if path.is_dir():  # a sharded (distributed) checkpoint directory
+        return _read_distributed(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint '{path}' does not exist; pass the path of a .ckpt file or a run directory.")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, Exception) as e:  # noqa: B014
+        others = [p for p in candidates(path.parent) if p != path and _readable(p)]
+        hint = f"; the previous good checkpoint is '{others[0]}' (resume with --ckpt-path {others[0]})" if others else ""
+        raise CheckpointError(f"checkpoint '{path}' is damaged or truncated ({type(e).__name__}){hint}.") from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise CheckpointError(f"'{path}' is not a Lightning checkpoint (no state_dict).")
+    return ckpt
+
+
+def _readable(p: Path) -> bool:
+    try:
+        with zipfile.ZipFile(p) as z:
+            return z.testzip() is None
+    except Exception:
+        return False
+
+
+def _read_distributed(path: Path) -> dict[str, Any]:
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "full.ckpt"
+        dcp_to_torch_save(path, out)
+        ckpt = torch.load(out, map_location="cpu", weights_only=True)
+    meta = path / "meta.pt"
+    if meta.exists():
+        ckpt.update(torch.load(meta, map_location="cpu", weights_only=True))
+    if "state_dict" not in ckpt and "model" in ckpt:
+        ckpt["state_dict"] = {f"model.{k}" if not k.startswith("model.") else k: v for k, v in ckpt["model"].items()}
+    return ckpt
+
+
+def latest_good(ckpt_dir: str | os.PathLike) -> Path | None:
+    """The newest checkpoint that loads; damaged ones are skipped."""
+    for p in candidates(ckpt_dir):
+        if p.is_dir() or _readable(p):
+            return p
+    return None
+
+
+@dataclass
+class Loaded:
+    model: RecursiveLM
+    run: RunConfig
+    tokenizer: Any  # tokenizers.Tokenizer
+    mlflow_run_id: str | None
+    path: Path
+    global_step: int
+
+
+def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> Loaded:
+    """Rebuild the model, its run config and its tokenizer from one checkpoint path (file, sharded
+    directory, or a run directory whose newest good checkpoint is used)."""
+    path = Path(path)
+    if path.is_dir() and not (path / "meta.pt").exists() and not (path / ".metadata").exists():
+        found = latest_good(path / "checkpoints") or latest_good(path)
+        if found is None:
+            raise CheckpointError(f"no readable checkpoint under '{path}'; train first or pass a .ckpt file.")
+        path = found
+    ckpt = read_checkpoint(path)
+    extra = ckpt.get("recursive_lightning")
+    if not extra:
+        raise CheckpointError(f"'{path}' was not written by recursive_lightning (no config/tokenizer inside).")
+    run = RunConfig.from_dict(extra["run"])
+    model = RecursiveLM(run.model)
+    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    state = {k.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""): v for k, v in state.items()}
+    model.load_state_dict(state)
+    model.to(device).eval()
+    tokenizer = None
+    if extra.get("tokenizer_json"):
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_str(extra["tokenizer_json"])
+    return Loaded(model, run, tokenizer, extra.get("mlflow_run_id"), path, int(ckpt.get("global_step", 0)))
+
+
+def save_model_checkpoint(path: str | os.PathLike, model: RecursiveLM, run: RunConfig, tokenizer: Any = None,
+                          global_step: int = 0, mlflow_run_id: str | None = None) -> Path:
+    """Write a self-contained, Lightning-compatible checkpoint of a bare model (e.g. converted Pythia weights)."""
+    path = Path(path)
+    ckpt = {
+        "state_dict": {f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()},
+        "global_step": global_step,
+        "recursive_lightning": {
+            "run": run.to_dict(),
+            "tokenizer_json": tokenizer.to_str() if tokenizer is not None else None,
+            "mlflow_run_id": mlflow_run_id,
+            "val_names": ["heldout"],
+            "format": 1,
+        },
+    }
+    AtomicCheckpointIO().save_checkpoint(ckpt, path)
+    return path

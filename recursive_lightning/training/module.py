@@ -1,0 +1,134 @@
+"""The LightningModule that trains any model of the package (vanilla, looped, multi-resolution)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics.text import Perplexity
+
+from recursive_lightning.config import RunConfig
+from recursive_lightning.model.accounting import describe
+from recursive_lightning.model.model import RecursiveLM
+from recursive_lightning.training import parallel
+from recursive_lightning.training.optim import build_optimizer
+
+# dense bf16 peak FLOP/s of known accelerators, for MFU
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+
+
+def accelerator_peak_flops() -> float | None:
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, peak in PEAK_FLOPS.items():
+            if key in name:
+                return peak
+    return None
+
+
+class RecursiveLMModule(L.LightningModule):
+    """Wraps :class:`RecursiveLM` with the papers' optimiser, schedule, metrics and checkpoint extras.
+
+    ``val_names`` names the validation dataloaders; each gets ``val/<name>/ppl`` and ``val/<name>/loss``.
+    """
+
+    def __init__(self, run: dict[str, Any], val_names: tuple[str, ...] = ("heldout",), tokenizer_json: str | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters({"run": run, "val_names": list(val_names)})
+        self.run_cfg = RunConfig.from_dict(run)
+        self.model = RecursiveLM(self.run_cfg.model)
+        self.val_names = tuple(val_names)
+        self.val_ppl = torch.nn.ModuleList(Perplexity() for _ in val_names)
+        self.tokenizer_json = tokenizer_json  # stored in every checkpoint: it is self-contained
+        self.mlflow_run_id: str | None = None
+        seq = self.run_cfg.data.seq_len
+        stats = describe(self.run_cfg.model, seq_len=seq)
+        self.flops_per_token = 3 * stats["flops_forward"] / seq  # forward + backward (2x)
+        self.peak_flops = accelerator_peak_flops()
+        self._t_last: float | None = None
+        self._configured = False
+
+    # -------------------------------------------------------------- parallelism (FSDP2, compile, AC)
+    def configure_model(self) -> None:
+        if self._configured:
+            return
+        self._configured = True
+        t = self.run_cfg.train
+        if t.activation_checkpointing:
+            parallel.apply_activation_checkpointing(self.model)
+        if t.compile:
+            parallel.compile_model(self.model)
+        mesh = getattr(self, "device_mesh", None)
+        if mesh is not None:
+            dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+            prec = "bf16" if "bf16" in str(self.trainer.precision) else None
+            parallel.apply_fsdp(self.model, dp, prec)
+
+    # -------------------------------------------------------------- steps
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch = batch.long()
+        x, y = batch[:, :-1], batch[:, 1:]
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return loss, logits, y
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss, _, y = self._loss(batch)
+        tokens = y.numel() * self.trainer.world_size
+        now = time.perf_counter()
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=False)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        step = self.global_step + 1
+        self.log("train/tokens", float(step * tokens * self.run_cfg.train.accumulate), on_step=True, on_epoch=False)
+        if self._t_last is not None:
+            tps = tokens / max(now - self._t_last, 1e-9)
+            self.log("train/tokens_per_sec", tps, prog_bar=True, on_step=True, on_epoch=False)
+            if self.peak_flops:
+                self.log("train/mfu", tps * self.flops_per_token / (self.peak_flops * self.trainer.world_size), on_step=True, on_epoch=False)
+        self._t_last = now
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        for m in self.val_ppl:
+            m.reset()
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
+        loss, logits, y = self._loss(batch)
+        self.val_ppl[dataloader_idx].update(logits.float(), y)
+
+    def on_validation_epoch_end(self) -> None:
+        for name, metric in zip(self.val_names, self.val_ppl):
+            ppl = metric.compute()
+            self.log(f"val/{name}/ppl", ppl, sync_dist=False)
+            self.log(f"val/{name}/loss", ppl.log(), sync_dist=False)
+        self._t_last = None  # validation time is not training throughput
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._t_last is None:
+            self._t_last = time.perf_counter()
+
+    # -------------------------------------------------------------- optimisation
+    def configure_optimizers(self):
+        opt, sched = build_optimizer(self.model, self.run_cfg.train)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+    # -------------------------------------------------------------- self-contained checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["recursive_lightning"] = {
+            "run": self.run_cfg.to_dict(),
+            "tokenizer_json": self.tokenizer_json,
+            "mlflow_run_id": self.mlflow_run_id,
+            "val_names": list(self.val_names),
+            "format": 1,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        extra = checkpoint.get("recursive_lightning", {})
+        self.tokenizer_json = extra.get("tokenizer_json", self.tokenizer_json)
+        self.mlflow_run_id = extra.get("mlflow_run_id", self.mlflow_run_id)

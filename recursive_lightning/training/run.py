@@ -1,0 +1,267 @@
+"""``python -m recursive_lightning train``: one config, one run directory, one MLflow run, exact resume.
+
+Run directory layout::
+
+    <run-dir>/config.yaml          the fully resolved config (resume uses it)
+    <run-dir>/checkpoints/         last.ckpt, step=NNNNNN.ckpt (two newest), best.ckpt
+    <run-dir>/mlflow.db            SQLite tracking store (unless --tracking-uri points elsewhere)
+    <run-dir>/mlartifacts/         MLflow artifacts of the SQLite store
+    <run-dir>/mlflow_run_id        the MLflow run this directory logs to (a resume continues it)
+    <run-dir>/result.json          final metrics, written when training finishes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recursive_lightning.config import RunConfig, load_run_config, load_yaml
+from recursive_lightning.errors import ConfigError
+from recursive_lightning.tracking import (
+    RUN_ID_FILE,
+    atomic_write_text,
+    create_run,
+    default_tracking_uri,
+    ensure_experiment,
+    log_artifact_text,
+    log_params,
+    set_terminated,
+    to_json,
+    ui_command,
+)
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "cpu" / "looped-mesh.yaml"
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    tokens: int
+    metrics: dict[str, float]
+    last_checkpoint: Path | None
+    best_checkpoint: Path | None
+    mlflow_run_id: str
+    tracking_uri: str
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_dir": str(self.run_dir), "steps": self.steps, "tokens": self.tokens, "metrics": self.metrics,
+            "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "best_checkpoint": str(self.best_checkpoint) if self.best_checkpoint else None,
+            "mlflow_run_id": self.mlflow_run_id, "tracking_uri": self.tracking_uri, "seconds": self.seconds,
+        }
+
+
+def build_datamodule(cfg: RunConfig):
+    from recursive_lightning.data.datamodule import TextDataModule
+
+    d = cfg.data
+    return TextDataModule(
+        data=d.path, tokenizer=d.tokenizer, seq_len=d.seq_len, batch_size=d.batch_size,
+        cache_dir=d.cache_dir, seed=cfg.train.seed, val_batches=d.val_batches, num_workers=d.num_workers,
+    )
+
+
+def _check_same_config(saved: RunConfig, cfg: RunConfig, run_dir: Path) -> None:
+    a, b = saved.flat(), cfg.flat()
+    for k in a:
+        if k.startswith("train.") and k in ("train.max_steps", "train.progress", "train.devices", "train.accelerator"):
+            continue
+        if a.get(k) != b.get(k):
+            raise ConfigError(
+                f"--resume: {k} is {b.get(k)!r} but the run in '{run_dir}' was started with {a.get(k)!r}; "
+                "resume with the same config or use a new --run-dir."
+            )
+
+
+def train(
+    cfg: RunConfig,
+    run_dir: str | os.PathLike,
+    *,
+    resume: bool = False,
+    ckpt_path: str | None = None,
+    tracking_uri: str | None = None,
+    experiment: str | None = None,
+    run_name: str | None = None,
+    parent_run_id: str | None = None,
+    tags: dict[str, str] | None = None,
+    callbacks: list | None = None,
+) -> TrainResult:
+    """Train ``cfg`` into ``run_dir``; with ``resume`` continue from its newest good checkpoint."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from recursive_lightning.data.tokenizer import tokenizer_fingerprint  # noqa: F401  (import check)
+    from recursive_lightning.model.accounting import describe
+    from recursive_lightning.training import parallel
+    from recursive_lightning.training.checkpoint import AtomicCheckpointIO, latest_good, read_checkpoint
+    from recursive_lightning.training.module import RecursiveLMModule
+
+    t0 = time.time()
+    run_dir = Path(run_dir).resolve()
+    ckpt_dir = run_dir / "checkpoints"
+    saved_cfg = run_dir / "config.yaml"
+    if resume and saved_cfg.exists():
+        _check_same_config(RunConfig.from_dict(load_yaml(saved_cfg)), cfg, run_dir)
+    if not resume and latest_good(ckpt_dir) is not None:
+        raise ConfigError(f"--run-dir '{run_dir}' already holds checkpoints; pass --resume to continue it or choose a new --run-dir.")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not saved_cfg.exists():
+        atomic_write_text(saved_cfg, cfg.to_yaml())
+
+    resume_from: str | None = ckpt_path
+    if resume and resume_from is None:
+        last = ckpt_dir / "last.ckpt"
+        if last.exists() or any(ckpt_dir.glob("step*.ckpt")):
+            good = latest_good(ckpt_dir)
+            if last.exists() and good != last:
+                read_checkpoint(last)  # raises one sentence naming the damaged file and the good one
+            resume_from = str(good) if good else None
+    if resume_from is not None:
+        read_checkpoint(resume_from) if not Path(resume_from).is_dir() else None
+
+    L.seed_everything(cfg.train.seed, workers=True, verbose=False)
+    dm = build_datamodule(cfg)
+    dm.prepare_data()
+    dm.setup("fit")
+    vocab = dm.vocab_size
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size {cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab}); "
+            f"set model.vocab_size >= {vocab} or use a smaller data.tokenizer."
+        )
+
+    # ---- MLflow: one experiment per config name, one run per run directory
+    tracking_uri = tracking_uri or default_tracking_uri(run_dir)
+    exp_id = ensure_experiment(tracking_uri, experiment or cfg.name, run_dir / "mlartifacts")
+    id_file = run_dir / RUN_ID_FILE
+    if id_file.exists():
+        run_id = id_file.read_text().strip()
+    else:
+        run_id = create_run(tracking_uri, exp_id, run_name or cfg.name, tags=tags, parent_run_id=parent_run_id)
+        atomic_write_text(id_file, run_id)
+        stats = describe(cfg.model, seq_len=cfg.data.seq_len)
+        params = {**cfg.flat(), **{f"describe.{k}": v for k, v in stats.items() if k != "flops_convention"}}
+        params["run_dir"] = str(run_dir)
+        log_params(tracking_uri, run_id, params)
+        log_artifact_text(tracking_uri, run_id, "config.yaml", cfg.to_yaml())
+        log_artifact_text(tracking_uri, run_id, "describe.json", to_json(stats))
+
+    module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
+    module.mlflow_run_id = run_id
+    logger = MLFlowLogger(experiment_name=experiment or cfg.name, tracking_uri=tracking_uri, run_id=run_id,
+                          log_model=False)
+
+    t = cfg.train
+    periodic = ModelCheckpoint(dirpath=ckpt_dir, filename="step={step:06d}", auto_insert_metric_name=False,
+                               every_n_train_steps=t.checkpoint_every, save_top_k=2, monitor="step", mode="max",
+                               save_last=True, enable_version_counter=False)
+    best = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/heldout/loss", mode="min", save_top_k=1,
+                           auto_insert_metric_name=False, enable_version_counter=False)
+    cbs = [periodic, best, *(callbacks or [])]
+    if t.progress:
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
+        cbs.append(TQDMProgressBar(refresh_rate=max(1, min(10, t.max_steps // 50))))
+    strategy = parallel.resolve_strategy(t)
+    plugins = [AtomicCheckpointIO()] if strategy in ("auto", "ddp") else []
+    trainer = L.Trainer(
+        default_root_dir=str(run_dir),
+        max_steps=t.max_steps,
+        max_epochs=-1,
+        val_check_interval=t.val_every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=cfg.data.val_batches,
+        num_sanity_val_steps=0,
+        log_every_n_steps=t.log_every,
+        gradient_clip_val=t.grad_clip if t.strategy != "fsdp" else None,
+        accumulate_grad_batches=t.accumulate,
+        precision=parallel.resolve_precision(t, t.accelerator),
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=strategy,
+        plugins=plugins,
+        logger=logger,
+        callbacks=cbs,
+        enable_progress_bar=t.progress,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    status = "FAILED"
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=resume_from, weights_only=False)
+        status = "FINISHED"
+    finally:
+        if trainer.is_global_zero and status != "FINISHED":
+            set_terminated(tracking_uri, run_id, status="KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED")
+    # a final validation at the last step, unless one just ran there
+    if trainer.global_step % t.val_every != 0:
+        trainer.validate(module, datamodule=dm, verbose=False)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    if trainer.is_global_zero:
+        from recursive_lightning.tracking import log_metrics
+
+        log_metrics(tracking_uri, run_id, {f"final/{k}": v for k, v in metrics.items()}, step=trainer.global_step)
+        set_terminated(tracking_uri, run_id, "FINISHED")
+    last = ckpt_dir / "last.ckpt"
+    tokens = trainer.global_step * cfg.data.batch_size * cfg.data.seq_len * t.accumulate * trainer.world_size
+    result = TrainResult(
+        run_dir=run_dir, steps=trainer.global_step, tokens=tokens, metrics=metrics,
+        last_checkpoint=last if last.exists() else None,
+        best_checkpoint=Path(best.best_model_path) if best.best_model_path else None,
+        mlflow_run_id=run_id, tracking_uri=tracking_uri, seconds=time.time() - t0,
+    )
+    if trainer.is_global_zero:
+        atomic_write_text(run_dir / "result.json", json.dumps(result.to_dict(), indent=2))
+    del torch
+    return result
+
+
+def summary_line(r: TrainResult) -> str:
+    ppl = ", ".join(f"{k.removeprefix('val/')}={v:.2f}" for k, v in r.metrics.items() if k.endswith("/ppl"))
+    return (f"trained {r.steps} steps ({r.tokens:,} tokens) in {r.seconds:.0f}s; val {ppl or 'n/a'}; "
+            f"checkpoint {r.last_checkpoint}; MLflow run {r.mlflow_run_id} ({ui_command(r.tracking_uri)})")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="recursive_lightning train", description="Train one config.",
+                                epilog="Any config field can be overridden: --model.topology mesh --train.lr 3e-4")
+    p.add_argument("--config", default=None, help=f"run YAML (default {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
+    p.add_argument("--data", help="text file, folder, glob or hf:<dataset> (default: the embedded corpus)")
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--run-dir", default=None, help="checkpoints, tracking DB and artifacts (default runs/<name>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last good checkpoint")
+    p.add_argument("--ckpt-path", help="resume from this checkpoint instead of the newest")
+    p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite:///<run-dir>/mlflow.db)")
+    p.add_argument("--experiment", help="MLflow experiment name (default: the config's name)")
+    p.add_argument("--seed", type=int)
+    args, rest = p.parse_known_args(argv)
+    config = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)
+    overrides = list(rest)
+    for flag, key in (("data", "data.path"), ("max_steps", "train.max_steps"), ("checkpoint_every", "train.checkpoint_every"),
+                      ("seed", "train.seed")):
+        if getattr(args, flag) is not None:
+            overrides += [f"--{key}", str(getattr(args, flag))]
+    cfg = load_run_config(config, overrides)
+    run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+    if args.resume and not run_dir.exists():
+        raise ConfigError(f"--resume: run directory '{run_dir}' does not exist; start the run without --resume first.")
+    if args.resume and (run_dir / "config.yaml").exists() and not args.config:
+        cfg = load_run_config(run_dir / "config.yaml", overrides)
+    result = train(cfg, run_dir, resume=args.resume, ckpt_path=args.ckpt_path, tracking_uri=args.tracking_uri,
+                   experiment=args.experiment)
+    print(summary_line(result))
+    return 0
