@@ -16,7 +16,7 @@ ROOT = Path(__file__).parent
 
 # the papers' recipe (MeSH App. B, SpiralFormer App. F): batch 512 x 4096, 250B tokens (one epoch of the
 # deduplicated Pile), AdamW 0.9/0.95, wd 0.01, cosine 1% warm-up to 10%, bf16, flash attention.
-GPU_DATA = {"path": "litdata:data/shards/pile-dedup", "tokenizer": "EleutherAI/gpt-neox-20b", "seq_len": 4096,
+GPU_DATA = {"path": "data/shards/pile-dedup", "tokenizer": "EleutherAI/gpt-neox-20b", "seq_len": 4096,
             "batch_size": 8, "val_batches": 100}
 GPU_TRAIN = {"max_steps": 120818, "accumulate": 8, "devices": 8, "strategy": "fsdp", "precision": "bf16-mixed",
              "val_every": 2000, "checkpoint_every": 1000, "warmup_ratio": 0.01, "min_lr_ratio": 0.1,

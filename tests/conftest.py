@@ -9,3 +9,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    """One tokenizer + shard cache for the whole session (tokenising the embedded corpus once)."""
+    return str(tmp_path_factory.mktemp("rl-cache"))
+
+
+@pytest.fixture
+def tiny_run(data_cache):
+    """A run config that trains in seconds on the CPU: cpu-tiny, 64-token blocks of the embedded corpus."""
+
+    def make(**model):
+        return {
+            "name": "tiny",
+            "model": {"preset": "cpu-tiny", "layout": "1+2R2+1", "topology": "mesh", "max_seq_len": 128, **model},
+            "data": {"tokenizer": "bpe:4096", "seq_len": 64, "batch_size": 8, "val_batches": 4, "cache_dir": data_cache},
+            "train": {"max_steps": 12, "lr": 3e-3, "val_every": 6, "checkpoint_every": 4, "progress": False, "seed": 0},
+        }
+
+    return make

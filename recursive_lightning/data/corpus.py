@@ -3,8 +3,9 @@
 Sources, in a fixed order:
 
 1. ``pydoc_data.topics.topics`` -- the language reference sections that ``help()`` shows;
-2. docstrings of the pure-Python standard library, read with :mod:`ast` from the source files
-   (nothing is imported, so there are no import side effects), one document per source file;
+2. docstrings of the pure-Python standard library, one document per source file: the module's code object
+   is loaded from its ``__pycache__`` file (or compiled; never imported, so nothing runs) and the docstrings
+   are read off the code objects -- about ten times faster than parsing every file with :mod:`ast`;
 3. docstrings of a fixed list of built-in (C) modules, one document per module.
 
 Docstrings shorter than :data:`MIN_DOCSTRING_CHARS` are dropped and every docstring is kept once
@@ -13,15 +14,18 @@ Docstrings shorter than :data:`MIN_DOCSTRING_CHARS` are dropped and every docstr
 
 from __future__ import annotations
 
-import ast
+import dis
 import functools
 import hashlib
 import importlib
+import importlib.util
 import inspect
+import marshal
 import os
 import sys
 import sysconfig
 import tempfile
+import types
 from pathlib import Path
 
 __all__ = [
@@ -32,7 +36,7 @@ __all__ = [
 ]
 
 MIN_DOCSTRING_CHARS = 80
-CORPUS_FORMAT_VERSION = 1
+CORPUS_FORMAT_VERSION = 2
 DOCUMENT_SEPARATOR = "\n\n\f\n\n"  # form feed on its own line separates documents in the written file
 
 # Sub-trees of the standard library that are test suites, vendored packages or generated tables.
@@ -41,52 +45,13 @@ _SKIPPED_PARTS = frozenset(
 )
 
 # C modules that are compiled into (or always shipped with) CPython; missing ones are skipped.
-_BUILTIN_MODULES = (
-    "builtins",
-    "sys",
-    "math",
-    "cmath",
-    "itertools",
-    "functools",
-    "operator",
-    "time",
-    "posix",
-    "nt",
-    "_io",
-    "_collections",
-    "_abc",
-    "_codecs",
-    "_weakref",
-    "_thread",
-    "_signal",
-    "gc",
-    "errno",
-    "marshal",
-    "atexit",
-    "faulthandler",
-    "array",
-    "binascii",
-    "zlib",
-    "select",
-    "_datetime",
-    "_pickle",
-    "_struct",
-    "_random",
-    "unicodedata",
-    "_csv",
-    "_heapq",
-    "_bisect",
-    "_json",
-    "_sre",
-    "_socket",
-    "_statistics",
-    "_string",
-    "_functools",
-    "_operator",
-    "_contextvars",
-    "_queue",
-    "_stat",
-    "_locale",
+_BUILTIN_MODULES = tuple(
+    """
+    builtins sys math cmath itertools functools operator time posix nt _io _collections _abc _codecs _weakref
+    _thread _signal gc errno marshal atexit faulthandler array binascii zlib select _datetime _pickle _struct
+    _random unicodedata _csv _heapq _bisect _json _sre _socket _statistics _string _functools _operator
+    _contextvars _queue _stat _locale
+    """.split()
 )
 
 
@@ -103,25 +68,76 @@ def _stdlib_dir() -> Path:
 
 def _stdlib_source_files() -> list[Path]:
     root = _stdlib_dir()
-    files = [p for p in root.rglob("*.py") if not _SKIPPED_PARTS.intersection(p.relative_to(root).parts)]
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in _SKIPPED_PARTS]
+        files.extend(Path(folder, name) for name in names if name.endswith(".py"))
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _ast_docstrings(node: ast.AST) -> list[str]:
-    """Docstrings of a module/class/function node and of the definitions nested in it, in source order."""
+_NOT_DOCUMENTED = frozenset({"<lambda>", "<listcomp>", "<setcomp>", "<dictcomp>", "<genexpr>"})
+_CO_HAS_DOCSTRING = getattr(inspect, "CO_HAS_DOCSTRING", 0)  # Python >= 3.14 flags functions with a docstring
+_LOAD_CONST, _STORE_NAME, _EXTENDED_ARG = (
+    dis.opmap[name] for name in ("LOAD_CONST", "STORE_NAME", "EXTENDED_ARG")
+)
+
+
+def _body_docstring(code: types.CodeType) -> str | None:
+    """Docstring of a module or class body: the constant stored to ``__doc__`` by its first instructions."""
+    raw, pending, extended = code.co_code, None, 0
+    for i in range(0, min(len(raw), 64), 2):  # (opcode, arg) byte pairs; the docstring comes first
+        op, arg = raw[i], raw[i + 1] | extended
+        extended = arg << 8 if op == _EXTENDED_ARG else 0
+        if op == _LOAD_CONST:
+            pending = code.co_consts[arg]
+        elif op == _STORE_NAME and code.co_names[arg] == "__doc__":
+            return pending if isinstance(pending, str) else None
+    return None
+
+
+def _code_docstrings(code: types.CodeType) -> list[str]:
+    """Docstrings of a compiled module/class/function and of all code objects nested in it.
+
+    A function's docstring is its first constant (CPython stores ``None`` there when it has none); a module
+    or class body starts with ``LOAD_CONST <doc>; STORE_NAME __doc__``.
+    """
     found = []
-    doc = ast.get_docstring(node, clean=False) if isinstance(node, _DEF_NODES) else None
-    if doc:
+    if code.co_flags & inspect.CO_OPTIMIZED:  # function body
+        has_doc = code.co_flags & _CO_HAS_DOCSTRING if _CO_HAS_DOCSTRING else True
+        first = code.co_consts[0] if code.co_consts else None
+        if has_doc and code.co_name not in _NOT_DOCUMENTED and isinstance(first, str):
+            found.append(first)
+    elif (doc := _body_docstring(code)) is not None:
         found.append(doc)
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            found.extend(_ast_docstrings(child))
-        elif isinstance(child, (ast.If, ast.Try, ast.With)):  # definitions guarded by `if`/`try`
-            found.extend(_ast_docstrings(child))
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found.extend(_code_docstrings(const))
     return found
 
 
-_DEF_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+def _compiled(path: Path) -> types.CodeType | None:
+    """The module code of ``path``: from its up-to-date ``__pycache__`` file if there is one, else compiled."""
+    try:
+        source = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        cached = Path(importlib.util.cache_from_source(str(path), optimization="")).read_bytes()
+        flags = int.from_bytes(cached[4:8], "little")
+        stat = path.stat()
+        header_ok = cached[:4] == importlib.util.MAGIC_NUMBER and flags == 0  # timestamp-validated pyc
+        if header_ok and cached[8:16] == _pyc_stamp(int(stat.st_mtime), stat.st_size):
+            return marshal.loads(cached[16:])
+    except (OSError, ValueError, EOFError, TypeError):
+        pass
+    try:
+        return compile(source, str(path), "exec", dont_inherit=True, optimize=0)  # keep docstrings under -OO
+    except (SyntaxError, ValueError):  # e.g. lib2to3 grammar fixtures
+        return None
+
+
+def _pyc_stamp(mtime: int, size: int) -> bytes:
+    return (mtime & 0xFFFFFFFF).to_bytes(4, "little") + (size & 0xFFFFFFFF).to_bytes(4, "little")
 
 
 def _builtin_module_docstrings(name: str) -> list[str]:
@@ -154,11 +170,9 @@ def _documents() -> tuple[str, ...]:
     seen: set[str] = set()
     documents = [_join_unique([topics[key]], seen) for key in sorted(topics)]
     for path in _stdlib_source_files():
-        try:
-            tree = ast.parse(path.read_bytes(), filename=str(path))
-        except (SyntaxError, ValueError, OSError):  # e.g. lib2to3 grammar fixtures
-            continue
-        documents.append(_join_unique(list(_ast_docstrings(tree)), seen))
+        code = _compiled(path)
+        if code is not None:
+            documents.append(_join_unique(list(_code_docstrings(code)), seen))
     for name in _BUILTIN_MODULES:
         documents.append(_join_unique(list(_builtin_module_docstrings(name)), seen))
     return tuple(doc for doc in documents if doc)
@@ -192,6 +206,7 @@ def write_embedded_corpus(directory: str | os.PathLike[str]) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
             handle.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp creates it private
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

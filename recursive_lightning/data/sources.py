@@ -34,6 +34,7 @@ __all__ = [
     "iter_documents",
     "load_documents",
     "resolve_source",
+    "short_reason",
     "split_long_document",
 ]
 
@@ -166,9 +167,10 @@ def _file_documents(path: Path) -> Iterator[str]:
         yield record["text"]
 
 
-def _short(err: BaseException) -> str:
-    first_line = (str(err).strip().splitlines() or [""])[0][:160].rstrip(". ")
-    return f"{type(err).__name__}: {first_line}" if first_line else type(err).__name__
+def short_reason(err: BaseException) -> str:
+    """First clause of an exception message, for embedding in a one-sentence :class:`DataError`."""
+    text = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:160].rstrip(". ")
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _hf_documents(source: DataSource) -> Iterator[str]:
@@ -190,7 +192,7 @@ def _hf_documents(source: DataSource) -> Iterator[str]:
         raise
     except Exception as err:  # offline, unknown dataset, missing config...
         raise DataError(
-            f"Could not stream {source.spec} from the Hugging Face Hub ({_short(err)}); "
+            f"Could not stream {source.spec} from the Hugging Face Hub ({short_reason(err)}); "
             "check the name and your network, or pass a local file, folder or glob instead."
         ) from err
 

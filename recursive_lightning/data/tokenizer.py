@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from recursive_lightning.data.sources import DataError
+from recursive_lightning.data.sources import DataError, short_reason
 
 __all__ = [
     "EOS_TOKEN",
@@ -76,6 +76,7 @@ def _save_atomically(tok: Tokenizer, target: Path) -> None:
     os.close(fd)
     try:
         tok.save(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp creates it private
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -94,9 +95,8 @@ def _load_file(path: Path) -> Tokenizer:
     try:
         return Tokenizer.from_file(str(path))
     except Exception as err:
-        reason = (str(err).splitlines() or [""])[0][:120].rstrip(". ")
         raise DataError(
-            f"The tokenizer file {path} could not be loaded ({reason}); pass a valid tokenizer.json."
+            f"The tokenizer file {path} could not be loaded ({short_reason(err)}); pass a valid tokenizer.json."
         ) from None
 
 
@@ -131,9 +131,8 @@ def _load_hub(name: str) -> Tokenizer:
     try:
         return Tokenizer.from_pretrained(name)
     except Exception as err:
-        reason = (str(err).splitlines() or [""])[0][:120].rstrip(". ")
         raise DataError(
-            f"Could not download the tokenizer {name!r} from the Hugging Face Hub ({reason}); "
+            f"Could not download the tokenizer {name!r} from the Hugging Face Hub ({short_reason(err)}); "
             "check the name and your network, or use a local tokenizer.json or bpe:<vocab_size>."
         ) from None
 

@@ -410,27 +410,33 @@ def compare_cka_heatmaps(
     models: Mapping[str, ArrayLike],
     path: PathLike,
     *,
-    labels: Sequence[str] | None = None,
+    labels: Sequence[str] | Mapping[str, Sequence[str]] | None = None,
     title: str | None = None,
     annotate: bool = True,
     cmap: str = "Blues",
 ) -> Path:
-    """CKA heatmaps of several models side by side with a shared colour bar (MeSH Fig. 4)."""
+    """CKA heatmaps of several models side by side with a shared colour bar (MeSH Fig. 4).
+
+    ``labels`` is one list for all models or ``{model: labels}`` when the models have different
+    states (e.g. a vanilla model next to looped ones); y tick labels are then kept on every panel.
+    """
     mats = {k: _mean_matrix(v) for k, v in models.items()}
     m = len(mats)
     s = max(v.shape[0] for v in mats.values())
+    per_model = isinstance(labels, Mapping)
     with matplotlib.rc_context(_STYLE):
         fig, axes = _new_fig(1, m, ((0.5 * s + 1.3) * m + 1.0, 0.5 * s + 1.6))
         im = None
         for i, (name, mat) in enumerate(mats.items()):
-            lab = list(labels) if labels is not None else _default_state_labels(mat.shape[0])
+            given = labels.get(name) if per_model else labels
+            lab = list(given) if given is not None else _default_state_labels(mat.shape[0])
             im = _draw_heatmap(axes[0, i], mat, lab, lab, cmap=cmap, vmin=0.0, vmax=1.0, annotate=annotate)
             axes[0, i].set_title(name)
-            if i > 0:
+            if i > 0 and not per_model:
                 axes[0, i].set_yticklabels([])
+        _title(fig, title)  # before tight_layout so the suptitle gets its own space
         fig.tight_layout()
         fig.colorbar(im, ax=list(axes[0]), fraction=0.02, pad=0.02, label="CKA")
-        _title(fig, title)
         return _save(fig, path, tight=False)
 
 
@@ -914,9 +920,9 @@ def plot_head_heatmaps(
             axes[0, t].set_title(labels[t])
             if t > 0:
                 axes[0, t].set_ylabel("")
+        _title(fig, title)  # before tight_layout so the suptitle gets its own space
         fig.tight_layout()
         fig.colorbar(im, ax=list(axes[0]), fraction=0.02, pad=0.02, label=metric)
-        _title(fig, title)
         return _save(fig, path, tight=False)
 
 
@@ -952,9 +958,9 @@ def compare_head_heatmaps(
                 ax.set_title(f"{name} - {labels[t]}")
                 if t > 0:
                     ax.set_ylabel("")
+        _title(fig, title)  # before tight_layout so the suptitle gets its own space
         fig.tight_layout()
         fig.colorbar(im, ax=list(axes.ravel()), fraction=0.02, pad=0.02, label=metric)
-        _title(fig, title)
         return _save(fig, path, tight=False)
 
 
@@ -1013,7 +1019,7 @@ def compare_head_range_heatmaps(
         for i, (name, a) in enumerate(arrs.items()):
             im = _draw_range_heatmap(axes[0, i], a, frac)
             axes[0, i].set_title(name)
+        _title(fig, title)  # before tight_layout so the suptitle gets its own space
         fig.tight_layout()
         fig.colorbar(im, ax=list(axes[0]), fraction=0.02, pad=0.02, label=rf"normalised $\Delta$ {metric}")
-        _title(fig, title)
         return _save(fig, path, tight=False)

@@ -65,9 +65,11 @@ def build_datamodule(cfg: RunConfig):
     from recursive_lightning.data.datamodule import TextDataModule
 
     d = cfg.data
+    cache = d.cache_dir or os.environ.get("RECURSIVE_LIGHTNING_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "recursive_lightning"
     return TextDataModule(
         data=d.path, tokenizer=d.tokenizer, seq_len=d.seq_len, batch_size=d.batch_size,
-        cache_dir=d.cache_dir, seed=cfg.train.seed, val_batches=d.val_batches, num_workers=d.num_workers,
+        cache_dir=cache, seed=cfg.train.seed, val_batches=d.val_batches, num_workers=d.num_workers,
     )
 
 
@@ -158,6 +160,7 @@ def train(
         log_artifact_text(tracking_uri, run_id, "config.yaml", cfg.to_yaml())
         log_artifact_text(tracking_uri, run_id, "describe.json", to_json(stats))
 
+    L.seed_everything(cfg.train.seed, workers=True, verbose=False)  # init must not depend on what data prep consumed
     module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
     module.mlflow_run_id = run_id
     logger = MLFlowLogger(experiment_name=experiment or cfg.name, tracking_uri=tracking_uri, run_id=run_id,

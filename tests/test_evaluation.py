@@ -1,0 +1,315 @@
+"""Evaluation: perplexity windows, the lm-eval adapter on every model family, local lm-eval tasks end to end,
+the ``lm_eval`` command, the ``eval`` command's JSON and MLflow records, and the offline Hub-task sentence."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from lm_eval.api.instance import Instance
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from recursive_lightning.config import RunConfig
+from recursive_lightning.evaluation.lm_eval_adapter import RecursiveLightningLM
+from recursive_lightning.evaluation.perplexity import (
+    perplexity,
+    perplexity_by_context_length,
+    plan_windows,
+    tail_padding,
+)
+from recursive_lightning.model.model import RecursiveLM
+from recursive_lightning.training.checkpoint import load_checkpoint, save_model_checkpoint
+
+DATA = Path(__file__).parent / "data"
+MAX_LEN = 32
+FAMILIES = {
+    "vanilla": {"layout": "4"},
+    "looped-base": {"layout": "1+2R2+1", "topology": "base"},
+    "looped-mesh": {"layout": "1+2R2+1", "topology": "mesh"},
+    "unshared": {"layout": "1+1+1+1", "topology": "anchor"},
+    "multires": {"layout": "1+2x{1/4,1/2,1}+1", "topology": "mesh"},
+}
+
+
+def _texts() -> list[str]:
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)[:10]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from recursive_lightning.data.tokenizer import train_bpe
+
+    return train_bpe(_texts(), 512)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory, tokenizer) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpts")
+    out = {}
+    for i, (name, arch) in enumerate(FAMILIES.items()):
+        torch.manual_seed(i)
+        run = RunConfig.from_dict(
+            {"name": f"t-{name}", "model": {"vocab_size": 512, "d_model": 32, "n_heads": 4, "max_seq_len": MAX_LEN, **arch},
+             "data": {"seq_len": MAX_LEN}}
+        )
+        out[name] = save_model_checkpoint(root / f"{name}.ckpt", RecursiveLM(run.model), run, tokenizer)
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_tasks(tmp_path_factory) -> Path:
+    """tests/data task YAMLs with absolute data_files (datasets resolves relative ones from the cwd)."""
+    out = tmp_path_factory.mktemp("tasks")
+    cache = tmp_path_factory.mktemp("hf_datasets")
+    for y in DATA.glob("*.yaml"):
+        cfg = yaml.safe_load(y.read_text())
+        kw = cfg["dataset_kwargs"]
+        kw["data_files"] = {split: str(DATA / f) for split, f in kw["data_files"].items()}
+        kw["cache_dir"] = str(cache)
+        (out / y.name).write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return out
+
+
+def _direct_loglikelihood(model, tok, eot, context, continuation, max_len):
+    """Sum of the model's own log-probs of the continuation, one unbatched forward of the left-truncated input."""
+    if context:
+        ctx = tok.encode(context).ids
+        cont = tok.encode(context + continuation).ids[len(ctx) :]
+    else:
+        ctx, cont = [eot], tok.encode(continuation).ids
+    full = ctx + cont
+    inp = full[-(max_len + 1) : -1]
+    # multi-resolution layouts are scored inside a longer sequence (see perplexity.py): pad after the input
+    x = torch.tensor([inp + [0] * tail_padding(model)])
+    with torch.no_grad():
+        logp = F.log_softmax(model(x)[0, : len(inp)].double(), -1)
+    n = len(cont)
+    tgt = torch.tensor(full[-n:])
+    rows = logp[-n:]
+    return rows.gather(-1, tgt[:, None]).sum().item(), bool((rows.argmax(-1) == tgt).all())
+
+
+# ---------------------------------------------------------------------------------------------- windows
+@pytest.mark.parametrize("n,L,stride", [(1, 8, None), (8, 8, None), (9, 8, None), (50, 8, None), (50, 8, 3), (50, 8, 1), (7, 8, 8)])
+def test_windows_score_every_token_once_like_lm_eval(n, L, stride):
+    doc = list(range(100, 100 + n))
+    seq = [0, *doc]
+    wins = plan_windows(len(seq), 1, L, stride)
+    scored = [j for w in wins for j in range(w.target, w.end)]
+    assert scored == list(range(1, len(seq)))
+    assert all(w.end - 1 - w.begin <= L and w.begin <= w.target - 1 for w in wins)
+    # the same (input, prediction) pairs as lm-eval's rolling windows with context_len = L - stride + 1
+    ref = [make_disjoint_window(p) for p in get_rolling_token_windows(doc, 0, L, L - (stride or L) + 1)]
+    ref_full = [(a + b)[:-1] for a, b in ref]
+    ours = [seq[w.begin : w.end - 1] for w in wins]
+    assert [len(b) for _, b in ref] == [w.end - w.target for w in wins]
+    assert ref_full == ours
+
+
+# ---------------------------------------------------------------------------------------------- adapter
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loglikelihood_equals_model_logprobs(family, ckpts, tokenizer):
+    loaded = load_checkpoint(ckpts[family])
+    lm = RecursiveLightningLM.from_loaded(loaded, batch_size=3)
+    long_ctx = " ".join(_texts()[0].split()[:120])  # far more than MAX_LEN tokens: left-truncated
+    reqs = [
+        ("The quick brown fox", " jumps over the lazy dog"),
+        (long_ctx, " and then the end of it"),
+        ("", "Hello world, again"),
+        ("A", " B"),
+        ("Question: what is frozen water?\nAnswer:", " ice"),
+        ("x = 1", "\ny = 2\nprint(x + y)"),
+    ]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)], disable_tqdm=True)
+    assert len(tokenizer.encode(long_ctx).ids) > 2 * MAX_LEN
+    for (ctx, cont), (ll, greedy) in zip(reqs, got):
+        ref, ref_greedy = _direct_loglikelihood(loaded.model, tokenizer, lm.eot_token_id, ctx, cont, MAX_LEN)
+        assert ll == pytest.approx(ref, abs=1e-3, rel=1e-5), (family, ctx[:20], cont)
+        assert greedy == ref_greedy
+    # batch composition does not matter (right padding, tail padding for multi-resolution chunks)
+    single = RecursiveLightningLM.from_loaded(loaded, batch_size=1)
+    got1 = single.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)], disable_tqdm=True)
+    assert [a for a, _ in got1] == pytest.approx([a for a, _ in got], abs=1e-3)
+
+
+def test_rolling_equals_package_perplexity(ckpts, tokenizer):
+    loaded = load_checkpoint(ckpts["looped-mesh"])
+    doc = _texts()[1][:700]
+    toks = tokenizer.encode(doc).ids
+    assert len(toks) > 3 * MAX_LEN
+    for stride in (None, 16):
+        lm = RecursiveLightningLM.from_loaded(loaded, batch_size=4, stride=stride)
+        (rolling,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (doc,), 0)], disable_tqdm=True)
+        ppl = perplexity(loaded.model, tokenizer, doc, stride=stride, batch_size=2)
+        assert ppl["tokens"] == len(toks)
+        assert -rolling == pytest.approx(ppl["nll"], rel=1e-6)
+        assert ppl["ppl"] == pytest.approx(math.exp(ppl["nll"] / ppl["tokens"]))
+        # and both equal lm-eval's own rolling windows scored by the bare model
+        windows = [make_disjoint_window(w) for w in get_rolling_token_windows(toks, lm.eot_token_id, MAX_LEN, MAX_LEN - (stride or MAX_LEN) + 1)]
+        total = 0.0
+        with torch.no_grad():
+            for ctx, pred in windows:
+                inp = (ctx + pred)[:-1]
+                logp = F.log_softmax(loaded.model(torch.tensor([inp]))[0].double(), -1)
+                total += logp[-len(pred) :].gather(-1, torch.tensor(pred)[:, None]).sum().item()
+        assert rolling == pytest.approx(total, rel=1e-6)
+
+
+def test_generate_until_greedy_with_stop(ckpts, tokenizer):
+    loaded = load_checkpoint(ckpts["vanilla"])
+    lm = RecursiveLightningLM.from_loaded(loaded, batch_size=2)
+    prompt = "The cat sat on the"
+    ids = tokenizer.encode(prompt).ids
+    ref_ids = loaded.model.generate(torch.tensor([ids]), max_new_tokens=10)[0, len(ids) :].tolist()
+    ref = tokenizer.decode(ref_ids)
+    [free] = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 10}), 0)], disable_tqdm=True)
+    assert free == ref
+    stop = ref.strip()[2:4] or ref[-1]
+    cut = ref[: ref.find(stop)]
+    reqs = [(prompt, {"until": [stop], "max_gen_toks": 10}), ("Another prompt, longer than the first one", {"until": ["\n\n"], "max_gen_toks": 3})]
+    out = lm.generate_until([Instance("generate_until", {}, r, i) for i, r in enumerate(reqs)], disable_tqdm=True)
+    assert out[0] == cut and stop not in out[0]
+    assert isinstance(out[1], str)
+
+
+# ---------------------------------------------------------------------------------------------- lm-eval
+def test_local_tasks_through_simple_evaluate(ckpts, local_tasks):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=str(local_tasks), include_defaults=False)
+    res = lm_eval.simple_evaluate(
+        model="recursive_lightning",  # found through lm-eval's registry
+        model_args=f"checkpoint={ckpts['multires']},batch_size=8",
+        tasks=["tiny_mc", "tiny_lambada"],
+        num_fewshot=0,
+        limit=6,
+        task_manager=tm,
+        bootstrap_iters=0,
+        log_samples=False,
+    )
+    mc, lam = res["results"]["tiny_mc"], res["results"]["tiny_lambada"]
+    for v in (mc["acc,none"], mc["acc_norm,none"], lam["acc,none"]):
+        assert 0.0 <= v <= 1.0
+    assert lam["perplexity,none"] > 1.0
+
+
+@pytest.mark.slow
+def test_lm_eval_command(ckpts, local_tasks, tmp_path):
+    from recursive_lightning.evaluation import harness_hook
+
+    if harness_hook.installed():  # the plain `lm_eval` command, through the .pth start-up hook
+        cmd = [str(Path(sys.executable).parent / "lm_eval")]
+    else:  # the hook is installed by setup.sh; without it, the wrapper does the same registration
+        cmd = [sys.executable, "-m", "recursive_lightning.evaluation.lm_eval_cli"]
+    cmd += ["--model", "recursive_lightning", "--model_args", f"checkpoint={ckpts['vanilla']}", "--tasks", "tiny_mc",
+            "--include_path", str(local_tasks), "--limit", "4", "--device", "cpu", "--batch_size", "4",
+            "--output_path", str(tmp_path / "out")]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "tiny_mc" in p.stdout and "acc_norm" in p.stdout
+    results = list((tmp_path / "out").rglob("results_*.json"))
+    assert results and 0 <= json.loads(results[0].read_text())["results"]["tiny_mc"]["acc,none"] <= 1
+
+
+# ---------------------------------------------------------------------------------------------- eval command
+def test_eval_command_json_and_mlflow(tmp_path, tokenizer, local_tasks, capsys):
+    from mlflow.tracking import MlflowClient
+
+    from recursive_lightning.cli import main
+    from recursive_lightning.tracking import create_run, default_tracking_uri, ensure_experiment
+
+    run_dir = tmp_path / "run"
+    uri = default_tracking_uri(run_dir)
+    run_dir.mkdir()
+    run_id = create_run(uri, ensure_experiment(uri, "t-eval", run_dir / "mlartifacts"), "train")
+    torch.manual_seed(0)
+    run = RunConfig.from_dict({"name": "t-eval", "model": {"vocab_size": 512, "d_model": 32, "n_heads": 4, "max_seq_len": MAX_LEN,
+                                                           "layout": "1+2R2+1", "topology": "mesh"}, "data": {"seq_len": MAX_LEN}})
+    save_model_checkpoint(run_dir / "checkpoints" / "last.ckpt", RecursiveLM(run.model), run, tokenizer, global_step=7,
+                          mlflow_run_id=run_id)
+    text = tmp_path / "doc.txt"
+    text.write_text(_texts()[2][:1000])
+    rc = main(["eval", str(run_dir), "--ppl", f"doc={text}", "--tasks", "tiny_mc,tiny_lambada", "--shots", "0,5",
+               "--limit", "3", "--context-lengths", "8,16,64,100000", "--ctx-max-tokens", "64", "--include-path", str(local_tasks), "--batch-size", "8"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "tiny_mc" in printed and "average" in printed
+    out = json.loads((run_dir / "eval" / "eval-last.json").read_text())
+    assert out["global_step"] == 7 and out["mlflow"]["run_id"] == run_id
+    assert out["ppl"]["doc"]["ppl"] > 1
+    ctx = out["ppl_ctx"]["lengths"]
+    assert ctx["64"]["extrapolated"] is True and ctx["16"]["extrapolated"] is False
+    assert "skipped" in ctx["100000"]
+    assert set(out["avg"]) == {"0", "5"} and 0 <= out["avg"]["0"] <= 1
+    client = MlflowClient(tracking_uri=uri)
+    metrics = client.get_run(run_id).data.metrics
+    for key in ("eval/ppl/doc", "eval/ppl_ctx/8", "eval/tiny_mc/0shot/acc", "eval/tiny_mc/5shot/acc_norm",
+                "eval/tiny_lambada/0shot/acc", "eval/avg/0shot", "eval/avg/5shot"):
+        assert key in metrics, key
+    assert metrics["eval/ppl/doc"] == pytest.approx(out["ppl"]["doc"]["ppl"])
+    assert client.get_metric_history(run_id, "eval/avg/0shot")[0].step == 7
+    assert [a.path for a in client.list_artifacts(run_id, "eval")] == ["eval/eval-last.json"]
+
+    # a checkpoint whose run is not in the store: a new run, tagged with the checkpoint path
+    other = save_model_checkpoint(tmp_path / "elsewhere" / "x.ckpt", RecursiveLM(run.model), run, tokenizer,
+                                  mlflow_run_id="0123456789abcdef0123456789abcdef")
+    rc = main(["eval", str(other), "--ppl", f"doc={text}", "--tasks", "none", "--tracking-uri", uri,
+               "--out", str(tmp_path / "o2")])
+    assert rc == 0
+    new = json.loads((tmp_path / "o2" / "eval-x.json").read_text())["mlflow"]
+    assert new["created"] and new["run_id"] != run_id
+    r = client.get_run(new["run_id"])
+    assert r.data.tags["checkpoint"] == str(other.resolve()) and "eval/ppl/doc" in r.data.metrics
+
+
+def test_hub_task_offline_is_one_sentence(ckpts, capsys):
+    from recursive_lightning.cli import main
+
+    rc = main(["eval", str(ckpts["vanilla"]), "--tasks", "piqa", "--shots", "0", "--no-mlflow"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.startswith("error: task 'piqa' needs the Hugging Face dataset 'baber/piqa'")
+    assert "offline" in err and "dataset_path: json" in err and "--include-path" in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_unknown_task_and_bad_inputs(ckpts, capsys):
+    from recursive_lightning.cli import main
+
+    assert main(["eval", str(ckpts["vanilla"]), "--tasks", "piqaa", "--no-mlflow"]) == 2
+    assert "did you mean 'piqa'" in capsys.readouterr().err
+    assert main(["eval", str(ckpts["vanilla"]), "--ppl", "x=/nonexistent.txt", "--tasks", "none", "--no-mlflow"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_context_length_table(ckpts, tokenizer):
+    model = load_checkpoint(ckpts["multires"]).model
+    text = _texts()[3][:3000]
+    n = len(tokenizer.encode(text).ids)
+    res = perplexity_by_context_length(model, tokenizer, text, [8, 32, 64, n + 5], block=4, max_tokens=128, extrapolate=False)
+    assert res[8]["segments"] == 16 and res[8]["tokens"] == 128 and res[8]["last_block"] == 4
+    assert res[32]["ppl"] > 1 and res[32]["ppl_last"] > 1 and not res[32]["extrapolated"]
+    assert "max_seq_len" in res[64]["skipped"]
+    assert "skipped" in res[n + 5]
+    # a segment of L tokens is exactly one forward pass: its NLL equals the document perplexity of it
+    ids = tokenizer.encode(text).ids
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    one = perplexity_by_context_length(model, tokenizer, text, [16], max_tokens=16)[16]
+    seg = [eos, *ids[:16]]
+    with torch.no_grad():
+        logp = F.log_softmax(model(torch.tensor([seg[:-1] + [0] * tail_padding(model)]))[0, :16].double(), -1)
+    assert one["nll"] == pytest.approx(-logp.gather(-1, torch.tensor(seg[1:])[:, None]).sum().item(), rel=1e-6)
+    docs = perplexity_by_context_length(model, tokenizer, [text, "short"], [16], mode="documents")[16]
+    assert docs["segments"] == 1
