@@ -117,8 +117,13 @@ def interleaved(
     warmup: int,
     min_util: float | None = None,
     max_rounds: int | None = None,
+    clock: str = "wall",
 ) -> dict[str, list[float]]:
-    """Wall-clock seconds per call, the functions alternated ABAB / BABA round by round.
+    """Seconds per call, the functions alternated ABAB / BABA round by round.
+
+    ``clock="wall"``: wall-clock (perf_counter). ``clock="cpu"``: this process's CPU time summed over
+    its threads (process_time), which other processes on the machine barely disturb; with one torch
+    thread it equals the wall-clock of an idle machine (no ``min_util`` filtering then).
 
     With ``min_util`` (a fraction of ``torch.get_num_threads()``), a round counts only if every call
     in it kept the process's CPU time / wall time >= min_util * threads, i.e. no other process took
@@ -130,6 +135,10 @@ def interleaved(
     for _ in range(warmup):
         for n in names:
             fns[n]()
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock '{clock}' must be wall or cpu")
+    if clock == "cpu":
+        min_util = None
     need = min_util * torch.get_num_threads() if min_util else 0.0
     max_rounds = max_rounds or (5 * reps if min_util else reps)
     kept: dict[str, list[float]] = {n: [] for n in names}
@@ -140,9 +149,9 @@ def interleaved(
         for n in names if r % 2 == 0 else names[::-1]:
             w0, c0 = time.perf_counter(), time.process_time()
             fns[n]()
-            wall = time.perf_counter() - w0
-            clean &= (time.process_time() - c0) / wall >= need
-            row[n] = wall
+            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+            clean &= cpu / wall >= need
+            row[n] = cpu if clock == "cpu" else wall
         for n in names:
             every[n].append(row[n])
             if clean:
@@ -179,9 +188,9 @@ def check_equivalent(ref: RecursiveLM, other: RecursiveLM, idx: torch.Tensor, tg
 
 
 def isolated_topology(
-    cfg_kwargs: dict, variants: list[str], batch: int, seq: int, reps: int
-) -> dict[str, float]:
-    """Forward+backward of the topology alone (routers + buffer ops) on random states: ms per call."""
+    cfg_kwargs: dict, variants: list[str], batch: int, seq: int, reps: int, clock: str = "wall"
+) -> dict[str, tuple[float, float]]:
+    """Forward+backward of the topology alone (routers + buffer ops) on random states: (min, median) ms per call."""
     cfg = preset(cfg_kwargs["preset"], layout=cfg_kwargs["layout"], topology="mesh")
     k, d = cfg.parsed_layout.n_loop, cfg.d_model
     g = torch.Generator().manual_seed(0)
@@ -202,7 +211,7 @@ def isolated_topology(
             topo.zero_grad(set_to_none=True)
 
         fns[v] = run
-    times = interleaved(fns, reps, warmup=2)
+    times = interleaved(fns, reps, warmup=2, clock=clock)
     return {v: (1e3 * min(ts), 1e3 * statistics.median(ts)) for v, ts in times.items()}
 
 
@@ -253,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0.9,
         help="keep a round only if CPU time / wall >= this x threads in every call (0: keep all)",
     )
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=("wall", "cpu"),
+        help="wall: wall-clock (default); cpu: process CPU time, robust on a busy shared machine (use --threads 1)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--variants", default="base,mesh", help="comma list of base, mesh, mesh-eq6, mesh-lazy")
     p.add_argument("--isolated", action="store_true", help="also time the topology alone (fwd+bwd)")
@@ -284,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     print("# MeSH wall-clock overhead (forward + backward)\n")
     print(
         f"machine  {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}{', bf16 autocast' if args.bf16 else ''}, "
+        f"threads {torch.get_num_threads()}, clock {args.clock}{', bf16 autocast' if args.bf16 else ''}, "
         f"load average {os.getloadavg()[0]:.2f} at start"
     )
     print(
@@ -306,8 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             args.reps,
             args.warmup,
             min_util=args.min_util or None,
+            clock=args.clock,
         )
-    print(f"rounds   {ROUNDS['kept']} uncontended of {ROUNDS['run']} run (--min-util {args.min_util})")
+    print(
+        f"rounds   {ROUNDS['kept']} kept of {ROUNDS['run']} run"
+        + (f" (--min-util {args.min_util})" if args.clock == "wall" else "")
+    )
 
     fl = {
         t: describe(preset(args.preset, layout=args.layout, topology=t), args.seq_len, args.batch)
@@ -329,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     mesh_ratio = statistics.median(times["mesh"]) / med_base
     print(
-        f"\nmesh / base wall-clock          {mesh_ratio:.4f}  (overhead {100 * (mesh_ratio - 1):+.2f} %, goal < +3 %)"
+        f"\nmesh / base {args.clock + ' time':<20}{mesh_ratio:.4f}  (overhead {100 * (mesh_ratio - 1):+.2f} %, goal < +3 %)"
     )
     print(
         f"mesh / base describe() FLOPs    {flop_ratio:.6f}  (overhead {100 * (flop_ratio - 1):+.4f} %, matmuls: routers)"
@@ -340,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"goal {'MET' if mesh_ratio < 1.03 else 'MISSED'}; load average {os.getloadavg()[0]:.2f} at end")
 
     if args.isolated:
-        iso = isolated_topology(cfgk, variants, args.batch, args.seq_len, max(args.reps, 20))
+        iso = isolated_topology(cfgk, variants, args.batch, args.seq_len, max(args.reps, 20), args.clock)
         base_min = 1e3 * min(times["base"])
         print(
             "\n| topology alone (fwd+bwd, routers included) | min ms | median ms | min as share of base min |"

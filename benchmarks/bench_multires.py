@@ -148,12 +148,17 @@ def components(model: RecursiveLM, batch: int, seq: int) -> dict[str, tuple]:
 
 
 def breakdown(
-    models: dict[str, RecursiveLM], measured: dict[str, float], batch: int, seq: int, reps: int
+    models: dict[str, RecursiveLM],
+    measured: dict[str, float],
+    batch: int,
+    seq: int,
+    reps: int,
+    clock: str = "wall",
 ) -> None:
     """Each component alone; min over reps (one-sided noise on a shared machine), median alongside."""
     for name, model in models.items():
         comps = components(model, batch, seq)
-        times = interleaved({k: v[0] for k, v in comps.items()}, reps, warmup=1)
+        times = interleaved({k: v[0] for k, v in comps.items()}, reps, warmup=1, clock=clock)
         total_ms = sum(1e3 * min(ts) for ts in times.values())
         total_fl = sum(v[1] for v in comps.values())
         print(
@@ -204,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0.9,
         help="keep a round only if CPU time / wall >= this x threads in every call (0: keep all)",
     )
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=("wall", "cpu"),
+        help="wall: wall-clock (default); cpu: process CPU time, robust on a busy shared machine (use --threads 1)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--breakdown", action="store_true", help="time every component alone")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of the SpiralFormer model")
@@ -225,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     print("# SpiralFormer-B vs LoopedFormer wall-clock (forward + backward)\n")
     print(
         f"machine  {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} at start"
+        f"threads {torch.get_num_threads()}, clock {args.clock}, load average {os.getloadavg()[0]:.2f} at start"
     )
     print(
         f"model    preset {args.preset}, topology {args.topology}, batch {args.batch} x seq "
@@ -239,8 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         args.reps,
         args.warmup,
         min_util=args.min_util or None,
+        clock=args.clock,
     )
-    print(f"rounds   {ROUNDS['kept']} uncontended of {ROUNDS['run']} run (--min-util {args.min_util})")
+    print(
+        f"rounds   {ROUNDS['kept']} kept of {ROUNDS['run']} run"
+        + (f" (--min-util {args.min_util})" if args.clock == "wall" else "")
+    )
     flops = {
         lay: describe(preset(args.preset, layout=lay, topology=args.topology), args.seq_len, args.batch)[
             "flops_forward"
@@ -276,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nload average {os.getloadavg()[0]:.2f} at end")
 
     if args.breakdown:
-        breakdown(models, med, args.batch, args.seq_len, max(5, args.reps))
+        breakdown(models, med, args.batch, args.seq_len, max(5, args.reps), args.clock)
     if args.profile:
         profile(models[next(v for v in variants if v.startswith("spiral"))], idx, tgt)
     return 0

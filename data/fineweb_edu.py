@@ -28,13 +28,19 @@ DATASET = "HuggingFaceFW/fineweb-edu"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, type=Path, help="shard folder to create")
-    parser.add_argument("--config", default="sample-10BT", help="sample-10BT, sample-100BT, sample-350BT or default")
-    parser.add_argument("--max-tokens", type=float, default=None, help="cap on train tokens (default: the config)")
+    parser.add_argument(
+        "--config", default="sample-10BT", help="sample-10BT, sample-100BT, sample-350BT or default"
+    )
+    parser.add_argument(
+        "--max-tokens", type=float, default=None, help="cap on train tokens (default: the config)"
+    )
     parser.add_argument("--val-tokens", type=float, default=5e6, help="tokens of held-out documents for val")
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json or Hub name (default: train a BPE)")
     parser.add_argument("--vocab-size", type=int, default=32_768, help="vocab of the BPE trained here")
     parser.add_argument("--tokenizer-docs", type=int, default=100_000, help="documents to train the BPE on")
-    parser.add_argument("--num-workers", type=int, default=None, help="tokenising processes (default: all cores)")
+    parser.add_argument(
+        "--num-workers", type=int, default=None, help="tokenising processes (default: all cores)"
+    )
     parser.add_argument("--num-inputs", type=int, default=None, help="file shards to split the stream into")
     parser.add_argument("--chunk-bytes", default="64MB", help="size of each litdata chunk file")
     return parser.parse_args(argv)
@@ -60,9 +66,16 @@ def main(argv: list[str] | None = None) -> Path:
     else:
         tokenizer = bpe_tokenizer(args)
     output = build_hub_shards(
-        args.output, tokenizer, dataset=DATASET, config=args.config, max_tokens=args.max_tokens,
-        val_tokens=args.val_tokens, num_workers=args.num_workers, num_inputs=args.num_inputs,
-        chunk_bytes=args.chunk_bytes, meta={"tokenizer": args.tokenizer or f"bpe:{args.vocab_size} (trained here)"},
+        args.output,
+        tokenizer,
+        dataset=DATASET,
+        config=args.config,
+        max_tokens=args.max_tokens,
+        val_tokens=args.val_tokens,
+        num_workers=args.num_workers,
+        num_inputs=args.num_inputs,
+        chunk_bytes=args.chunk_bytes,
+        meta={"tokenizer": args.tokenizer or f"bpe:{args.vocab_size} (trained here)"},
     )
     print(f"shards ready: {output}")
     return output

@@ -44,7 +44,9 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def dm(cache_dir: Path) -> TextDataModule:
     """The default pipeline: embedded corpus, bpe:4096, built once for the whole session."""
-    module = TextDataModule(None, "bpe:4096", seq_len=SEQ_LEN, batch_size=BATCH, cache_dir=cache_dir, val_batches=4)
+    module = TextDataModule(
+        None, "bpe:4096", seq_len=SEQ_LEN, batch_size=BATCH, cache_dir=cache_dir, val_batches=4
+    )
     module.prepare_data()
     module.setup("fit")
     return module
@@ -77,7 +79,9 @@ def test_embedded_corpus_is_real_english_prose(tmp_path: Path) -> None:
 
     path = write_embedded_corpus(tmp_path)
     mtime = path.stat().st_mtime_ns
-    assert write_embedded_corpus(tmp_path) == path and path.stat().st_mtime_ns == mtime  # reused, not rewritten
+    assert (
+        write_embedded_corpus(tmp_path) == path and path.stat().st_mtime_ns == mtime
+    )  # reused, not rewritten
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp files left behind
     source = resolve_source(None, embedded_dir=tmp_path)
     assert source.kind == "embedded" and source.files == (path,)
@@ -139,7 +143,9 @@ def test_folder_glob_and_jsonl_documents(tmp_path: Path) -> None:
     (tmp_path / "sub").mkdir()
     (tmp_path / "a.txt").write_text("first document\n\f\nsecond document\n")
     (tmp_path / "sub" / "b.md").write_text("# third\n")
-    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "fourth"}) + "\n\n" + json.dumps({"text": " "}) + "\n")
+    (tmp_path / "c.jsonl").write_text(
+        json.dumps({"text": "fourth"}) + "\n\n" + json.dumps({"text": " "}) + "\n"
+    )
     (tmp_path / "ignored.csv").write_text("x,y\n")
     expected = ["first document", "second document", "fourth", "# third"]
     assert load_documents(resolve_source(tmp_path)) == expected
@@ -151,7 +157,11 @@ def test_folder_glob_and_jsonl_documents(tmp_path: Path) -> None:
 
 def test_hf_spec_offline_gives_clear_error() -> None:
     source = resolve_source("hf:HuggingFaceFW/fineweb-edu:sample-10BT@train")
-    assert (source.hf_name, source.hf_config, source.hf_split) == ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train")
+    assert (source.hf_name, source.hf_config, source.hf_split) == (
+        "HuggingFaceFW/fineweb-edu",
+        "sample-10BT",
+        "train",
+    )
     with pytest.raises(DataError, match="hf:HuggingFaceFW/fineweb-edu"):
         load_documents(source, limit=1)
 
@@ -171,13 +181,17 @@ def test_bpe_tokenizer_is_trained_once_and_cached(tmp_path: Path) -> None:
     sample = "Return the number of items in a container, e.g. len([1, 2]) == 2.\n"
     assert tok.decode(tok.encode(sample).ids) == sample
     again = load_tokenizer("bpe:512", documents, tmp_path, corpus_fingerprint="corpus-a")
-    assert len(calls) == 1 and tokenizer_fingerprint(again) == tokenizer_fingerprint(tok)  # loaded, not retrained
+    assert len(calls) == 1 and tokenizer_fingerprint(again) == tokenizer_fingerprint(
+        tok
+    )  # loaded, not retrained
     load_tokenizer("bpe:512", documents, tmp_path, corpus_fingerprint="corpus-b")
     assert len(calls) == 2 and len(list(tmp_path.glob("bpe512-*.json"))) == 2  # other corpus -> other entry
 
     saved = tmp_path / "tokenizer.json"
     tok.save(str(saved))
-    assert tokenizer_fingerprint(load_tokenizer(str(saved), documents, tmp_path)) == tokenizer_fingerprint(tok)
+    assert tokenizer_fingerprint(load_tokenizer(str(saved), documents, tmp_path)) == tokenizer_fingerprint(
+        tok
+    )
     with pytest.raises(DataError) as err:
         load_tokenizer(str(tmp_path / "missing.json"), documents, tmp_path)
     _assert_one_sentence_naming(err, tmp_path / "missing.json")
@@ -203,15 +217,26 @@ def test_shards_are_reused(dm: TextDataModule, cache_dir: Path) -> None:
     assert meta["train_tokens"] > 400_000 and meta["val_tokens"] > 2_000
 
 
+def test_finished_shard_folder_is_a_data_spec(dm: TextDataModule, tmp_path: Path) -> None:
+    module = TextDataModule(str(dm.shards.path), seq_len=SEQ_LEN, batch_size=BATCH, cache_dir=tmp_path)
+    module.setup()  # e.g. the output of data/pile_dedup.py: its own tokenizer, nothing rebuilt
+    assert module.shards.path == dm.shards.path and not list(tmp_path.iterdir())
+    assert tokenizer_fingerprint(module.tokenizer) == tokenizer_fingerprint(dm.tokenizer)
+    assert next(iter(module.train_dataloader())).shape == (BATCH, SEQ_LEN + 1)
+
+
 def test_train_val_documents_are_disjoint(dm: TextDataModule) -> None:
     docs = embedded_corpus_documents()
     train, val = shards_mod.split_documents(docs)
     assert train and val and not set(train) & set(val) and len(train) + len(val) == len(docs)
     assert shards_mod.split_documents(list(reversed(docs)))[1] == list(reversed(val))  # order-independent
     meta = shards_mod.read_meta(dm.shards.path)
-    assert meta["val_documents"] >= 3 and meta["train_documents"] > 20 * meta["val_documents"]
+    assert meta["val_documents"] >= 3 and meta["train_documents"] > 10 * meta["val_documents"]
+    assert 0.01 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.05  # ~2 % of the text
     eos = eos_token_id(dm.tokenizer)
-    val_tokens = torch.cat([torch.from_numpy(t.astype("int64")) for t in shards_mod.iter_chunk_tokens(dm.shards.path / "val")])
+    val_tokens = torch.cat(
+        [torch.from_numpy(t.astype("int64")) for t in shards_mod.iter_chunk_tokens(dm.shards.path / "val")]
+    )
     assert int((val_tokens == eos).sum()) == meta["val_documents"]  # one EOS after every document
 
 
@@ -231,8 +256,12 @@ def test_epochs_cycle_without_repeats(cache_dir: Path, dm: TextDataModule) -> No
     blocks = len(loader.dataset)
     for epoch in epochs:
         assert epoch.shape[0] == blocks // 16 * 16
-        assert len({tuple(row.tolist()) for row in epoch}) == epoch.shape[0]  # nothing repeats within an epoch
+        assert (
+            len({tuple(row.tolist()) for row in epoch}) == epoch.shape[0]
+        )  # nothing repeats within an epoch
     assert not torch.equal(epochs[0], epochs[1])  # reshuffled each epoch
+    rebuilt = torch.cat(list(module.train_dataloader()))  # a rebuilt loader continues with the next epoch
+    assert not torch.equal(rebuilt, epochs[0]) and not torch.equal(rebuilt, epochs[1])
 
 
 def test_val_loader_is_fixed(dm: TextDataModule) -> None:
@@ -271,7 +300,9 @@ def test_too_little_data_is_a_data_error(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     for i in range(4):
         (tmp_path / "docs" / f"{i}.txt").write_text(f"Document number {i} is short.\n")
-    module = TextDataModule(str(tmp_path / "docs"), "bpe:300", seq_len=64, batch_size=2, cache_dir=tmp_path / "c")
+    module = TextDataModule(
+        str(tmp_path / "docs"), "bpe:300", seq_len=64, batch_size=2, cache_dir=tmp_path / "c"
+    )
     module.setup()
     with pytest.raises(DataError, match="train split"):
         module.train_dataloader()
@@ -297,15 +328,26 @@ class _Recorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def _fit(module: _Recorder, datamodule: TextDataModule, max_steps: int, ckpt_path: Path | None = None) -> None:
+def _fit(
+    module: _Recorder, datamodule: TextDataModule, max_steps: int, ckpt_path: Path | None = None
+) -> None:
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
 
 
-def test_lightning_resume_continues_with_next_batch(cache_dir: Path, tmp_path: Path, dm: TextDataModule) -> None:
+def test_lightning_resume_continues_with_next_batch(
+    cache_dir: Path, tmp_path: Path, dm: TextDataModule
+) -> None:
     per_epoch = len(_long_dm(cache_dir).train_dataloader())
     mid, next_epoch = 7, per_epoch + 3  # a step inside epoch 0 and one inside epoch 1
     total = next_epoch + 4

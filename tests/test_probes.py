@@ -20,6 +20,15 @@ from recursive_lightning.probes.capture import ProbeSettings, capture
 TINY = dict(vocab_size=61, d_model=32, n_heads=4, max_seq_len=64)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These models are tiny: one intra-op thread is faster than two and immune to a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny(layout: str, topology: str = "base", seed: int = 0, **kw) -> RecursiveLM:
     torch.manual_seed(seed)
     model = RecursiveLM(ModelConfig.from_dict({**TINY, "layout": layout, "topology": topology, **kw})).double()

@@ -124,6 +124,8 @@ class TextDataModule(L.LightningDataModule):
         source = resolve_source(self.data, embedded_dir=self.cache_dir / "corpus")
         documents_fn = self._memoised_documents(source)
         fingerprint = source.fingerprint()
+        if source.kind == "hf":  # the streamed sample depends on the cap
+            fingerprint = f"{fingerprint}-{self.hf_max_documents}"
         tokenizer = load_tokenizer(
             self.tokenizer_spec, documents_fn, self.cache_dir / "tokenizers", corpus_fingerprint=fingerprint
         )
@@ -198,9 +200,11 @@ class TextDataModule(L.LightningDataModule):
             collate_fn=collate_long,
             persistent_workers=False,
         )
-        if self._pending_train_state is not None:
+        if self._pending_train_state is not None:  # resuming: continue with the next batch
             loader.load_state_dict(self._pending_train_state)
             self._pending_train_state = None
+        elif self._train_loader is not None:  # rebuilt (e.g. reload_dataloaders_every_n_epochs): next epoch
+            loader.current_epoch = self._train_loader.current_epoch
         self._train_loader = loader
         return loader
 
@@ -228,30 +232,22 @@ class TextDataModule(L.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """Position of the train stream (``StreamingDataLoader.state_dict()``) and the shard key it refers to."""
         state: dict[str, Any] = {"shards": self.shards.path.name if self.shards else None}
-        loader = self._train_loader
-        if loader is not None:
-            state["train_loader"] = loader.state_dict()
-        elif (
-            self._pending_train_state is not None
-        ):  # restored but not yet iterated: keep it for the next save
+        if self._pending_train_state is not None:  # restored but not applied yet: keep it for the next save
             state["train_loader"] = self._pending_train_state
+        elif self._train_loader is not None:
+            state["train_loader"] = self._train_loader.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the train-stream position; it is applied to the loader built by the next :meth:`train_dataloader`."""
+        """Restore the train-stream position; it is applied to the loader built by the next :meth:`train_dataloader`
+        (Lightning builds the train loader after restoring the datamodule)."""
         expected = state_dict.get("shards")
         if expected and self.shards is not None and expected != self.shards.path.name:
             raise DataError(
                 f"The checkpoint was trained on shards {expected} but the data now resolves to {self.shards.path}; "
                 "resume with the same --data and --tokenizer."
             )
-        train_state = state_dict.get("train_loader")
-        if train_state is None:
-            return
-        if self._train_loader is not None:
-            self._train_loader.load_state_dict(train_state)
-        else:
-            self._pending_train_state = train_state
+        self._pending_train_state = state_dict.get("train_loader")
 
     # ----------------------------------------------------------------------------------------- baselines
     def unigram_perplexity(self, split: str = "val") -> float:

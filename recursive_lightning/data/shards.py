@@ -63,7 +63,7 @@ __all__ = [
     "write_split",
 ]
 
-SHARD_FORMAT_VERSION = 1
+SHARD_FORMAT_VERSION = 2
 COMPLETE_MARKER = "COMPLETE"
 META_FILE = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -89,32 +89,35 @@ def _document_hash_fraction(text: str) -> float:
 
 
 def is_validation_document(text: str, val_fraction: float = DEFAULT_VAL_FRACTION) -> bool:
-    """Deterministic, order-independent split: a document is held out iff its content hash falls below ``val_fraction``."""
+    """Streaming split rule (used by the Hub recipes): held out iff the content hash falls below ``val_fraction``."""
     return _document_hash_fraction(text) < val_fraction
 
 
 def split_documents(
     documents: Sequence[str], val_fraction: float = DEFAULT_VAL_FRACTION
 ) -> tuple[list[str], list[str]]:
-    """Split documents into (train, val) by :func:`is_validation_document`.
+    """Split documents into (train, val), both in their original order.
 
-    Identical documents land in the same split. If the hash puts no document into one of the splits,
-    the document with the smallest (or largest) hash is moved so that both are non-empty.
+    Documents are visited in order of their content hash and moved to val until val holds ``val_fraction``
+    of all characters (at least one document). The result is deterministic, independent of the input
+    order, sized by text rather than by document count, and identical documents share a split.
     """
     if len(documents) < 2:
-        raise ValueError("At least two documents are needed for a train/validation split.")
-    train = [d for d in documents if not is_validation_document(d, val_fraction)]
-    val = [d for d in documents if is_validation_document(d, val_fraction)]
-    if not val:
-        first = min(train, key=_document_hash_fraction)
-        val = [d for d in train if d == first]
-        train = [d for d in train if d != first]
-    if not train:
-        last = max(val, key=_document_hash_fraction)
-        train = [d for d in val if d == last]
-        val = [d for d in val if d != last]
-    if not train or not val:
-        raise ValueError("All documents are identical, so no train/validation split by document exists.")
+        raise ValueError("at least two documents are needed for a train/validation split")
+    target = val_fraction * sum(len(d) for d in documents)
+    by_hash = sorted(range(len(documents)), key=lambda i: (_document_hash_fraction(documents[i]), i))
+    val_texts: set[str] = set()
+    held_out, size = set(), 0
+    for i in by_hash:
+        if held_out and size >= target and documents[i] not in val_texts:
+            break
+        held_out.add(i)
+        val_texts.add(documents[i])
+        size += len(documents[i])
+    if len(held_out) == len(documents):
+        raise ValueError("all documents are identical, so no train/validation split by document exists")
+    train = [d for i, d in enumerate(documents) if i not in held_out]
+    val = [d for i, d in enumerate(documents) if i in held_out]
     return train, val
 
 

@@ -235,7 +235,7 @@ def task_metrics(results: dict[str, Any], tasks: Sequence[str]) -> dict[str, dic
         row = table.get(t) or table.get(Path(t).stem if _is_yaml_path(t) else t) or {}
         vals = {}
         for k, v in row.items():
-            if k == "alias" or "_stderr" in k or isinstance(v, bool) or not isinstance(v, int | float):
+            if k in ("alias", "sample_len", "sample_count") or "_stderr" in k or isinstance(v, bool) or not isinstance(v, int | float):
                 continue
             vals[_metric_key(k)] = float(v)
         out[t] = vals

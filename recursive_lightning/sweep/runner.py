@@ -42,20 +42,34 @@ HEARTBEAT_S = 20
 GRACE_S = 90
 
 
+def quiet_libraries() -> None:
+    """Sweeps print one line per trial; silence the libraries' per-run banners."""
+    import logging
+    import warnings
+
+    for name in ("lightning.pytorch", "lightning.fabric", "mlflow", "alembic", "litdata"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*(LeafSpec|__len__|litlogger|does not have many workers).*")
+
+
 def default_storage(run_dir: Path) -> str:
     return f"sqlite:///{run_dir.resolve() / 'optuna.db'}"
 
 
 def _storage(url: str, max_retries: int):
-    import optuna
-    from optuna.storages import RDBStorage, RetryFailedTrialCallback
+    import warnings
 
+    import optuna
+    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     kwargs: dict[str, Any] = {}
     if url.startswith("sqlite"):
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": 120}}
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # a trial whose worker stops sending heartbeats is failed and re-enqueued (same params) up to max_retries
     return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                      failed_trial_callback=RetryFailedTrialCallback(max_retry=max_retries), **kwargs)
+                      heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=max_retries), **kwargs)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -297,6 +311,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-trials", type=int, help="stop this worker after N trials")
     p.add_argument("--no-report", action="store_true", help="skip the report at the end")
     args = p.parse_args(argv)
+    quiet_libraries()
     if os.environ.get("RL_TORCH_THREADS"):
         import torch
 

@@ -1,0 +1,157 @@
+"""The ablation runner end to end: kill and resume, two workers, a real MLflow server reading the results."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def sweep_file(tmp_path: Path, cache: str, rows: dict, seeds=(0,), steps: int = 12) -> Path:
+    spec = {
+        "name": "tiny-sweep",
+        "base": str(ROOT / "experiments/cpu/looped-mesh.yaml"),
+        "overrides": {"model.preset": "cpu-tiny", "model.layout": "1+2R2+1", "data.seq_len": 64, "data.batch_size": 8,
+                      "data.val_batches": 2, "data.cache_dir": cache, "train.max_steps": steps, "train.val_every": 6,
+                      "train.checkpoint_every": 4, "train.progress": False},
+        "axes": {"variant": rows},
+        "seeds": list(seeds),
+    }
+    p = tmp_path / "sweep.yaml"
+    p.write_text(yaml.safe_dump(spec))
+    return p
+
+
+def run_sweep(args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "recursive_lightning", "sweep", *map(str, args)], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def study_trials(run_dir: Path):
+    return optuna.load_study(study_name="tiny-sweep", storage=f"sqlite:///{run_dir / 'optuna.db'}").get_trials()
+
+
+def child_runs(run_dir: Path):
+    c = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    exp = c.get_experiment_by_name("tiny-sweep")
+    runs = c.search_runs([exp.experiment_id])
+    parent = [r for r in runs if r.data.tags.get("kind") == "sweep"]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return c, parent, children
+
+
+def test_sweep_killed_mid_trial_resumes(tmp_path, data_cache):
+    rows = {"anchor": {"model.topology": "anchor"}, "mesh": {"model.topology": "mesh"}}
+    spec = sweep_file(tmp_path, data_cache, rows)
+    run_dir = tmp_path / "sweep"
+    p = run_sweep([spec, "--run-dir", run_dir], start_new_session=True)
+    deadline = time.time() + 600
+    second = None
+    while time.time() < deadline and p.poll() is None:
+        done = list(run_dir.glob("trials/*/result.json"))
+        ckpts = [c for c in run_dir.glob("trials/*/checkpoints/step=000004.ckpt") if not (c.parents[1] / "result.json").exists()]
+        if done and ckpts:
+            second = ckpts[0].parents[1]
+            break
+        time.sleep(0.2)
+    assert second is not None and p.poll() is None, p.communicate()[0] if p.poll() is not None else "timeout"
+    time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    first = done[0].parent
+    first_mtime = (first / "result.json").stat().st_mtime
+    second_run_id = (second / "mlflow_run_id").read_text()
+
+    p = run_sweep([spec, "--run-dir", run_dir])
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    assert "(resuming)" in out and out.count("trial ") >= 1
+    assert (first / "result.json").stat().st_mtime == first_mtime  # the finished trial was not re-trained
+    assert (second / "mlflow_run_id").read_text() == second_run_id  # resumed into the same child run
+
+    trials = study_trials(run_dir)
+    complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert sorted(t.params["variant"] for t in complete) == ["anchor", "mesh"]
+    assert len(trials) == 2  # each grid point is one trial: the interrupted one was resumed, not copied
+    c, parent, children = child_runs(run_dir)
+    assert len(parent) == 1 and len(children) == 2
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent[0].info.run_id}
+    for r in children:
+        steps = [m.step for m in c.get_metric_history(r.info.run_id, "train/loss")]
+        assert sorted(set(steps)) == list(range(12))
+        assert r.data.tags["checkpoint"].endswith("last.ckpt") and "optuna.trial_number" in r.data.tags
+    report = (run_dir / "report.md").read_text()
+    assert "★" in report and (run_dir / "report_variant.png").stat().st_size > 1000
+
+
+@pytest.fixture(scope="module")
+def two_worker_sweep(tmp_path_factory, data_cache):
+    tmp = tmp_path_factory.mktemp("two")
+    rows = {"base": {"model.topology": "base"}, "mesh": {"model.topology": "mesh"}}
+    spec = sweep_file(tmp, data_cache, rows, seeds=(0, 1), steps=6)
+    run_dir = tmp / "sweep"
+    p = run_sweep([spec, "--run-dir", run_dir, "--workers", 2])
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out
+    return run_dir
+
+
+def test_two_workers_split_the_grid(two_worker_sweep):
+    trials = study_trials(two_worker_sweep)
+    keys = [t.user_attrs["point_key"] for t in trials]
+    assert len(trials) == 4 and len(set(keys)) == 4
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    assert len({t.system_attrs["pid"] for t in trials}) == 2  # both workers trained
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_mlflow_server_reads_parent_and_children(two_worker_sweep):
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{two_worker_sweep / 'mlflow.db'}",
+         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}/api/2.0/mlflow"
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except Exception:
+                time.sleep(0.5)
+        with urllib.request.urlopen(f"{base}/experiments/get-by-name?experiment_name=tiny-sweep", timeout=10) as r:
+            exp_id = json.load(r)["experiment"]["experiment_id"]
+        req = urllib.request.Request(f"{base}/runs/search", data=json.dumps({"experiment_ids": [exp_id]}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            runs = json.load(r)["runs"]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    tags = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs]
+    parents = [r for r, t in zip(runs, tags) if t.get("kind") == "sweep"]
+    children = [(r, t) for r, t in zip(runs, tags) if "mlflow.parentRunId" in t]
+    assert len(parents) == 1 and len(children) == 4
+    assert all(t["mlflow.parentRunId"] == parents[0]["info"]["run_id"] for _, t in children)
+    for r, _ in children:
+        metrics = {m["key"]: m["value"] for m in r["data"]["metrics"]}
+        assert metrics["val/heldout/ppl"] > 1 and "train/loss" in metrics
+        params = {p["key"]: p["value"] for p in r["data"]["params"]}
+        assert params["model.preset"] == "cpu-tiny" and "describe.params_total" in params
