@@ -27,6 +27,7 @@ class DataConfig:
     seq_len: int = 256
     batch_size: int = 16
     val_batches: int = 16
+    val_fraction: float = 0.05  # share of documents held out for validation
     cache_dir: str | None = None  # token shards and tokenizers; default ~/.cache/recursive_lightning
     num_workers: int = 0
 

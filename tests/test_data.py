@@ -162,8 +162,9 @@ def test_hf_spec_offline_gives_clear_error() -> None:
         "sample-10BT",
         "train",
     )
-    with pytest.raises(DataError, match="hf:HuggingFaceFW/fineweb-edu"):
-        load_documents(source, limit=1)
+    missing = resolve_source("hf:recursive-lightning-tests/no-such-dataset")  # fails offline and online
+    with pytest.raises(DataError, match="hf:recursive-lightning-tests/no-such-dataset"):
+        load_documents(missing, limit=1)
 
 
 # ------------------------------------------------------------------------------------------- tokenizer
@@ -197,8 +198,8 @@ def test_bpe_tokenizer_is_trained_once_and_cached(tmp_path: Path) -> None:
     _assert_one_sentence_naming(err, tmp_path / "missing.json")
     with pytest.raises(DataError, match="bpe:<vocab_size>"):
         load_tokenizer("bpe:lots", documents, tmp_path)
-    with pytest.raises(DataError, match="EleutherAI/pythia-160m"):  # offline in tests
-        load_tokenizer("EleutherAI/pythia-160m", documents, tmp_path)
+    with pytest.raises(DataError, match="recursive-lightning-tests/no-such-tokenizer"):  # offline or not
+        load_tokenizer("recursive-lightning-tests/no-such-tokenizer", documents, tmp_path)
 
 
 # ------------------------------------------------------------------------------------------- shards

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recursive_lightning.data.corpus import embedded_corpus_fingerprint, write_embedded_corpus
+from recursive_lightning.errors import UserError
 
 __all__ = [
     "MAX_DOCUMENT_CHARS",
@@ -44,7 +45,7 @@ _FORM_FEED_LINE = re.compile(r"\n?^\f$\n?", re.MULTILINE)
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A ``--data`` / ``--tokenizer`` spec could not be turned into usable data; the message says how to fix it."""
 
 

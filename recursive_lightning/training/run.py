@@ -70,6 +70,7 @@ def build_datamodule(cfg: RunConfig):
     return TextDataModule(
         data=d.path, tokenizer=d.tokenizer, seq_len=d.seq_len, batch_size=d.batch_size,
         cache_dir=cache, seed=cfg.train.seed, val_batches=d.val_batches, num_workers=d.num_workers,
+        val_fraction=d.val_fraction,
     )
 
 
