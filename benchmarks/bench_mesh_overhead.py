@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import yaml
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -84,10 +85,27 @@ class LazyMeSH(MeSH):
         return h_next, {**carry, "sources": sources, "writes": writes}
 
 
+def parse_sets(items: list[str]) -> dict:
+    """``--set d_model=512 --set n_heads=8`` -> model config overrides (values parsed as YAML)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set '{item}' must look like key=value, e.g. d_model=512")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def model_cfg(cfg_kwargs: dict, topology: str):
+    """``cfg_kwargs`` = {"preset": ..., "layout": ..., **overrides}."""
+    kw = dict(cfg_kwargs)
+    return preset(kw.pop("preset"), **kw, topology=topology)
+
+
 def make_model(cfg_kwargs: dict, variant: str, weights: dict | None) -> RecursiveLM:
     topology = "base" if variant == "base" else "mesh"
     torch.manual_seed(0)
-    model = RecursiveLM(preset(cfg_kwargs["preset"], layout=cfg_kwargs["layout"], topology=topology))
+    model = RecursiveLM(model_cfg(cfg_kwargs, topology))
     if weights is not None:
         missing, unexpected = model.load_state_dict(weights, strict=False)
         assert not unexpected and all(k.startswith("topology.") for k in missing), (missing, unexpected)
@@ -191,7 +209,7 @@ def isolated_topology(
     cfg_kwargs: dict, variants: list[str], batch: int, seq: int, reps: int, clock: str = "wall"
 ) -> dict[str, tuple[float, float]]:
     """Forward+backward of the topology alone (routers + buffer ops) on random states: (min, median) ms per call."""
-    cfg = preset(cfg_kwargs["preset"], layout=cfg_kwargs["layout"], topology="mesh")
+    cfg = model_cfg(cfg_kwargs, "mesh")
     k, d = cfg.parsed_layout.n_loop, cfg.d_model
     g = torch.Generator().manual_seed(0)
     h_emb, h_pre = (torch.randn(batch, seq, d, generator=g) for _ in range(2))
@@ -252,6 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="cpu-base")
     p.add_argument("--layout", default="2+4R2+2", help="a looped layout (MeSH needs loop steps)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model config override, e.g. d_model=512",
+    )
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--reps", type=int, default=10)
@@ -281,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if "base" not in variants or "mesh" not in variants:
         raise SystemExit("--variants must include base and mesh")
-    cfgk = {"preset": args.preset, "layout": args.layout}
-    lay = preset(args.preset, layout=args.layout).parsed_layout
+    cfgk = {"preset": args.preset, "layout": args.layout, **parse_sets(args.set)}
+    lay = model_cfg(cfgk, "base").parsed_layout
     if lay.n_loop == 0:
         raise SystemExit(f"layout '{args.layout}' has no loop steps; MeSH needs a looped layout like 2+4R2+2")
 
@@ -305,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model    preset {args.preset}, layout {args.layout}, batch {args.batch} x seq {args.seq_len}, "
         f"reps {args.reps} (+{args.warmup} warm-up), interleaved"
+        + (f", overrides {' '.join(args.set)}" if args.set else "")
     )
 
     small = idx[:2, :64], tgt[:2, :64]
@@ -328,10 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f" (--min-util {args.min_util})" if args.clock == "wall" else "")
     )
 
-    fl = {
-        t: describe(preset(args.preset, layout=args.layout, topology=t), args.seq_len, args.batch)
-        for t in ("base", "mesh")
-    }
+    fl = {t: describe(model_cfg(cfgk, t), args.seq_len, args.batch) for t in ("base", "mesh")}
     flop_ratio = fl["mesh"]["flops_forward"] / fl["base"]["flops_forward"]
     eq8 = fl["mesh"]["flops_mesh_eq8"]
     fvcore_ratio = (fl["base"]["flops_forward_fvcore"] + eq8) / fl["base"]["flops_forward_fvcore"]

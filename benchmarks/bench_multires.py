@@ -38,7 +38,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_mesh_overhead import ROUNDS, LazyMeSH, fwd_bwd, interleaved, quartiles  # noqa: E402
+from bench_mesh_overhead import ROUNDS, LazyMeSH, fwd_bwd, interleaved, parse_sets, quartiles  # noqa: E402
 
 from recursive_lightning.model.accounting import describe  # noqa: E402
 from recursive_lightning.model.config import preset  # noqa: E402
@@ -74,7 +74,7 @@ def build(args: argparse.Namespace, variant: str) -> RecursiveLM:
         raise SystemExit(f"variant '{variant}': use looped or spiral, optionally +{' +'.join(MODIFIERS)}")
     torch.manual_seed(0)
     layout = args.looped if kind == "looped" else args.spiral
-    model = RecursiveLM(preset(args.preset, layout=layout, topology=args.topology))
+    model = RecursiveLM(preset(args.preset, layout=layout, topology=args.topology, **parse_sets(args.set)))
     if "lazy" in mods and isinstance(model.topology, MeSH):
         model.topology.__class__ = LazyMeSH
     if "mulsum" in mods:
@@ -199,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list of looped / spiral with optional prototype patches +lazy (buffer-free MeSH) "
         "and +mulsum (S_down as multiply+sum), e.g. looped,spiral,looped+lazy,spiral+lazy+mulsum",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model config override, e.g. d_model=512",
+    )
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--reps", type=int, default=10)
@@ -241,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model    preset {args.preset}, topology {args.topology}, batch {args.batch} x seq "
         f"{args.seq_len}, reps {args.reps} (+{args.warmup} warm-up), interleaved"
+        + (f", overrides {' '.join(args.set)}" if args.set else "")
     )
     for m in sorted({m for v in variants for m in v.split("+")[1:]}):
         print(f"patch    +{m}: {MODIFIERS[m]}")
@@ -257,9 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         + (f" (--min-util {args.min_util})" if args.clock == "wall" else "")
     )
     flops = {
-        lay: describe(preset(args.preset, layout=lay, topology=args.topology), args.seq_len, args.batch)[
-            "flops_forward"
-        ]
+        lay: describe(
+            preset(args.preset, layout=lay, topology=args.topology, **parse_sets(args.set)),
+            args.seq_len,
+            args.batch,
+        )["flops_forward"]
         for lay in set(layouts.values())
     }
     med = {k: 1e3 * statistics.median(ts) for k, ts in times.items()}

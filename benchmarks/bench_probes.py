@@ -13,9 +13,12 @@ Loading a checkpoint, tokenising text and MLflow logging are not included (secon
 ``--samples``).
 
 Part 2 times the per-sample RBF-CKA matrix between the ``K + 3`` states of ``--cka-samples``
-sequences: ``metrics.cka_matrix`` (all samples and state pairs in one batched computation) against a
-Python double loop over state pairs calling ``metrics.cka`` for each pair of each sample, and checks
-that both agree.
+sequences: ``metrics.cka_matrix`` (all samples and state pairs in one batched computation) and the
+in-place variant ``capture.cka_matrix`` that the probe uses, against a Python double loop over state
+pairs calling ``metrics.cka`` for each pair of each sample, and checks that all agree.
+
+Both wall and process CPU seconds are printed: on a machine shared with other jobs, multi-threaded
+wall times inflate badly; ``--threads 1`` CPU seconds are what one idle core would take.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from recursive_lightning.model.config import preset  # noqa: E402
 from recursive_lightning.model.model import RecursiveLM  # noqa: E402
 from recursive_lightning.probes import metrics as M  # noqa: E402
-from recursive_lightning.probes.capture import ProbeSettings, capture  # noqa: E402
+from recursive_lightning.probes.capture import ProbeSettings, capture, cka_matrix  # noqa: E402
 from recursive_lightning.probes.run import draw_single, summarize  # noqa: E402
 
 
@@ -50,6 +53,21 @@ def naive_cka_matrix(states: torch.Tensor, kernel: str = "rbf") -> torch.Tensor:
     return out
 
 
+class Timer:
+    """Wall-clock and process CPU seconds (CPU time is robust to other processes on a busy machine;
+    with ``--threads 1`` it is the wall time an idle core would take)."""
+
+    def __enter__(self) -> Timer:
+        self.w, self.c = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.w, time.process_time() - self.c
+
+    def __str__(self) -> str:
+        return f"{self.wall:8.2f} s wall {self.cpu:8.2f} s CPU"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="cpu-small")
@@ -59,7 +77,7 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--cka-samples", type=int, default=16)
+    p.add_argument("--cka-samples", type=int, default=8)
     p.add_argument("--no-attention", action="store_true")
     p.add_argument("--progress", action="store_true")
     args = p.parse_args()
@@ -77,46 +95,52 @@ def main() -> int:
     )
 
     # ---- part 1: the probe pipeline
-    t = time.perf_counter()
-    with torch.no_grad():
+    with Timer() as t_fwd, torch.no_grad():
         for i in range(0, args.samples, args.batch_size):
             model(x[i : i + args.batch_size])
-    t_fwd = time.perf_counter() - t
     settings = ProbeSettings(batch_size=args.batch_size, attention=not args.no_attention)
-    t = time.perf_counter()
-    cap = capture(model, x, settings, progress=args.progress)
-    t_cap = time.perf_counter() - t
-    meta = {"model": {"kind": model.layout.kind, "layout": args.layout, "topology": cfg.topology,
-                      "chunk": list(model.layout.chunk)}}
-    t = time.perf_counter()
-    summary = summarize(cap, meta)
-    t_sum = time.perf_counter() - t
-    with tempfile.TemporaryDirectory() as tmp:
-        t = time.perf_counter()
+    with Timer() as t_cap:
+        cap = capture(model, x, settings, progress=args.progress)
+    meta = {
+        "model": {
+            "kind": model.layout.kind,
+            "layout": args.layout,
+            "topology": cfg.topology,
+            "chunk": list(model.layout.chunk),
+        }
+    }
+    with Timer() as t_sum:
+        summary = summarize(cap, meta)
+    with tempfile.TemporaryDirectory() as tmp, Timer() as t_plot:
         files = draw_single(cap, summary, Path(tmp), f"bench ({args.layout}, {cfg.topology})")
-        t_plot = time.perf_counter() - t
-    total = t_cap + t_sum + t_plot
-    print(f"plain forward (no probes)      {t_fwd:8.2f} s")
-    print(f"capture (traced + statistics)  {t_cap:8.2f} s  ({args.samples / t_cap:.1f} samples/s)")
-    print(f"summarize                      {t_sum:8.2f} s")
-    print(f"figures ({len(files):2d} PNGs)              {t_plot:8.2f} s")
-    print(f"probe total                    {total:8.2f} s  (goal < 120 s: {'OK' if total < 120 else 'MISSED'})")
+    wall = t_cap.wall + t_sum.wall + t_plot.wall
+    cpu = t_cap.cpu + t_sum.cpu + t_plot.cpu
+    print(f"plain forward (no probes)      {t_fwd}")
+    print(f"capture (traced + statistics)  {t_cap}  ({args.samples / t_cap.wall:.1f} samples/s)")
+    print(f"summarize                      {t_sum}")
+    print(f"figures ({len(files):2d} PNGs)              {t_plot}")
+    ok = "OK" if wall < 120 else "MISSED"
+    print(f"probe total                    {wall:8.2f} s wall {cpu:8.2f} s CPU  (goal < 120 s wall: {ok})")
 
     # ---- part 2: batched vs naive RBF-CKA
     n = min(args.cka_samples, args.samples)
     _, trace = model.traced(x[:n])
     states = torch.stack([h for _, h in trace.states], dim=1).to(torch.float64)  # [n, S, L, d]
-    t = time.perf_counter()
-    fast = M.cka_matrix(states)
-    t_fast = time.perf_counter() - t
-    t = time.perf_counter()
-    slow = naive_cka_matrix(states)
-    t_slow = time.perf_counter() - t
+    with Timer() as t_fast:
+        fast = M.cka_matrix(states)
+    with Timer() as t_cap_cka:
+        fast2 = cka_matrix(states)  # the in-place variant capture() uses
+    with Timer() as t_slow:
+        slow = naive_cka_matrix(states)
     err = float((fast - slow).abs().max())
     S = states.shape[1]
     print(f"RBF-CKA of {n} samples x {S} states ({S * S} pairs each, L={args.seq_len}, d={cfg.d_model}):")
-    print(f"  batched metrics.cka_matrix   {t_fast:8.3f} s")
-    print(f"  naive double loop (cka)      {t_slow:8.3f} s  -> {t_slow / t_fast:.1f}x slower; max |diff| {err:.1e}")
+    print(f"  batched metrics.cka_matrix   {t_fast}")
+    print(f"  capture.cka_matrix (in place){t_cap_cka}  max |diff| {float((fast2 - fast).abs().max()):.1e}")
+    print(
+        f"  naive double loop (cka)      {t_slow}  -> {t_slow.wall / t_fast.wall:.1f}x slower than batched; "
+        f"max |diff| {err:.1e}"
+    )
     return 0
 
 

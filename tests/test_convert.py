@@ -25,6 +25,7 @@ from recursive_lightning.model.convert import (  # noqa: E402
 from recursive_lightning.model.model import RecursiveLM  # noqa: E402
 
 VOCAB = 97
+_DTYPE_KW = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
 
 
 def _hf_config(**overrides) -> GPTNeoXConfig:
@@ -180,6 +181,15 @@ def test_from_pretrained_local_directory(tmp_path) -> None:
     model = from_pretrained_gpt_neox(str(tmp_path))
     assert not model.training
     _assert_same_logits(hf, model)
+
+
+def test_from_pretrained_half_checkpoint_loads_float32(tmp_path) -> None:
+    """Pythia's hub weights are float16; transformers >= 5 would keep that dtype unless told."""
+    _hf_model(_hf_config()).half().save_pretrained(tmp_path)
+    model = from_pretrained_gpt_neox(str(tmp_path))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    ref = GPTNeoXForCausalLM.from_pretrained(str(tmp_path), **{_DTYPE_KW: torch.float32}).eval()
+    _assert_same_logits(ref, model)
 
 
 # ---------------------------------------------------------------------------------- mismatches

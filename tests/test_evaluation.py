@@ -23,7 +23,6 @@ from recursive_lightning.evaluation.perplexity import (
     perplexity,
     perplexity_by_context_length,
     plan_windows,
-    tail_padding,
 )
 from recursive_lightning.model.model import RecursiveLM
 from recursive_lightning.training.checkpoint import load_checkpoint, save_model_checkpoint
@@ -90,7 +89,7 @@ def _direct_loglikelihood(model, tok, eot, context, continuation, max_len):
     full = ctx + cont
     inp = full[-(max_len + 1) : -1]
     # multi-resolution layouts are scored inside a longer sequence (see perplexity.py): pad after the input
-    x = torch.tensor([inp + [0] * tail_padding(model)])
+    x = torch.tensor([inp])
     with torch.no_grad():
         logp = F.log_softmax(model(x)[0, : len(inp)].double(), -1)
     n = len(cont)
@@ -136,7 +135,7 @@ def test_loglikelihood_equals_model_logprobs(family, ckpts, tokenizer):
         ref, ref_greedy = _direct_loglikelihood(loaded.model, tokenizer, lm.eot_token_id, ctx, cont, MAX_LEN)
         assert ll == pytest.approx(ref, abs=1e-3, rel=1e-5), (family, ctx[:20], cont)
         assert greedy == ref_greedy
-    # batch composition does not matter (right padding, tail padding for multi-resolution chunks)
+    # batch composition does not matter (right padding)
     single = RecursiveLightningLM.from_loaded(loaded, batch_size=1)
     got1 = single.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)], disable_tqdm=True)
     assert [a for a, _ in got1] == pytest.approx([a for a, _ in got], abs=1e-3)
@@ -144,7 +143,7 @@ def test_loglikelihood_equals_model_logprobs(family, ckpts, tokenizer):
 
 def test_rolling_equals_package_perplexity(ckpts, tokenizer):
     loaded = load_checkpoint(ckpts["looped-mesh"])
-    doc = _texts()[1][:700]
+    doc = _texts()[1][:450]
     toks = tokenizer.encode(doc).ids
     assert len(toks) > 3 * MAX_LEN
     for stride in (None, 16):
@@ -309,7 +308,7 @@ def test_context_length_table(ckpts, tokenizer):
     one = perplexity_by_context_length(model, tokenizer, text, [16], max_tokens=16)[16]
     seg = [eos, *ids[:16]]
     with torch.no_grad():
-        logp = F.log_softmax(model(torch.tensor([seg[:-1] + [0] * tail_padding(model)]))[0, :16].double(), -1)
+        logp = F.log_softmax(model(torch.tensor([seg[:-1]]))[0, :16].double(), -1)
     assert one["nll"] == pytest.approx(-logp.gather(-1, torch.tensor(seg[1:])[:, None]).sum().item(), rel=1e-6)
     docs = perplexity_by_context_length(model, tokenizer, [text, "short"], [16], mode="documents")[16]
     assert docs["segments"] == 1

@@ -54,6 +54,17 @@ def test_strict_causality_property(c):
     assert not leaks(model, length, min(j, length - 1))
 
 
+@settings(max_examples=30, deadline=None)
+@given(multires_configs())
+def test_prefix_consistency_property(c):
+    """A position's logits do not depend on how many tokens follow it (what decoding relies on)."""
+    length, j = c.pop("length"), c.pop("j")
+    model = build(**c)
+    x = torch.randint(0, model.cfg.vocab_size, (1, length + 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x[:, :length]), model(x)[:, :length], atol=1e-10, rtol=0)
+
+
 @pytest.mark.parametrize("g", [2, 4, 8])
 def test_proposition_1(g):
     """s <= g-2 leaks the future (for some input), s = g-1 and s = g never do (SpiralFormer App. C)."""
@@ -82,10 +93,9 @@ def test_schedule_11_is_loopedformer(topology):
 
 
 def test_chunk_maps_and_dropped_positions():
-    pi, rho = chunk_maps(
-        10, 4, 2
-    )  # chunk 0 = positions 0..1, chunk 1 = 2..5, chunk 2 = 6..9 dropped? L_t = 2
-    assert pi.tolist() == [0, 0, 1, 1, 1, 1, -1, -1, -1, -1]
+    pi, rho = chunk_maps(10, 4, 2)  # chunk 0 = 0..1 (after 2 pads), chunk 1 = 2..5, chunk 2 = 6..9
+    assert pi.tolist() == [0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
+    assert chunk_maps(9, 4, 2)[0].tolist() == [0, 0, 1, 1, 1, 1, -1, -1, -1]  # incomplete 6..8 dropped
     assert rho.tolist() == [2, 3, 0, 1, 2, 3, 0, 1, 2, 3]
 
 
@@ -99,7 +109,7 @@ def test_operators_match_equations():
     h = torch.randn(1, 14, 16, dtype=torch.double)
     z = step.down(h)
     pi, _ = chunk_maps(14, g, w)
-    n = 14 // g
+    n = (14 + w) // g
     ref_z = torch.stack([h[0, (pi == j)].sum(0) / g for j in range(n)])
     torch.testing.assert_close(z[0], ref_z)
     u = step.up(z, 14)

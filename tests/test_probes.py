@@ -31,7 +31,9 @@ def _one_thread():
 
 def tiny(layout: str, topology: str = "base", seed: int = 0, **kw) -> RecursiveLM:
     torch.manual_seed(seed)
-    model = RecursiveLM(ModelConfig.from_dict({**TINY, "layout": layout, "topology": topology, **kw})).double()
+    model = RecursiveLM(
+        ModelConfig.from_dict({**TINY, "layout": layout, "topology": topology, **kw})
+    ).double()
     if topology in ("static", "dynamic"):  # move off the initial point so every coefficient matters
         with torch.no_grad():
             for p in model.topology.parameters():
@@ -43,11 +45,15 @@ def tokens(n: int = 5, length: int = 24, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, TINY["vocab_size"], (n, length), generator=torch.Generator().manual_seed(seed))
 
 
-CASES = [("6", "base")] + [("1+2R3+1", t) for t in TOPOLOGIES] + [
-    ("1+2x{1/4,1/2,1}+1", "mesh"),
-    ("1+2x{1/4,1/2,1}+1", "base"),
-    ("1+1+1+1", "mesh"),
-]
+CASES = (
+    [("6", "base")]
+    + [("1+2R3+1", t) for t in TOPOLOGIES]
+    + [
+        ("1+2x{1/4,1/2,1}+1", "mesh"),
+        ("1+2x{1/4,1/2,1}+1", "base"),
+        ("1+1+1+1", "mesh"),
+    ]
+)
 
 
 # ---------------------------------------------------------------------------
@@ -92,7 +98,9 @@ def test_capture_equals_reference_metrics():
     torch.testing.assert_close(cap.cka, M.cka_matrix(states))
     torch.testing.assert_close(cap.spectra, M.normalized_spectrum(states, 50), atol=1e-7, rtol=0)
     torch.testing.assert_close(cap.effective_rank, M.effective_rank(states), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(cap.subspace, M.shared_subspace_variance(states[:, 1:5], k_max=32), atol=1e-9, rtol=0)
+    torch.testing.assert_close(
+        cap.subspace, M.shared_subspace_variance(states[:, 1:5], k_max=32), atol=1e-9, rtol=0
+    )
     comp = M.mesh_state_composition(torch.stack(tr.routing["write"]), torch.stack(tr.routing["read"]))
     assert cap.token_index == 21
     torch.testing.assert_close(cap.routing["comp_seq"], comp.mean(1))
@@ -105,12 +113,15 @@ def test_capture_equals_reference_metrics():
         for t, g in enumerate((4, 2, 1)):
             a = maps[layer][t]
             torch.testing.assert_close(cap.attention["entropy"][:, t, layer], M.key_marginal_entropy(a))
-            torch.testing.assert_close(cap.attention["lam"][:, t, layer], M.local_attention_mass(a, M.lam_window(1 / g)))
+            torch.testing.assert_close(
+                cap.attention["lam"][:, t, layer], M.local_attention_mass(a, M.lam_window(1 / g))
+            )
 
 
 def test_mesh_composition_with_hand_set_routers():
     """Zero router weights + a large bias margin make the routers one-hot (or 50/50) by hand."""
-    model = tiny("1+1R2+1", "mesh")  # K = 2 loop steps, B = K + 3 = 5 slots; router j writes h_m^(j-1), reads h^(j)
+    # K = 2 loop steps, B = K + 3 = 5 slots; router j writes h_m^(j-1) and reads h^(j)
+    model = tiny("1+1R2+1", "mesh")
     write_slots = [[1], [2], [1]]
     read_slots = [[1], [0, 2], [1]]  # h^(1) reads h_emb and slot 2 at 0.5 each
     with torch.no_grad():
@@ -123,7 +134,9 @@ def test_mesh_composition_with_hand_set_routers():
     # columns [h_emb, h_m^(-1), h_m^(0), h_m^(1)], rows h^(0..2):
     #   h^(0) = slot1 = h_m^(-1);  h^(1) = .5 slot0 + .5 slot2 = .5 h_emb + .5 h_m^(0);
     #   h^(2) = slot1 = h_m^(-1) + h_m^(1)
-    expected = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0], [0.0, 1.0, 0.0, 1.0]], dtype=torch.float64)
+    expected = torch.tensor(
+        [[0.0, 1.0, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0], [0.0, 1.0, 0.0, 1.0]], dtype=torch.float64
+    )
     for key in ("comp_seq", "comp_tok"):
         for sample in cap.routing[key]:
             torch.testing.assert_close(sample, expected, atol=1e-12, rtol=0)
@@ -195,11 +208,13 @@ def sweep(tokenizer_and_text, tmp_path_factory):
     runs = {"base": ("1+2R3+1", "base"), "mesh": ("1+2R3+1", "mesh"), "spiral": ("1+2x{1/4,1/2,1}+1", "mesh")}
     ids = {}
     for name, (layout, topology) in runs.items():
-        cfg = RunConfig.from_dict({
-            "name": name,
-            "model": {**TINY, "vocab_size": 320, "layout": layout, "topology": topology},
-            "data": {"seq_len": 32},
-        })
+        cfg = RunConfig.from_dict(
+            {
+                "name": name,
+                "model": {**TINY, "vocab_size": 320, "layout": layout, "topology": topology},
+                "data": {"seq_len": 32},
+            }
+        )
         torch.manual_seed(0)
         run_id = None
         if name == "spiral":
@@ -207,8 +222,9 @@ def sweep(tokenizer_and_text, tmp_path_factory):
             run_id = create_run(uri, ensure_experiment(uri, name, root / name / "mlartifacts"), name)
             (root / name / RUN_ID_FILE).write_text(run_id)
         ids[name] = run_id
-        save_model_checkpoint(root / name / "checkpoints" / "last.ckpt", RecursiveLM(cfg.model), cfg, tok,
-                              mlflow_run_id=run_id)
+        save_model_checkpoint(
+            root / name / "checkpoints" / "last.ckpt", RecursiveLM(cfg.model), cfg, tok, mlflow_run_id=run_id
+        )
     return SimpleNamespace(root=root, text=text, run_id=ids["spiral"])
 
 
@@ -219,7 +235,12 @@ def test_probe_end_to_end_with_mlflow(sweep):
     from recursive_lightning.tracking import default_tracking_uri
 
     run_dir = sweep.root / "spiral"
-    assert main([str(run_dir), "--data", str(sweep.text), "--samples", "6", "--batch-size", "4", "--no-progress"]) == 0
+    assert (
+        main(
+            [str(run_dir), "--data", str(sweep.text), "--samples", "6", "--batch-size", "4", "--no-progress"]
+        )
+        == 0
+    )
     out = run_dir / "probes"
     summary = json.loads((out / "probes.json").read_text())
     assert summary["data"]["samples"] == 6 and summary["data"]["seq_len"] == 32  # the run's data.seq_len
@@ -229,8 +250,16 @@ def test_probe_end_to_end_with_mlflow(sweep):
     assert summary["mesh"]["composition"]["cols"] == ["h_emb", "h_m(-1)", "h_m(0)", "h_m(1)", "h_m(2)"]
     assert summary["attention"]["chunk"] == [4, 2, 1] and summary["attention"]["lam_window"] == [8, 16, 32]
     assert len(summary["attention"]["entropy"]["dynamic_heads"]) == 4  # ceil(0.4 * 2 layers * 4 heads)
-    expected = {"skew.png", "cka.png", "spectra.png", "shared_subspace.png", "mesh_routers.png",
-                "state_composition.png", "attention_entropy_dynamic.png", "attention_lam_range.png"}
+    expected = {
+        "skew.png",
+        "cka.png",
+        "spectra.png",
+        "shared_subspace.png",
+        "mesh_routers.png",
+        "state_composition.png",
+        "attention_entropy_dynamic.png",
+        "attention_lam_range.png",
+    }
     assert expected <= set(summary["figures"])
     for name in summary["figures"]:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -241,8 +270,11 @@ def test_probe_end_to_end_with_mlflow(sweep):
     # a checkpoint whose MLflow run is unknown gets one linked run, reused on the next call
     from recursive_lightning.probes.run import _mlflow_run
 
-    stub = SimpleNamespace(mlflow_run_id="0" * 32, path=run_dir / "checkpoints" / "other.ckpt",
-                           run=SimpleNamespace(name="spiral"))
+    stub = SimpleNamespace(
+        mlflow_run_id="0" * 32,
+        path=run_dir / "checkpoints" / "other.ckpt",
+        run=SimpleNamespace(name="spiral"),
+    )
     uri = default_tracking_uri(run_dir)
     rid, created = _mlflow_run(uri, sweep.root / "base", stub)  # base has no run id file
     assert created and rid != sweep.run_id
@@ -254,14 +286,33 @@ def test_probe_compare_sweep_dir(sweep):
     from recursive_lightning.probes.run import main
 
     out = sweep.root / "cmp"
-    argv = ["--compare", str(sweep.root), "--data", str(sweep.text), "--samples", "3", "--seq-len", "16",
-            "--no-mlflow", "--no-progress", "--out", str(out)]
+    argv = [
+        "--compare",
+        str(sweep.root),
+        "--data",
+        str(sweep.text),
+        "--samples",
+        "3",
+        "--seq-len",
+        "16",
+        "--no-mlflow",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     summary = json.loads((out / "probes.json").read_text())
     assert summary["compare"] == ["base", "mesh", "spiral"]  # topologies repeat, so run-dir names
-    for name in ("compare_skew.png", "compare_cka.png", "compare_spectra.png", "compare_shared_subspace.png",
-                 "compare_mesh_routers.png", "compare_state_composition.png",
-                 "compare_attention_entropy_dynamic.png", "compare_attention_lam_range.png"):
+    for name in (
+        "compare_skew.png",
+        "compare_cka.png",
+        "compare_spectra.png",
+        "compare_shared_subspace.png",
+        "compare_mesh_routers.png",
+        "compare_state_composition.png",
+        "compare_attention_entropy_dynamic.png",
+        "compare_attention_lam_range.png",
+    ):
         assert name in summary["figures"] and (out / name).stat().st_size > 0
     hashes = {m["data"]["tokens_sha256"] for m in summary["models"].values()}
     assert len(hashes) == 1  # every model saw the same token windows
@@ -271,7 +322,12 @@ def test_user_errors_are_one_sentence(tmp_path, capsys, sweep):
     from recursive_lightning import cli
     from recursive_lightning.probes.run import main
 
-    for argv in ([str(tmp_path / "missing.ckpt")], [str(tmp_path)], ["--compare", str(tmp_path / "nope")], []):
+    for argv in (
+        [str(tmp_path / "missing.ckpt")],
+        [str(tmp_path)],
+        ["--compare", str(tmp_path / "nope")],
+        [],
+    ):
         with pytest.raises(UserError) as err:
             main(argv)
         msg = str(err.value)
@@ -281,5 +337,15 @@ def test_user_errors_are_one_sentence(tmp_path, capsys, sweep):
     assert cli.main(["probe", str(bad)]) == 2
     assert capsys.readouterr().err.startswith("error: checkpoint")
     with pytest.raises(UserError, match="--token-index 99"):
-        main([str(sweep.root / "base"), "--data", str(sweep.text), "--samples", "1", "--token-index", "99",
-              "--no-mlflow"])
+        main(
+            [
+                str(sweep.root / "base"),
+                "--data",
+                str(sweep.text),
+                "--samples",
+                "1",
+                "--token-index",
+                "99",
+                "--no-mlflow",
+            ]
+        )

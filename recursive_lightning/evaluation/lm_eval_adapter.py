@@ -12,8 +12,7 @@
 Scoring follows ``perplexity.py`` exactly: the checkpoint's own ``tokenizers.Tokenizer``, ``<|endoftext|>`` as
 end-of-text and as the prefix of an empty context / of a rolling document, contexts left-truncated to
 ``max_length`` tokens, the same windows for ``loglikelihood_rolling`` as ``perplexity.perplexity`` (so the two
-agree to float precision), batches sorted by length and right-padded (the models are causal; see
-``perplexity.py`` for the extra tail padding of multi-resolution layouts).
+agree to float precision), batches sorted by length and right-padded (the models are causal).
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from recursive_lightning.evaluation.perplexity import (
     model_device,
     plan_windows,
     score_sequences,
-    tail_padding,
 )
 
 log = logging.getLogger(__name__)
@@ -266,7 +264,7 @@ class RecursiveLightningLM(TemplateLM):
                 break
             windows = [seqs[i][-self._max_length :] for i in active]
             lens = torch.as_tensor([len(w) for w in windows])
-            x = torch.zeros(len(windows), int(lens.max()) + tail_padding(self.model), dtype=torch.long)
+            x = torch.zeros(len(windows), int(lens.max()), dtype=torch.long)
             for r, w in enumerate(windows):
                 x[r, : len(w)] = torch.as_tensor(w)
             h = self.model.hidden(x.to(device))

@@ -13,13 +13,8 @@ Conventions shared with the lm-eval adapter (``lm_eval_adapter.py``), so both gi
 * Scores are natural-log probabilities from ``log_softmax`` in float32 over the model's logits.
 
 Batches are right-padded: the models are causal (the multi-resolution steps too, SpiralFormer Prop. 1),
-so padding after a sequence never changes the logits of its real positions. One subtlety, multi-resolution
-layouts with a chunk offset ω > 0: the model's parallel forward keeps floor(L / g) chunks (SpiralFormer
-Eq. 13 read literally), so in a sequence of exactly L tokens a complete trailing chunk can be dropped and
-the last positions miss an update they get inside any longer sequence (in training, and in chunk-triggered
-decoding, Algorithm 2). Every sequence is therefore scored with at least :func:`tail_padding` (= max ω)
-padding tokens after it: each scored token gets the logits it has inside a longer sequence, independent
-of how requests are batched. For every other layout the tail padding is 0.
+so padding after a sequence never changes the logits of its real positions (the multi-resolution steps
+keep every complete chunk, so a position's logits do not depend on how many tokens follow it either).
 """
 
 from __future__ import annotations
@@ -85,11 +80,6 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def tail_padding(model: torch.nn.Module) -> int:
-    """Padding tokens after a sequence that make its multi-resolution chunks all complete (max offset ω)."""
-    return max((int(st.offset) for st in getattr(model, "steps", []) if getattr(st, "g", 1) > 1), default=0)
-
-
 @torch.inference_mode()
 def score_sequences(
     model: torch.nn.Module,
@@ -106,7 +96,6 @@ def score_sequences(
     head, in slices of :data:`LOGIT_ROWS` rows.
     """
     device = model_device(model)
-    tail = tail_padding(model)
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i][0]))
     out: list[Scored | None] = [None] * len(requests)
     for s in range(0, len(order), max(1, int(batch_size))):
@@ -119,7 +108,7 @@ def score_sequences(
             if progress is not None:
                 progress(len(idx))
             continue
-        x = torch.full((len(idx), width + tail), pad_id, dtype=torch.long)
+        x = torch.full((len(idx), width), pad_id, dtype=torch.long)
         rows_b, rows_p, targets, owner = [], [], [], []
         for r, i in enumerate(idx):
             toks, k = requests[i]

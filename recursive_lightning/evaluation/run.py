@@ -173,7 +173,7 @@ def _dataset_of(tm: Any, name: str) -> str | None:
 def _offline_sentence(tm: Any, name: str, err: BaseException) -> str:
     ds = _dataset_of(tm, name)
     if ds is None:
-        m = re.search(r"'([^']+)'", str(err))
+        m = re.search(r"reach '([^']+)'", str(err)) or re.search(r"'([\w.-]+/[\w.-]+)'", str(err))
         ds = m.group(1) if m else None
     first = (str(err).splitlines() or [""])[0][:160]
     if ds in LOCAL_BUILDERS or (ds and Path(ds).exists()):
@@ -182,11 +182,16 @@ def _offline_sentence(tm: Any, name: str, err: BaseException) -> str:
             "(relative paths resolve from the current directory, so absolute paths are safest)."
         )
     what = f"the Hugging Face dataset '{ds}'" if ds else "a Hugging Face dataset"
+    entry = tm.task_index.get(name) if hasattr(tm, "task_index") else None
+    is_group = getattr(getattr(entry, "kind", None), "name", "") == "GROUP"
+    cfg = getattr(entry, "cfg", None) or {}
+    split = cfg.get("test_split") or cfg.get("validation_split") or "test"
+    copy = "copies of the YAMLs of its tasks (same task names)" if is_group else f"a copy of the task's YAML (same `task: {name}`)"
     return (
         f"task '{name}' needs {what}, which is not in the local datasets cache and cannot be downloaded offline; "
-        f"run once with network access to cache it, or point the harness at a local copy: a task YAML with "
-        f"`task: {name}_local`, `dataset_path: json` and `dataset_kwargs: {{data_files: {{test: /abs/path/{name}.jsonl}}}}` "
-        "in a folder passed with --include-path (see tests/data for examples)."
+        f"run once with network access to cache it, or point the harness at a local copy: {copy} with `dataset_path: json` "
+        f"and `dataset_kwargs: {{data_files: {{{split}: /abs/path/{name}.jsonl}}}}`, in a folder passed with --include-path "
+        "(tests/data has examples)."
     )
 
 

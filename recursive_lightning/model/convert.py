@@ -286,8 +286,13 @@ def from_pretrained_gpt_neox(name_or_path: str, **kwargs: Any) -> RecursiveLM:
     Needs network access for hub names (or a populated HF cache). Returns the model in eval mode
     with float32 weights unless ``dtype``/``torch_dtype`` is passed.
     """
+    import transformers
     from transformers import GPTNeoXForCausalLM
 
+    if "dtype" not in kwargs and "torch_dtype" not in kwargs:
+        # transformers >= 5 loads the checkpoint's dtype by default (float16 for Pythia); keep float32
+        key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+        kwargs[key] = torch.float32
     hf = GPTNeoXForCausalLM.from_pretrained(name_or_path, **kwargs)
     cfg = config_from_gpt_neox(hf.config)
     dtype = next(hf.parameters()).dtype

@@ -7,7 +7,9 @@
 
 Chunks use the offset maps π(i) = floor((i + ω) / g), ρ(i) = (i + ω) - g π(i) (Eq. 12): the sequence
 is left-padded by ω so chunk 0 holds the first g - ω tokens, and the incomplete trailing chunk is
-dropped (Eq. 14). Positions that receive no update get zero. Everything is reshapes and one pad;
+dropped (Eq. 14). We keep L_t = floor((L + ω) / g) chunks: Eq. 13's floor(L / g) when ω = 0, and with
+ω > 0 it also keeps the last *complete* chunk, so a position's output never depends on how many tokens
+follow it (training-time forward == token-by-token decoding). Positions that receive no update get zero. Everything is reshapes and one pad;
 no Python loop over chunks or tokens.
 """
 
@@ -27,7 +29,7 @@ def chunk_maps(length: int, g: int, offset: int) -> tuple[torch.Tensor, torch.Te
     """π(i) and ρ(i) of Eq. 12 for i = 0..L-1 (π = -1 marks positions dropped by Eq. 14)."""
     i = torch.arange(length)
     pi, rho = (i + offset) // g, (i + offset) % g
-    pi = torch.where(pi <= length // g - 1, pi, torch.full_like(pi, -1))
+    pi = torch.where(pi <= (length + offset) // g - 1, pi, torch.full_like(pi, -1))
     return pi, rho
 
 
@@ -47,7 +49,7 @@ class ResolutionStep(nn.Module):
     def down(self, h: torch.Tensor) -> torch.Tensor:
         """(b, L, d) -> (b, L_t, d), Eqs. 16-18."""
         g, w = self.g, self.offset
-        n = h.shape[1] // g  # L_t, Eq. 13
+        n = (h.shape[1] + w) // g  # L_t: every complete chunk of the ω-offset partition (Eq. 13-14)
         chunks = rearrange(F.pad(h, (0, 0, w, 0))[:, : n * g], "b (n g) d -> b n g d", g=g)
         if self.scorer is None:
             return chunks.sum(2) / g  # Eq. 16 (left padding contributes zero)
@@ -78,6 +80,6 @@ class ResolutionStep(nn.Module):
         length = h.shape[1]
         if self.g == 1 and self.shift == 0 and self.gain == 1:
             return core(h)  # full resolution: u~ = f_core(h)
-        if length < self.g:
+        if length + self.offset < self.g:
             return torch.zeros_like(h)  # no complete chunk yet: no position receives an update
         return self.up(core(self.down(h)), length)

@@ -364,7 +364,9 @@ def capture(
         attention = {"entropy": acc.get("entropy"), "lam": acc.get("lam")}
     routing = None
     if isinstance(model.topology, MeSH):
-        routing = {k: acc.get(k) for k in ("write_seq", "read_seq", "write_tok", "read_tok", "comp_seq", "comp_tok")}
+        routing = {
+            k: acc.get(k) for k in ("write_seq", "read_seq", "write_tok", "read_tok", "comp_seq", "comp_tok")
+        }
     return Capture(
         n_samples=N,
         seq_len=L,

@@ -83,7 +83,9 @@ def _documents(data: str | None) -> tuple[Iterator[str], str, bool]:
     return iter_documents(source), source.spec, source.kind != "hf"
 
 
-def load_samples(tokenizer: Any, data: str | None, samples: int, seq_len: int, vocab_size: int | None = None) -> Samples:
+def load_samples(
+    tokenizer: Any, data: str | None, samples: int, seq_len: int, vocab_size: int | None = None
+) -> Samples:
     """``samples`` consecutive windows of ``seq_len`` tokens (held-out documents first, EOS after each)."""
     from recursive_lightning.data.shards import is_validation_document
     from recursive_lightning.data.sources import DataError
@@ -166,7 +168,10 @@ def load_samples(tokenizer: Any, data: str | None, samples: int, seq_len: int, v
         "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest()[:16],
     }
     if n < samples:
-        print(f"warning: the text gives only {n} windows of {seq_len} tokens (asked for {samples}).", file=sys.stderr)
+        print(
+            f"warning: the text gives only {n} windows of {seq_len} tokens (asked for {samples}).",
+            file=sys.stderr,
+        )
     return Samples(tokens, info)
 
 
@@ -208,7 +213,13 @@ def _loop_labels(summary: dict[str, Any]) -> list[str]:
     att = summary["attention"]
     out = []
     for t, g in zip(att["loops"], att["chunk"]):
-        out.append(f"loop {t + 1}" if not att["multires"] else f"loop {t + 1} (1/{g})" if g > 1 else f"loop {t + 1} (1)")
+        out.append(
+            f"loop {t + 1}"
+            if not att["multires"]
+            else f"loop {t + 1} (1/{g})"
+            if g > 1
+            else f"loop {t + 1} (1)"
+        )
     return out
 
 
@@ -243,6 +254,8 @@ def _clean(x: Any) -> Any:
         return f if math.isfinite(f) else None
     if isinstance(x, np.integer):
         return int(x)
+    if isinstance(x, np.bool_):
+        return bool(x)
     return x
 
 
@@ -298,7 +311,8 @@ def summarize(cap: Capture, meta: dict[str, Any]) -> dict[str, Any]:
     if cap.routing is not None:
         r = cap.routing
         K1, B = r["write_seq"].shape[1:]
-        rows, cols = ["h(%d)" % t for t in range(K1)], ["h_emb"] + ["h_m(%d)" % i for i in range(-1, K1 - 1)]
+        rows = [f"h({t})" for t in range(K1)]
+        cols = ["h_emb"] + [f"h_m({i})" for i in range(-1, K1 - 1)]
         mesh: dict[str, Any] = {"steps": list(range(-1, K1 - 1)), "slots": B, "token_index": cap.token_index}
         for key in ("write", "read"):
             m, s = _mean_std(r[f"{key}_seq"])
@@ -328,7 +342,7 @@ def summarize(cap: Capture, meta: dict[str, Any]) -> dict[str, Any]:
         m, s = _mean_std(cap.coefficients)
         out["coefficients"] = {
             "terms": list(COEFFICIENT_TERMS),
-            "states": ["h(%d)" % (t + 1) for t in range(m.shape[0])],
+            "states": [f"h({t + 1})" for t in range(m.shape[0])],
             "mean": m,
             "std": s,
         }
@@ -389,7 +403,14 @@ def _plot_coefficients(models: Mapping[str, dict[str, Any]], path: Path, title: 
             vmax = float(np.nanmax(np.abs(mat))) if mat.size else 1.0
             rows = [state_label(s) for s in models[name]["states"]]
             im = P._draw_heatmap(
-                axes[0, i], mat, rows, list(COEFFICIENT_TERMS), cmap="RdBu_r", vmin=-vmax, vmax=vmax, annotate=True
+                axes[0, i],
+                mat,
+                rows,
+                list(COEFFICIENT_TERMS),
+                cmap="RdBu_r",
+                vmin=-vmax,
+                vmax=vmax,
+                annotate=True,
             )
             fig.colorbar(im, ax=axes[0, i], fraction=0.046, pad=0.04)
             axes[0, i].set_title(name if m > 1 else (title or "Combination coefficients"))
@@ -420,11 +441,15 @@ def draw_single(cap: Capture, summary: dict[str, Any], out: Path, title: str) ->
         P.plot_cka_heatmap(
             cap.cka, out / "cka.png", labels=[state_label(s) for s in cap.state_names], title=f"CKA - {title}"
         ),
-        P.plot_singular_spectra(_spectra_curves(cap), out / "spectra.png", title=f"Singular spectra - {title}"),
+        P.plot_singular_spectra(
+            _spectra_curves(cap), out / "spectra.png", title=f"Singular spectra - {title}"
+        ),
     ]
     if cap.subspace is not None:
         files.append(
-            P.plot_shared_subspace(_subspace_curves(cap), out / "shared_subspace.png", title=f"Shared subspace - {title}")
+            P.plot_shared_subspace(
+                _subspace_curves(cap), out / "shared_subspace.png", title=f"Shared subspace - {title}"
+            )
         )
     if cap.routing is not None:
         r, i = cap.routing, cap.token_index
@@ -432,13 +457,17 @@ def draw_single(cap: Capture, summary: dict[str, Any], out: Path, title: str) ->
         tok_desc = f"token {i}" + (f" ({tok!r})" if tok else "")
         files.append(
             P.plot_mesh_routers(
-                r["write_seq"].transpose(0, 1), r["read_seq"].transpose(0, 1), out / "mesh_routers.png",
+                r["write_seq"].transpose(0, 1),
+                r["read_seq"].transpose(0, 1),
+                out / "mesh_routers.png",
                 title=f"MeSH routers, mean over samples and tokens - {title}",
             )
         )
         files.append(
             P.plot_mesh_routers(
-                r["write_tok"][0], r["read_tok"][0], out / "mesh_routers_token.png",
+                r["write_tok"][0],
+                r["read_tok"][0],
+                out / "mesh_routers_token.png",
                 title=f"MeSH routers, sample 0 at {tok_desc} - {title}",
             )
         )
@@ -449,13 +478,16 @@ def draw_single(cap: Capture, summary: dict[str, Any], out: Path, title: str) ->
         )
         files.append(
             P.plot_state_composition(
-                r["comp_tok"][0], out / "state_composition_token.png",
+                r["comp_tok"][0],
+                out / "state_composition_token.png",
                 title=f"State composition, sample 0 at {tok_desc}",
             )
         )
     if summary.get("coefficients"):
         files.append(
-            _plot_coefficients({title: summary["coefficients"]}, out / "coefficients.png", title=f"Coefficients - {title}")
+            _plot_coefficients(
+                {title: summary["coefficients"]}, out / "coefficients.png", title=f"Coefficients - {title}"
+            )
         )
     if cap.attention is not None:
         labels = _loop_labels(summary)
@@ -463,25 +495,38 @@ def draw_single(cap: Capture, summary: dict[str, Any], out: Path, title: str) ->
             per_loop = np.asarray(summary["attention"][metric]["per_loop"], dtype=float)
             files.append(
                 P.plot_attention_probe(
-                    per_loop, out / f"attention_{metric}_dynamic.png", metric=name, loop_labels=labels,
-                    dynamic_frac=DYNAMIC_FRAC, title=f"{name}, dynamic heads (top 40%) - {title}",
+                    per_loop,
+                    out / f"attention_{metric}_dynamic.png",
+                    metric=name,
+                    loop_labels=labels,
+                    dynamic_frac=DYNAMIC_FRAC,
+                    title=f"{name}, dynamic heads (top 40%) - {title}",
                 )
             )
             files.append(
                 P.plot_attention_probe(
-                    per_loop, out / f"attention_{metric}_all.png", metric=name, loop_labels=labels,
+                    per_loop,
+                    out / f"attention_{metric}_all.png",
+                    metric=name,
+                    loop_labels=labels,
                     title=f"{name}, all heads - {title}",
                 )
             )
             files.append(
                 P.plot_head_heatmaps(
-                    per_loop, out / f"attention_{metric}_heads.png", metric=name, loop_labels=labels,
+                    per_loop,
+                    out / f"attention_{metric}_heads.png",
+                    metric=name,
+                    loop_labels=labels,
                     title=f"{name} per layer and head - {title}",
                 )
             )
             files.append(
                 P.plot_head_range_heatmap(
-                    per_loop, out / f"attention_{metric}_range.png", metric=name, frac=DYNAMIC_FRAC,
+                    per_loop,
+                    out / f"attention_{metric}_range.png",
+                    metric=name,
+                    frac=DYNAMIC_FRAC,
                     title=rf"Cross-loop range of {name} - {title}",
                 )
             )
@@ -493,61 +538,87 @@ def draw_compare(results: Mapping[str, tuple[Capture, dict[str, Any]]], out: Pat
 
     files = [
         P.compare_skew(
-            {k: _skew_values(c, s) for k, (c, s) in results.items()}, out / "compare_skew.png",
+            {k: _skew_values(c, s) for k, (c, s) in results.items()},
+            out / "compare_skew.png",
             title="Computation skew",
         ),
         P.compare_cka_heatmaps(
-            {k: c.cka for k, (c, _) in results.items()}, out / "compare_cka.png",
+            {k: c.cka for k, (c, _) in results.items()},
+            out / "compare_cka.png",
             labels={k: [state_label(s) for s in c.state_names] for k, (c, _) in results.items()},
             title="CKA between hidden states",
         ),
         P.compare_singular_spectra(
-            {k: _spectra_curves(c) for k, (c, _) in results.items()}, out / "compare_spectra.png",
+            {k: _spectra_curves(c) for k, (c, _) in results.items()},
+            out / "compare_spectra.png",
             title="Normalised singular spectra",
         ),
     ]
     looped = {k: _subspace_curves(c) for k, (c, _) in results.items() if c.subspace is not None}
     if looped:
-        files.append(P.compare_shared_subspace(looped, out / "compare_shared_subspace.png", title="Shared subspace"))
+        files.append(
+            P.compare_shared_subspace(looped, out / "compare_shared_subspace.png", title="Shared subspace")
+        )
     mesh = {k: c for k, (c, _) in results.items() if c.routing is not None}
     if mesh:
         files.append(
             P.compare_mesh_routers(
-                {k: (c.routing["write_seq"].transpose(0, 1), c.routing["read_seq"].transpose(0, 1)) for k, c in mesh.items()},
-                out / "compare_mesh_routers.png", title="MeSH routers (mean over samples and tokens)",
+                {
+                    k: (c.routing["write_seq"].transpose(0, 1), c.routing["read_seq"].transpose(0, 1))
+                    for k, c in mesh.items()
+                },
+                out / "compare_mesh_routers.png",
+                title="MeSH routers (mean over samples and tokens)",
             )
         )
         files.append(
             P.compare_state_composition(
-                {k: c.routing["comp_seq"] for k, c in mesh.items()}, out / "compare_state_composition.png",
+                {k: c.routing["comp_seq"] for k, c in mesh.items()},
+                out / "compare_state_composition.png",
                 title="State composition (Eq. 7)",
             )
         )
     coef = {k: s["coefficients"] for k, (_, s) in results.items() if s.get("coefficients")}
     if coef:
-        files.append(_plot_coefficients(coef, out / "compare_coefficients.png", title="Combination coefficients"))
+        files.append(
+            _plot_coefficients(coef, out / "compare_coefficients.png", title="Combination coefficients")
+        )
     att = {k: s for k, (_, s) in results.items() if s.get("attention")}
     if att:
         for metric, name in (("entropy", "Key-marginal entropy"), ("lam", "LAM")):
-            per_loop = {k: np.asarray(s["attention"][metric]["per_loop"], dtype=float) for k, s in att.items()}
+            per_loop = {
+                k: np.asarray(s["attention"][metric]["per_loop"], dtype=float) for k, s in att.items()
+            }
             labels = max((_loop_labels(s) for s in att.values()), key=len)
-            if len({p.shape[0] for p in per_loop.values()}) > 1 or any(s["attention"]["multires"] for s in att.values()):
+            if len({p.shape[0] for p in per_loop.values()}) > 1 or any(
+                s["attention"]["multires"] for s in att.values()
+            ):
                 labels = [f"loop {t + 1}" for t in range(len(labels))]
             files.append(
                 P.compare_attention_probe(
-                    per_loop, out / f"compare_attention_{metric}_dynamic.png", metric=name, loop_labels=labels,
-                    dynamic_frac=DYNAMIC_FRAC, title=f"{name}, dynamic heads (top 40%)",
+                    per_loop,
+                    out / f"compare_attention_{metric}_dynamic.png",
+                    metric=name,
+                    loop_labels=labels,
+                    dynamic_frac=DYNAMIC_FRAC,
+                    title=f"{name}, dynamic heads (top 40%)",
                 )
             )
             files.append(
                 P.compare_attention_probe(
-                    per_loop, out / f"compare_attention_{metric}_all.png", metric=name, loop_labels=labels,
+                    per_loop,
+                    out / f"compare_attention_{metric}_all.png",
+                    metric=name,
+                    loop_labels=labels,
                     title=f"{name}, all heads",
                 )
             )
             files.append(
                 P.compare_head_range_heatmaps(
-                    per_loop, out / f"compare_attention_{metric}_range.png", metric=name, frac=DYNAMIC_FRAC,
+                    per_loop,
+                    out / f"compare_attention_{metric}_range.png",
+                    metric=name,
+                    frac=DYNAMIC_FRAC,
                     title=f"Cross-loop range of {name}",
                 )
             )
@@ -588,11 +659,15 @@ def expand_compare(paths: Sequence[str]) -> list[Path]:
     out: list[Path] = []
     for p in map(Path, paths):
         if not p.exists():
-            raise UserError(f"--compare path '{p}' does not exist; pass run directories or a sweep directory.")
+            raise UserError(
+                f"--compare path '{p}' does not exist; pass run directories or a sweep directory."
+            )
         if p.is_dir() and not _has_checkpoint(p):
             subs = sorted(d for d in p.iterdir() if d.is_dir() and _has_checkpoint(d))
             if not subs:
-                raise UserError(f"'{p}' holds no checkpoint and no run directories with checkpoints to compare.")
+                raise UserError(
+                    f"'{p}' holds no checkpoint and no run directories with checkpoints to compare."
+                )
             out.extend(subs)
         else:
             out.append(p)
@@ -646,8 +721,12 @@ def _mlflow_run(uri: str, run_dir: Path, loaded: Any) -> tuple[str, bool]:
 
 
 def log_to_mlflow(
-    run_dir: Path, loaded: Any, files: Sequence[Path], metrics: dict[str, float] | None,
-    tracking_uri: str | None, artifact_path: str,
+    run_dir: Path,
+    loaded: Any,
+    files: Sequence[Path],
+    metrics: dict[str, float] | None,
+    tracking_uri: str | None,
+    artifact_path: str,
 ) -> tuple[str, str]:
     from recursive_lightning.tracking import default_tracking_uri, log_artifact, log_metrics, set_terminated
 
@@ -681,18 +760,36 @@ def _parser() -> argparse.ArgumentParser:
         "figures and probes.json.",
     )
     p.add_argument("checkpoint", nargs="?", help="a .ckpt file or a run directory")
-    p.add_argument("--compare", nargs="+", metavar="RUN_DIR",
-                   help="probe several run dirs (or one sweep dir) and draw the figures side by side")
+    p.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="probe several run dirs (or one sweep dir) and draw the figures side by side",
+    )
     p.add_argument("--data", help="text file, folder, glob or hf:<dataset> (default: the embedded corpus)")
-    p.add_argument("--samples", type=int, default=500, help="number of sequences (default 500, as in the papers)")
+    p.add_argument(
+        "--samples", type=int, default=500, help="number of sequences (default 500, as in the papers)"
+    )
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the run's data.seq_len)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="sequences per forward (default 16, fewer if the recorded attention maps would pass ~8 GB)",
+    )
     p.add_argument("--out", help="output directory (default <run_dir>/probes, or <sweep>/probes_compare)")
-    p.add_argument("--token-index", type=int, default=DEFAULT_TOKEN_INDEX,
-                   help="token position of the MeSH router/composition case study (default 27, clipped to the sequence)")
+    p.add_argument(
+        "--token-index",
+        type=int,
+        default=DEFAULT_TOKEN_INDEX,
+        help="token position of the MeSH router/composition case study (default 27, clipped to the sequence)",
+    )
     p.add_argument("--kernel", choices=("rbf", "linear"), default="rbf", help="CKA kernel (default rbf)")
-    p.add_argument("--cka-tokens", type=int, default=0,
-                   help="evenly spaced token positions per sample used for CKA (default 0 = all tokens)")
+    p.add_argument(
+        "--cka-tokens",
+        type=int,
+        default=0,
+        help="evenly spaced token positions per sample used for CKA (default 0 = all tokens)",
+    )
     p.add_argument("--no-attention", action="store_true", help="skip the attention probes")
     p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite:///<run_dir>/mlflow.db)")
@@ -705,7 +802,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if bool(args.checkpoint) == bool(args.compare):
         raise UserError("pass either one CHECKPOINT or --compare RUN_DIR [RUN_DIR ...], not both or neither.")
     for name in ("samples", "batch_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}.")
     if args.seq_len is not None and args.seq_len < 2:
         raise UserError(f"--seq-len must be at least 2, not {args.seq_len}.")
@@ -733,8 +830,26 @@ def _token_index(index: int, seq_len: int) -> int:
     return index % seq_len
 
 
+ATTENTION_BYTES = 8 * 2**30
+
+
+def auto_batch_size(model: Any, seq_len: int, attention: bool) -> int:
+    """16, or fewer so that one batch's recorded attention maps (every layer call keeps a float32
+    ``[b, heads, L_t, L_t]`` map while ``traced`` runs) stay below about 8 GB."""
+    if not attention:
+        return 16
+    lay, cfg = model.layout, model.cfg
+    calls = (lay.prelude + lay.coda) * seq_len**2
+    calls += sum(lay.cores[c] * (seq_len // g) ** 2 for c, g in zip(lay.core_index, lay.chunk))
+    per_sample = 4 * cfg.n_heads * calls
+    return int(max(1, min(16, ATTENTION_BYTES // max(per_sample, 1))))
+
+
 def probe_one(
-    path: str | os.PathLike, args: argparse.Namespace, device: torch.device, seq_len: int | None = None,
+    path: str | os.PathLike,
+    args: argparse.Namespace,
+    device: torch.device,
+    seq_len: int | None = None,
     label: str | None = None,
 ) -> Probed:
     """Load one checkpoint, build its samples and capture + summarise the probes (model freed after)."""
@@ -746,12 +861,13 @@ def probe_one(
     if L > model.cfg.max_seq_len:
         raise UserError(f"--seq-len {L} exceeds the model's max_seq_len {model.cfg.max_seq_len}.")
     samples = load_samples(loaded.tokenizer, args.data, args.samples, L, vocab_size=model.cfg.vocab_size)
+    attention = not args.no_attention and model.layout.kind in ("looped", "multires")
     settings = ProbeSettings(
         kernel=args.kernel,
         cka_tokens=args.cka_tokens or None,
         token_index=_token_index(args.token_index, L),
-        attention=not args.no_attention,
-        batch_size=args.batch_size,
+        attention=attention,
+        batch_size=args.batch_size or auto_batch_size(model, L, attention),
     )
     name = label or loaded.run.name
     cap = capture(model, samples.tokens, settings, progress=not args.no_progress, desc=f"probe {name}")
@@ -805,7 +921,12 @@ def _run_single(args: argparse.Namespace, device: torch.device) -> int:
     if not args.no_mlflow:
         try:
             uri, run_id = log_to_mlflow(
-                p.run_dir, p.loaded, [*files, json_path], scalar_metrics(p.summary), args.tracking_uri, "probes"
+                p.run_dir,
+                p.loaded,
+                [*files, json_path],
+                scalar_metrics(p.summary),
+                args.tracking_uri,
+                "probes",
             )
             msg += f"; MLflow run {run_id} ({uri}), artifacts under probes/"
         except Exception as e:  # the local outputs are complete; tracking problems only warn
@@ -863,12 +984,18 @@ def _run_compare(args: argparse.Namespace, device: torch.device) -> int:
         for p in probed:
             try:
                 _, run_id = log_to_mlflow(
-                    p.run_dir, p.loaded, [*files, json_path], scalar_metrics(p.summary), args.tracking_uri,
+                    p.run_dir,
+                    p.loaded,
+                    [*files, json_path],
+                    scalar_metrics(p.summary),
+                    args.tracking_uri,
                     "probes_compare",
                 )
                 logged.append(run_id)
             except Exception as e:
-                print(f"warning: could not log {p.label} to MLflow ({type(e).__name__}: {e}).", file=sys.stderr)
+                print(
+                    f"warning: could not log {p.label} to MLflow ({type(e).__name__}: {e}).", file=sys.stderr
+                )
         if logged:
             msg += f"; logged under probes_compare/ of MLflow runs {', '.join(logged)}"
     print(msg)
