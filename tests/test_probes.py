@@ -101,6 +101,12 @@ def test_capture_equals_reference_metrics():
     torch.testing.assert_close(
         cap.subspace, M.shared_subspace_variance(states[:, 1:5], k_max=32), atol=1e-9, rtol=0
     )
+    lin = capture(model, x, ProbeSettings(kernel="linear", cka_tokens=8, attention=False), progress=False)
+    pos = (
+        torch.linspace(0, 23, 8).round().long()
+    )  # --cka-tokens: evenly spaced positions, same for all states
+    assert lin.cka_positions == 8
+    torch.testing.assert_close(lin.cka, M.cka_matrix(states[:, :, pos], kernel="linear"))
     comp = M.mesh_state_composition(torch.stack(tr.routing["write"]), torch.stack(tr.routing["read"]))
     assert cap.token_index == 21
     torch.testing.assert_close(cap.routing["comp_seq"], comp.mean(1))

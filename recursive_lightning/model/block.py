@@ -91,7 +91,8 @@ class Attention(nn.Module):
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
         length = q.shape[-2]
         mask = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
-        attn = scores.float().masked_fill(mask, float("-inf")).softmax(-1).to(q.dtype)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # upcast half precision only
+        attn = scores.masked_fill(mask, float("-inf")).softmax(-1).to(q.dtype)
         self.capture.append(attn.detach())
         return attn @ v
 

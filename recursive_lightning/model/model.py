@@ -124,8 +124,10 @@ class RecursiveLM(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     @torch.no_grad()
-    def traced(self, idx: torch.Tensor, attention: bool = False) -> tuple[torch.Tensor, Trace]:
-        """Run once recording states, router weights and (optionally) attention maps; same logits."""
+    def traced(self, idx: torch.Tensor, attention: bool | set[str] = False) -> tuple[torch.Tensor, Trace]:
+        """Run once recording states, router weights and (optionally) attention maps; same logits.
+
+        ``attention``: True for every stack, or a set of stack names ("prelude", "core0", ..., "coda")."""
         trace = Trace()
         topo = self.topology
         if isinstance(topo, MeSH):
@@ -139,10 +141,11 @@ class RecursiveLM(nn.Module):
             **{f"core{i}": c for i, c in enumerate(self.cores)},
             "coda": self.coda,
         }
-        if attention:
-            for s in stacks.values():
-                for layer in s.layers:
-                    layer.attn.capture = []
+        if attention is not True:
+            stacks = {n: s for n, s in stacks.items() if attention and n in attention}
+        for s in stacks.values():
+            for layer in s.layers:
+                layer.attn.capture = []
         try:
             logits = self(idx, trace)
         finally:
@@ -153,7 +156,7 @@ class RecursiveLM(nn.Module):
             trace.scaling = [step.record for step in self.steps]
             for step in self.steps:
                 step.record = None
-            if attention:
+            if stacks:
                 trace.attention = {}
                 for name, s in stacks.items():
                     trace.attention[name] = [layer.attn.capture for layer in s.layers]

@@ -71,7 +71,7 @@ class ProbeSettings:
     cka_tokens: int | None = None  # None/0: all tokens of each sequence
     spectrum_k: int = 50  # MeSH Fig. 5: top 50
     subspace_k: int | None = None  # shared-subspace curve length; default min(d, 128)
-    token_index: int = 27  # MeSH Fig. 11: token idx 27 of the case study
+    token_index: int | None = None  # None: 27 (MeSH Fig. 11's case-study token), clipped to L - 1
     attention: bool = True  # attention probes (only for layouts with a loop-shared core)
     batch_size: int = 16
     lam_gamma: float = 32.0  # SpiralFormer Eq. 23
@@ -334,9 +334,10 @@ def capture(
     if tokens.dim() != 2 or tokens.numel() == 0:
         raise ValueError("tokens must be a non-empty [N, L] tensor")
     N, L = tokens.shape
-    if not -L <= s.token_index < L:
-        raise ValueError(f"token_index {s.token_index} is outside a sequence of {L} tokens")
-    s = ProbeSettings(**{**s.__dict__, "token_index": s.token_index % L})
+    index = min(27, L - 1) if s.token_index is None else s.token_index
+    if not -L <= index < L:
+        raise ValueError(f"token_index {index} is outside a sequence of {L} tokens")
+    s = ProbeSettings(**{**s.__dict__, "token_index": index % L})
     device = next(model.parameters()).device
     acc = _Accumulator(model, s, L)
     batches = [tokens[i : i + s.batch_size] for i in range(0, N, s.batch_size)]
@@ -353,7 +354,10 @@ def capture(
     try:
         with torch.no_grad():
             for batch in it:
-                _, trace = model.traced(batch.to(device), attention=bool(acc.loops))
+                _, trace = model.traced(
+                    batch.to(device),
+                    attention={f"core{i}" for i in range(len(model.cores))} if acc.loops else False,
+                )
                 acc.update(trace)
                 del trace
     finally:
