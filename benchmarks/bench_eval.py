@@ -75,8 +75,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="cpu = process CPU time (robust on a shared machine; use with --threads 1)")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu = process CPU time (robust on a shared machine; use with --threads 1)",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -45,15 +45,29 @@ def main() -> None:
     from recursive_lightning.training.module import RecursiveLMModule
     from recursive_lightning.training.optim import build_optimizer
 
-    run = RunConfig.from_dict({"name": "bench", "model": {"preset": args.preset, "scale_embeddings": False},
-                               "data": {"seq_len": args.seq_len, "batch_size": args.batch}})
+    run = RunConfig.from_dict(
+        {
+            "name": "bench",
+            "model": {"preset": args.preset, "scale_embeddings": False},
+            "data": {"seq_len": args.seq_len, "batch_size": args.batch},
+        }
+    )
     m = run.model
     ours = RecursiveLMModule(run.to_dict()).model
-    hf = GPTNeoXForCausalLM(GPTNeoXConfig(
-        vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.parsed_layout.n_layers,
-        num_attention_heads=m.n_heads, intermediate_size=4 * m.d_model, rotary_pct=m.rotary_pct,
-        max_position_embeddings=m.max_seq_len, use_parallel_residual=True, tie_word_embeddings=False,
-        attn_implementation="sdpa"))
+    hf = GPTNeoXForCausalLM(
+        GPTNeoXConfig(
+            vocab_size=m.vocab_size,
+            hidden_size=m.d_model,
+            num_hidden_layers=m.parsed_layout.n_layers,
+            num_attention_heads=m.n_heads,
+            intermediate_size=4 * m.d_model,
+            rotary_pct=m.rotary_pct,
+            max_position_embeddings=m.max_seq_len,
+            use_parallel_residual=True,
+            tie_word_embeddings=False,
+            attn_implementation="sdpa",
+        )
+    )
     n_ours = sum(p.numel() for p in ours.parameters())
     n_hf = sum(p.numel() for p in hf.parameters())
     opt_ours, _ = build_optimizer(ours, run.train)
@@ -86,11 +100,15 @@ def main() -> None:
     tps = {k: tokens / statistics.median(v) for k, v in times.items()}
     flops_token = 3 * describe(m, seq_len=args.seq_len)["flops_forward"] / args.seq_len
     peak = matmul_peak()
-    print(f"preset {args.preset} ({n_ours:,} params ours, {n_hf:,} HF), batch {args.batch}x{args.seq_len}, "
-          f"{args.threads} threads, median of {args.steps} interleaved steps")
+    print(
+        f"preset {args.preset} ({n_ours:,} params ours, {n_hf:,} HF), batch {args.batch}x{args.seq_len}, "
+        f"{args.threads} threads, median of {args.steps} interleaved steps"
+    )
     print(f"ours  {tps['ours']:10.0f} tokens/s   MFU {tps['ours'] * flops_token / peak:6.1%}")
     print(f"HF    {tps['hf']:10.0f} tokens/s   MFU {tps['hf'] * flops_token / peak:6.1%}")
-    print(f"ratio ours/HF = {tps['ours'] / tps['hf']:.2f}  (measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s)")
+    print(
+        f"ratio ours/HF = {tps['ours'] / tps['hf']:.2f}  (measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s)"
+    )
 
 
 if __name__ == "__main__":

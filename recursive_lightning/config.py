@@ -190,8 +190,10 @@ def _build(cls: type, data: dict[str, Any], section: str) -> Any:
 def check_model_types(data: dict[str, Any]) -> dict[str, Any]:
     hints = typing.get_type_hints(ModelConfig)
     # layout: null means "the preset's own depth" (a vanilla row of a sweep)
-    return {k: (_coerce(v, hints[k], f"model.{k}") if k in hints and not (k == "layout" and v is None) else v)
-            for k, v in data.items()}
+    return {
+        k: (_coerce(v, hints[k], f"model.{k}") if k in hints and not (k == "layout" and v is None) else v)
+        for k, v in data.items()
+    }
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

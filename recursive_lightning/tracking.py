@@ -59,8 +59,13 @@ def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | os.Path
         return exp.experiment_id
 
 
-def create_run(tracking_uri: str, experiment_id: str, run_name: str, tags: dict[str, str] | None = None,
-               parent_run_id: str | None = None) -> str:
+def create_run(
+    tracking_uri: str,
+    experiment_id: str,
+    run_name: str,
+    tags: dict[str, str] | None = None,
+    parent_run_id: str | None = None,
+) -> str:
     c = client(tracking_uri)
     tags = dict(tags or {})
     tags["mlflow.runName"] = run_name
@@ -91,7 +96,9 @@ def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step:
         c.log_batch(run_id, metrics=items[i : i + 500])
 
 
-def log_artifact_text(tracking_uri: str, run_id: str, name: str, text: str, subdir: str | None = None) -> None:
+def log_artifact_text(
+    tracking_uri: str, run_id: str, name: str, text: str, subdir: str | None = None
+) -> None:
     c = client(tracking_uri)
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / name

@@ -26,9 +26,28 @@ def tiny_run(data_cache):
     def make(**model):
         return {
             "name": "tiny",
-            "model": {"preset": "cpu-tiny", "layout": "1+2R2+1", "topology": "mesh", "max_seq_len": 128, **model},
-            "data": {"tokenizer": "bpe:4096", "seq_len": 64, "batch_size": 8, "val_batches": 4, "cache_dir": data_cache},
-            "train": {"max_steps": 12, "lr": 3e-3, "val_every": 6, "checkpoint_every": 4, "progress": False, "seed": 0},
+            "model": {
+                "preset": "cpu-tiny",
+                "layout": "1+2R2+1",
+                "topology": "mesh",
+                "max_seq_len": 128,
+                **model,
+            },
+            "data": {
+                "tokenizer": "bpe:4096",
+                "seq_len": 64,
+                "batch_size": 8,
+                "val_batches": 4,
+                "cache_dir": data_cache,
+            },
+            "train": {
+                "max_steps": 12,
+                "lr": 3e-3,
+                "val_every": 6,
+                "checkpoint_every": 4,
+                "progress": False,
+                "seed": 0,
+            },
         }
 
     return make

@@ -12,13 +12,17 @@ from recursive_lightning.sweep.spec import load_sweep
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "experiments").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "experiments").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_experiment_configs_load(path):
     cfg = load_run_config(path)
     assert cfg.name == yaml.safe_load(path.read_text())["name"]
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "ablations").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "ablations").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_ablation_files_validate(path):
     spec = load_sweep(path)
     assert spec.grid()
@@ -36,10 +40,16 @@ def test_topology_size_vanilla_rows_use_the_preset_depth():
 
 
 def test_dotted_overrides_and_errors():
-    cfg = load_run_config(ROOT / "experiments/cpu/looped-mesh.yaml", ["--model.topology", "anchor", "--train.lr=3e-4"])
+    cfg = load_run_config(
+        ROOT / "experiments/cpu/looped-mesh.yaml", ["--model.topology", "anchor", "--train.lr=3e-4"]
+    )
     assert cfg.model.topology == "anchor" and cfg.train.lr == 3e-4
-    for bad, field in [(["--train.lrr", "1"], "train.lrr"), (["--train.max_steps", "abc"], "train.max_steps"),
-                       (["--model.buffer", "x"], "model.buffer"), (["--nope.x", "1"], "--nope.x")]:
+    for bad, field in [
+        (["--train.lrr", "1"], "train.lrr"),
+        (["--train.max_steps", "abc"], "train.max_steps"),
+        (["--model.buffer", "x"], "model.buffer"),
+        (["--nope.x", "1"], "--nope.x"),
+    ]:
         with pytest.raises(ConfigError) as e:
             load_run_config(ROOT / "experiments/cpu/looped-mesh.yaml", bad)
         assert field in str(e.value) and "\n" not in str(e.value)

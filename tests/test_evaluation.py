@@ -58,8 +58,11 @@ def ckpts(tmp_path_factory, tokenizer) -> dict[str, Path]:
     for i, (name, arch) in enumerate(FAMILIES.items()):
         torch.manual_seed(i)
         run = RunConfig.from_dict(
-            {"name": f"t-{name}", "model": {"vocab_size": 512, "d_model": 32, "n_heads": 4, "max_seq_len": MAX_LEN, **arch},
-             "data": {"seq_len": MAX_LEN}}
+            {
+                "name": f"t-{name}",
+                "model": {"vocab_size": 512, "d_model": 32, "n_heads": 4, "max_seq_len": MAX_LEN, **arch},
+                "data": {"seq_len": MAX_LEN},
+            }
         )
         out[name] = save_model_checkpoint(root / f"{name}.ckpt", RecursiveLM(run.model), run, tokenizer)
     return out
@@ -99,7 +102,9 @@ def _direct_loglikelihood(model, tok, eot, context, continuation, max_len):
 
 
 # ---------------------------------------------------------------------------------------------- windows
-@pytest.mark.parametrize("n,L,stride", [(1, 8, None), (8, 8, None), (9, 8, None), (50, 8, None), (50, 8, 3), (50, 8, 1), (7, 8, 8)])
+@pytest.mark.parametrize(
+    "n,L,stride", [(1, 8, None), (8, 8, None), (9, 8, None), (50, 8, None), (50, 8, 3), (50, 8, 1), (7, 8, 8)]
+)
 def test_windows_score_every_token_once_like_lm_eval(n, L, stride):
     doc = list(range(100, 100 + n))
     seq = [0, *doc]
@@ -129,7 +134,9 @@ def test_loglikelihood_equals_model_logprobs(family, ckpts, tokenizer):
         ("Question: what is frozen water?\nAnswer:", " ice"),
         ("x = 1", "\ny = 2\nprint(x + y)"),
     ]
-    got = lm.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)], disable_tqdm=True)
+    got = lm.loglikelihood(
+        [Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)], disable_tqdm=True
+    )
     assert len(tokenizer.encode(long_ctx).ids) > 2 * MAX_LEN
     for (ctx, cont), (ll, greedy) in zip(reqs, got):
         ref, ref_greedy = _direct_loglikelihood(loaded.model, tokenizer, lm.eot_token_id, ctx, cont, MAX_LEN)
@@ -137,7 +144,9 @@ def test_loglikelihood_equals_model_logprobs(family, ckpts, tokenizer):
         assert greedy == ref_greedy
     # batch composition does not matter (right padding)
     single = RecursiveLightningLM.from_loaded(loaded, batch_size=1)
-    got1 = single.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)], disable_tqdm=True)
+    got1 = single.loglikelihood(
+        [Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)], disable_tqdm=True
+    )
     assert [a for a, _ in got1] == pytest.approx([a for a, _ in got], abs=1e-3)
 
 
@@ -148,13 +157,20 @@ def test_rolling_equals_package_perplexity(ckpts, tokenizer):
     assert len(toks) > 3 * MAX_LEN
     for stride in (None, 16):
         lm = RecursiveLightningLM.from_loaded(loaded, batch_size=4, stride=stride)
-        (rolling,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (doc,), 0)], disable_tqdm=True)
+        (rolling,) = lm.loglikelihood_rolling(
+            [Instance("loglikelihood_rolling", {}, (doc,), 0)], disable_tqdm=True
+        )
         ppl = perplexity(loaded.model, tokenizer, doc, stride=stride, batch_size=2)
         assert ppl["tokens"] == len(toks)
         assert -rolling == pytest.approx(ppl["nll"], rel=1e-6)
         assert ppl["ppl"] == pytest.approx(math.exp(ppl["nll"] / ppl["tokens"]))
         # and both equal lm-eval's own rolling windows scored by the bare model
-        windows = [make_disjoint_window(w) for w in get_rolling_token_windows(toks, lm.eot_token_id, MAX_LEN, MAX_LEN - (stride or MAX_LEN) + 1)]
+        windows = [
+            make_disjoint_window(w)
+            for w in get_rolling_token_windows(
+                toks, lm.eot_token_id, MAX_LEN, MAX_LEN - (stride or MAX_LEN) + 1
+            )
+        ]
         total = 0.0
         with torch.no_grad():
             for ctx, pred in windows:
@@ -171,12 +187,19 @@ def test_generate_until_greedy_with_stop(ckpts, tokenizer):
     ids = tokenizer.encode(prompt).ids
     ref_ids = loaded.model.generate(torch.tensor([ids]), max_new_tokens=10)[0, len(ids) :].tolist()
     ref = tokenizer.decode(ref_ids)
-    [free] = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 10}), 0)], disable_tqdm=True)
+    [free] = lm.generate_until(
+        [Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 10}), 0)], disable_tqdm=True
+    )
     assert free == ref
     stop = ref.strip()[2:4] or ref[-1]
     cut = ref[: ref.find(stop)]
-    reqs = [(prompt, {"until": [stop], "max_gen_toks": 10}), ("Another prompt, longer than the first one", {"until": ["\n\n"], "max_gen_toks": 3})]
-    out = lm.generate_until([Instance("generate_until", {}, r, i) for i, r in enumerate(reqs)], disable_tqdm=True)
+    reqs = [
+        (prompt, {"until": [stop], "max_gen_toks": 10}),
+        ("Another prompt, longer than the first one", {"until": ["\n\n"], "max_gen_toks": 3}),
+    ]
+    out = lm.generate_until(
+        [Instance("generate_until", {}, r, i) for i, r in enumerate(reqs)], disable_tqdm=True
+    )
     assert out[0] == cut and stop not in out[0]
     assert isinstance(out[1], str)
 
@@ -211,9 +234,24 @@ def test_lm_eval_command(ckpts, local_tasks, tmp_path):
         cmd = [str(Path(sys.executable).parent / "lm_eval")]
     else:  # the hook is installed by setup.sh; without it, the wrapper does the same registration
         cmd = [sys.executable, "-m", "recursive_lightning.evaluation.lm_eval_cli"]
-    cmd += ["--model", "recursive_lightning", "--model_args", f"checkpoint={ckpts['vanilla']}", "--tasks", "tiny_mc",
-            "--include_path", str(local_tasks), "--limit", "4", "--device", "cpu", "--batch_size", "4",
-            "--output_path", str(tmp_path / "out")]
+    cmd += [
+        "--model",
+        "recursive_lightning",
+        "--model_args",
+        f"checkpoint={ckpts['vanilla']}",
+        "--tasks",
+        "tiny_mc",
+        "--include_path",
+        str(local_tasks),
+        "--limit",
+        "4",
+        "--device",
+        "cpu",
+        "--batch_size",
+        "4",
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -234,14 +272,52 @@ def test_eval_command_json_and_mlflow(tmp_path, tokenizer, local_tasks, capsys):
     run_dir.mkdir()
     run_id = create_run(uri, ensure_experiment(uri, "t-eval", run_dir / "mlartifacts"), "train")
     torch.manual_seed(0)
-    run = RunConfig.from_dict({"name": "t-eval", "model": {"vocab_size": 512, "d_model": 32, "n_heads": 4, "max_seq_len": MAX_LEN,
-                                                           "layout": "1+2R2+1", "topology": "mesh"}, "data": {"seq_len": MAX_LEN}})
-    save_model_checkpoint(run_dir / "checkpoints" / "last.ckpt", RecursiveLM(run.model), run, tokenizer, global_step=7,
-                          mlflow_run_id=run_id)
+    run = RunConfig.from_dict(
+        {
+            "name": "t-eval",
+            "model": {
+                "vocab_size": 512,
+                "d_model": 32,
+                "n_heads": 4,
+                "max_seq_len": MAX_LEN,
+                "layout": "1+2R2+1",
+                "topology": "mesh",
+            },
+            "data": {"seq_len": MAX_LEN},
+        }
+    )
+    save_model_checkpoint(
+        run_dir / "checkpoints" / "last.ckpt",
+        RecursiveLM(run.model),
+        run,
+        tokenizer,
+        global_step=7,
+        mlflow_run_id=run_id,
+    )
     text = tmp_path / "doc.txt"
     text.write_text(_texts()[2][:1000])
-    rc = main(["eval", str(run_dir), "--ppl", f"doc={text}", "--tasks", "tiny_mc,tiny_lambada", "--shots", "0,5",
-               "--limit", "3", "--context-lengths", "8,16,64,100000", "--ctx-max-tokens", "64", "--include-path", str(local_tasks), "--batch-size", "8"])
+    rc = main(
+        [
+            "eval",
+            str(run_dir),
+            "--ppl",
+            f"doc={text}",
+            "--tasks",
+            "tiny_mc,tiny_lambada",
+            "--shots",
+            "0,5",
+            "--limit",
+            "3",
+            "--context-lengths",
+            "8,16,64,100000",
+            "--ctx-max-tokens",
+            "64",
+            "--include-path",
+            str(local_tasks),
+            "--batch-size",
+            "8",
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "tiny_mc" in printed and "average" in printed
@@ -254,18 +330,42 @@ def test_eval_command_json_and_mlflow(tmp_path, tokenizer, local_tasks, capsys):
     assert set(out["avg"]) == {"0", "5"} and 0 <= out["avg"]["0"] <= 1
     client = MlflowClient(tracking_uri=uri)
     metrics = client.get_run(run_id).data.metrics
-    for key in ("eval/ppl/doc", "eval/ppl_ctx/8", "eval/tiny_mc/0shot/acc", "eval/tiny_mc/5shot/acc_norm",
-                "eval/tiny_lambada/0shot/acc", "eval/avg/0shot", "eval/avg/5shot"):
+    for key in (
+        "eval/ppl/doc",
+        "eval/ppl_ctx/8",
+        "eval/tiny_mc/0shot/acc",
+        "eval/tiny_mc/5shot/acc_norm",
+        "eval/tiny_lambada/0shot/acc",
+        "eval/avg/0shot",
+        "eval/avg/5shot",
+    ):
         assert key in metrics, key
     assert metrics["eval/ppl/doc"] == pytest.approx(out["ppl"]["doc"]["ppl"])
     assert client.get_metric_history(run_id, "eval/avg/0shot")[0].step == 7
     assert [a.path for a in client.list_artifacts(run_id, "eval")] == ["eval/eval-last.json"]
 
     # a checkpoint whose run is not in the store: a new run, tagged with the checkpoint path
-    other = save_model_checkpoint(tmp_path / "elsewhere" / "x.ckpt", RecursiveLM(run.model), run, tokenizer,
-                                  mlflow_run_id="0123456789abcdef0123456789abcdef")
-    rc = main(["eval", str(other), "--ppl", f"doc={text}", "--tasks", "none", "--tracking-uri", uri,
-               "--out", str(tmp_path / "o2")])
+    other = save_model_checkpoint(
+        tmp_path / "elsewhere" / "x.ckpt",
+        RecursiveLM(run.model),
+        run,
+        tokenizer,
+        mlflow_run_id="0123456789abcdef0123456789abcdef",
+    )
+    rc = main(
+        [
+            "eval",
+            str(other),
+            "--ppl",
+            f"doc={text}",
+            "--tasks",
+            "none",
+            "--tracking-uri",
+            uri,
+            "--out",
+            str(tmp_path / "o2"),
+        ]
+    )
     assert rc == 0
     new = json.loads((tmp_path / "o2" / "eval-x.json").read_text())["mlflow"]
     assert new["created"] and new["run_id"] != run_id
@@ -289,7 +389,10 @@ def test_unknown_task_and_bad_inputs(ckpts, capsys):
 
     assert main(["eval", str(ckpts["vanilla"]), "--tasks", "piqaa", "--no-mlflow"]) == 2
     assert "did you mean 'piqa'" in capsys.readouterr().err
-    assert main(["eval", str(ckpts["vanilla"]), "--ppl", "x=/nonexistent.txt", "--tasks", "none", "--no-mlflow"]) == 2
+    assert (
+        main(["eval", str(ckpts["vanilla"]), "--ppl", "x=/nonexistent.txt", "--tasks", "none", "--no-mlflow"])
+        == 2
+    )
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -297,7 +400,9 @@ def test_context_length_table(ckpts, tokenizer):
     model = load_checkpoint(ckpts["multires"]).model
     text = _texts()[3][:3000]
     n = len(tokenizer.encode(text).ids)
-    res = perplexity_by_context_length(model, tokenizer, text, [8, 32, 64, n + 5], block=4, max_tokens=128, extrapolate=False)
+    res = perplexity_by_context_length(
+        model, tokenizer, text, [8, 32, 64, n + 5], block=4, max_tokens=128, extrapolate=False
+    )
     assert res[8]["segments"] == 16 and res[8]["tokens"] == 128 and res[8]["last_block"] == 4
     assert res[32]["ppl"] > 1 and res[32]["ppl_last"] > 1 and not res[32]["extrapolated"]
     assert "max_seq_len" in res[64]["skipped"]
@@ -309,6 +414,8 @@ def test_context_length_table(ckpts, tokenizer):
     seg = [eos, *ids[:16]]
     with torch.no_grad():
         logp = F.log_softmax(model(torch.tensor([seg[:-1]]))[0, :16].double(), -1)
-    assert one["nll"] == pytest.approx(-logp.gather(-1, torch.tensor(seg[1:])[:, None]).sum().item(), rel=1e-6)
+    assert one["nll"] == pytest.approx(
+        -logp.gather(-1, torch.tensor(seg[1:])[:, None]).sum().item(), rel=1e-6
+    )
     docs = perplexity_by_context_length(model, tokenizer, [text, "short"], [16], mode="documents")[16]
     assert docs["segments"] == 1

@@ -23,9 +23,18 @@ def sweep_file(tmp_path: Path, cache: str, rows: dict, seeds=(0,), steps: int = 
     spec = {
         "name": "tiny-sweep",
         "base": str(ROOT / "experiments/cpu/looped-mesh.yaml"),
-        "overrides": {"model.preset": "cpu-tiny", "model.layout": "1+2R2+1", "data.seq_len": 64, "data.batch_size": 8,
-                      "data.val_batches": 2, "data.cache_dir": cache, "train.max_steps": steps, "train.val_every": 6,
-                      "train.checkpoint_every": 4, "train.progress": False},
+        "overrides": {
+            "model.preset": "cpu-tiny",
+            "model.layout": "1+2R2+1",
+            "data.seq_len": 64,
+            "data.batch_size": 8,
+            "data.val_batches": 2,
+            "data.cache_dir": cache,
+            "train.max_steps": steps,
+            "train.val_every": 6,
+            "train.checkpoint_every": 4,
+            "train.progress": False,
+        },
         "axes": {"variant": rows},
         "seeds": list(seeds),
     }
@@ -35,12 +44,20 @@ def sweep_file(tmp_path: Path, cache: str, rows: dict, seeds=(0,), steps: int = 
 
 
 def run_sweep(args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "recursive_lightning", "sweep", *map(str, args)], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "recursive_lightning", "sweep", *map(str, args)],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def study_trials(run_dir: Path):
-    return optuna.load_study(study_name="tiny-sweep", storage=f"sqlite:///{run_dir / 'optuna.db'}").get_trials()
+    return optuna.load_study(
+        study_name="tiny-sweep", storage=f"sqlite:///{run_dir / 'optuna.db'}"
+    ).get_trials()
 
 
 def child_runs(run_dir: Path):
@@ -61,7 +78,11 @@ def test_sweep_killed_mid_trial_resumes(tmp_path, data_cache):
     second = None
     while time.time() < deadline and p.poll() is None:
         done = list(run_dir.glob("trials/*/result.json"))
-        ckpts = [c for c in run_dir.glob("trials/*/checkpoints/step=000004.ckpt") if not (c.parents[1] / "result.json").exists()]
+        ckpts = [
+            c
+            for c in run_dir.glob("trials/*/checkpoints/step=000004.ckpt")
+            if not (c.parents[1] / "result.json").exists()
+        ]
         if done and ckpts:
             second = ckpts[0].parents[1]
             break
@@ -125,9 +146,25 @@ def _free_port() -> int:
 def test_mlflow_server_reads_parent_and_children(two_worker_sweep):
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{two_worker_sweep / 'mlflow.db'}",
-         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{two_worker_sweep / 'mlflow.db'}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}/api/2.0/mlflow"
     try:
         for _ in range(120):
@@ -136,10 +173,15 @@ def test_mlflow_server_reads_parent_and_children(two_worker_sweep):
                 break
             except Exception:
                 time.sleep(0.5)
-        with urllib.request.urlopen(f"{base}/experiments/get-by-name?experiment_name=tiny-sweep", timeout=10) as r:
+        with urllib.request.urlopen(
+            f"{base}/experiments/get-by-name?experiment_name=tiny-sweep", timeout=10
+        ) as r:
             exp_id = json.load(r)["experiment"]["experiment_id"]
-        req = urllib.request.Request(f"{base}/runs/search", data=json.dumps({"experiment_ids": [exp_id]}).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{base}/runs/search",
+            data=json.dumps({"experiment_ids": [exp_id]}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             runs = json.load(r)["runs"]
     finally:
@@ -155,3 +197,37 @@ def test_mlflow_server_reads_parent_and_children(two_worker_sweep):
         assert metrics["val/heldout/ppl"] > 1 and "train/loss" in metrics
         params = {p["key"]: p["value"] for p in r["data"]["params"]}
         assert params["model.preset"] == "cpu-tiny" and "describe.params_total" in params
+
+
+def test_sweep_evaluates_finished_trials(tmp_path, data_cache):
+    """evaluate: perplexity on a named text set and a local lm-eval task for every finished trial."""
+    data = ROOT / "tests" / "data"
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    cfg = yaml.safe_load((data / "tiny_mc.yaml").read_text())
+    cfg["dataset_kwargs"]["data_files"] = {
+        k: str(data / v) for k, v in cfg["dataset_kwargs"]["data_files"].items()
+    }
+    cfg["dataset_kwargs"]["cache_dir"] = str(tmp_path / "hf")
+    (tasks / "tiny_mc.yaml").write_text(yaml.safe_dump(cfg))
+    text = tmp_path / "wiki.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    spec = sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}}, steps=4)
+    raw = yaml.safe_load(spec.read_text())
+    raw["evaluate"] = {
+        "ppl": {"wiki": str(text)},
+        "tasks": ["tiny_mc"],
+        "include_path": str(tasks),
+        "limit": 4,
+        "shots": [0],
+    }
+    spec.write_text(yaml.safe_dump(raw))
+    run_dir = tmp_path / "sweep"
+    p = run_sweep([spec, "--run-dir", run_dir])
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    (trial,) = study_trials(run_dir)
+    m = trial.user_attrs["metrics"]
+    assert m["eval/ppl/wiki"] > 1 and 0 <= m["eval/tiny_mc/0shot/acc"] <= 1
+    report = (run_dir / "report.md").read_text()
+    assert "eval/ppl/wiki" in report and "eval/tiny_mc/0shot/acc" in report

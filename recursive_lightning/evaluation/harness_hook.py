@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     elif cmd == "status":
         print(("installed: " if installed() else "not installed: ") + str(pth_path()))
     else:
-        print("usage: python -m recursive_lightning.evaluation.harness_hook [install|uninstall|status]", file=sys.stderr)
+        print(
+            "usage: python -m recursive_lightning.evaluation.harness_hook [install|uninstall|status]",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

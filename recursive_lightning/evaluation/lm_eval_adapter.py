@@ -93,12 +93,16 @@ class RecursiveLightningLM(TemplateLM):
             log.warning("recursive_lightning ignores unknown model_args: %s", ", ".join(sorted(kwargs)))
         if loaded is None:
             if not checkpoint:
-                raise UserError("the recursive_lightning model needs checkpoint=PATH (a .ckpt file or a run directory).")
+                raise UserError(
+                    "the recursive_lightning model needs checkpoint=PATH (a .ckpt file or a run directory)."
+                )
             from recursive_lightning.training.checkpoint import load_checkpoint
 
             loaded = load_checkpoint(checkpoint, device="cpu")
         if loaded.tokenizer is None:
-            raise UserError(f"checkpoint '{loaded.path}' carries no tokenizer, which evaluation needs to turn text into tokens.")
+            raise UserError(
+                f"checkpoint '{loaded.path}' carries no tokenizer, which evaluation needs to turn text into tokens."
+            )
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -111,7 +115,9 @@ class RecursiveLightningLM(TemplateLM):
         self.model.eval()
         eot = self.tokenizer.token_to_id(EOS_TOKEN)
         if eot is None:
-            raise UserError(f"the checkpoint's tokenizer has no {EOS_TOKEN} token, which scoring uses as end-of-text.")
+            raise UserError(
+                f"the checkpoint's tokenizer has no {EOS_TOKEN} token, which scoring uses as end-of-text."
+            )
         self._eot = int(eot)
         self._max_length = int(max_length or self.model.cfg.max_seq_len)
         self.stride = int(stride) if stride else None
@@ -127,11 +133,15 @@ class RecursiveLightningLM(TemplateLM):
 
     # lm-eval's CLI passes batch_size/device next to --model_args; model_args win instead of clashing.
     @classmethod
-    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> RecursiveLightningLM:
+    def create_from_arg_string(
+        cls, arg_string: str, additional_config: dict | None = None
+    ) -> RecursiveLightningLM:
         return cls.create_from_arg_obj(lm_utils.simple_parse_args_string(arg_string), additional_config)
 
     @classmethod
-    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> RecursiveLightningLM:
+    def create_from_arg_obj(
+        cls, arg_dict: dict[str, Any], additional_config: dict | None = None
+    ) -> RecursiveLightningLM:
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
         return cls(**arg_dict, **extra)
 
@@ -177,7 +187,10 @@ class RecursiveLightningLM(TemplateLM):
 
     # ------------------------------------------------------------------------------------------ scoring
     def _loglikelihood_tokens(
-        self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
+        self,
+        requests: list[tuple[tuple[str, str], list[int], list[int]]],
+        disable_tqdm: bool = False,
+        **kwargs: Any,
     ) -> list[tuple[float, bool]]:
         """Sum of log-probabilities of each continuation given its (left-truncated) context, and whether
         greedy decoding would produce it. A continuation longer than ``max_length`` is scored in windows."""
@@ -188,7 +201,11 @@ class RecursiveLightningLM(TemplateLM):
             for w in plan_windows(len(full), len(ctx), self._max_length, self.stride):
                 scored_reqs.append((full[w.begin : w.end], w.end - w.target))
                 owner.append(r)
-        bar = tqdm(total=len(scored_reqs), desc="recursive_lightning loglikelihood", disable=disable_tqdm or len(scored_reqs) < 2)
+        bar = tqdm(
+            total=len(scored_reqs),
+            desc="recursive_lightning loglikelihood",
+            disable=disable_tqdm or len(scored_reqs) < 2,
+        )
         scored = score_sequences(self.model, scored_reqs, self.batch_size, progress=bar.update)
         bar.close()
         sums = [0.0] * len(requests)
@@ -208,7 +225,9 @@ class RecursiveLightningLM(TemplateLM):
         """Log-likelihood of whole documents: ``[EOS] + tokens`` in the windows of ``perplexity.py``."""
         strings = [req.args[0] for req in requests]
         docs = [self.tok_encode(s) for s in strings]
-        scores = document_logprobs(self.model, docs, self._eot, self._max_length, self.stride, self.batch_size)
+        scores = document_logprobs(
+            self.model, docs, self._eot, self._max_length, self.stride, self.batch_size
+        )
         out = []
         for s, (lp, _) in zip(strings, scores):
             self.cache_hook.add_partial("loglikelihood_rolling", (s,), lp)
@@ -225,7 +244,9 @@ class RecursiveLightningLM(TemplateLM):
         for i, req in enumerate(requests):
             context, gen_kwargs = req.args
             kwargs = dict(gen_kwargs or {})
-            if (kwargs.get("do_sample") or (kwargs.get("temperature") or 0) > 0) and not self._warned_sampling:
+            if (
+                kwargs.get("do_sample") or (kwargs.get("temperature") or 0) > 0
+            ) and not self._warned_sampling:
                 log.warning("recursive_lightning decodes greedily; sampling arguments are ignored")
                 self._warned_sampling = True
             until = kwargs.get("until")

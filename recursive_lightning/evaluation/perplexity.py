@@ -137,7 +137,12 @@ def score_sequences(
         offset = 0
         for r, i in enumerate(idx):
             k = requests[i][1]
-            out[i] = Scored(float(sums[r]), bool(misses[r] == 0), k, lp[offset : offset + k].clone() if per_token else None)
+            out[i] = Scored(
+                float(sums[r]),
+                bool(misses[r] == 0),
+                k,
+                lp[offset : offset + k].clone() if per_token else None,
+            )
             offset += k
         if progress is not None:
             progress(len(idx))
@@ -174,7 +179,9 @@ def eos_id_of(tokenizer: Any) -> int:
     """The id of ``<|endoftext|>`` in a ``tokenizers.Tokenizer``."""
     token_id = tokenizer.token_to_id(EOS_TOKEN)
     if token_id is None:
-        raise UserError(f"the checkpoint's tokenizer has no {EOS_TOKEN} token, which scoring uses as the document prefix.")
+        raise UserError(
+            f"the checkpoint's tokenizer has no {EOS_TOKEN} token, which scoring uses as the document prefix."
+        )
     return int(token_id)
 
 
@@ -272,7 +279,10 @@ def perplexity_by_context_length(
             results[L] = {**base, "skipped": "context length must be a positive number of tokens"}
             continue
         if L > trained and not extrapolate:
-            results[L] = {**base, "skipped": f"longer than the model's max_seq_len {trained} (extrapolation disabled)"}
+            results[L] = {
+                **base,
+                "skipped": f"longer than the model's max_seq_len {trained} (extrapolation disabled)",
+            }
             continue
         if mode == "stream":
             n_seg = (len(stream) - 1) // L
@@ -280,14 +290,20 @@ def perplexity_by_context_length(
                 n_seg = min(n_seg, max(1, int(max_tokens) // L))
             segments = [stream[k * L : k * L + L + 1] for k in range(n_seg)]
             if not segments:
-                results[L] = {**base, "skipped": f"the text has {len(stream)} tokens with EOS separators, fewer than {L + 1}"}
+                results[L] = {
+                    **base,
+                    "skipped": f"the text has {len(stream)} tokens with EOS separators, fewer than {L + 1}",
+                }
                 continue
         else:
             segments = [[eos, *d[:L]] for d in docs if len(d) >= L]
             if max_tokens:
                 segments = segments[: max(1, int(max_tokens) // L)]
             if not segments:
-                results[L] = {**base, "skipped": f"no document has {L} tokens (longest: {max(map(len, docs), default=0)})"}
+                results[L] = {
+                    **base,
+                    "skipped": f"no document has {L} tokens (longest: {max(map(len, docs), default=0)})",
+                }
                 continue
         bs = max(1, min(int(batch_size), int(batch_size) * trained // L))
         scored = score_sequences(model, [(s, L) for s in segments], batch_size=bs, per_token=True)
@@ -321,7 +337,9 @@ def read_texts(path: str | os.PathLike) -> list[str]:
             raise UserError(f"perplexity set folder '{p}' holds no .txt, .jsonl or .json files.")
         return [t for f in files for t in read_texts(f)]
     if not p.is_file():
-        raise UserError(f"perplexity set '{p}' does not exist; pass a .txt, .jsonl or .json file or a folder of them.")
+        raise UserError(
+            f"perplexity set '{p}' does not exist; pass a .txt, .jsonl or .json file or a folder of them."
+        )
 
     def text_of(item: Any, where: str) -> str:
         if isinstance(item, str):

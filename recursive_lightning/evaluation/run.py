@@ -71,12 +71,24 @@ BUILTIN_DIRS = {
     "mmlu_continuation": "mmlu/continuation",
     "wikitext": "wikitext",
 }
-LOCAL_BUILDERS = {"json", "csv", "parquet", "text", "arrow", "pandas", "webdataset", "imagefolder", "audiofolder"}
+LOCAL_BUILDERS = {
+    "json",
+    "csv",
+    "parquet",
+    "text",
+    "arrow",
+    "pandas",
+    "webdataset",
+    "imagefolder",
+    "audiofolder",
+}
 NOT_ACCURACY = ("perplexity", "bits_per_byte", "byte_perplexity", "word_perplexity", "bpb")
 
 
 # ---------------------------------------------------------------------------------------------- tasks
-def task_manager(tasks: Sequence[str], include_path: str | os.PathLike | Sequence[str | os.PathLike] | None = None):
+def task_manager(
+    tasks: Sequence[str], include_path: str | os.PathLike | Sequence[str | os.PathLike] | None = None
+):
     """An lm-eval ``TaskManager`` that indexes only what ``tasks`` need when it can (local folders, the
     built-in folders of the papers' tasks), and all of lm-eval's tasks otherwise."""
     from lm_eval.tasks import TaskManager
@@ -186,7 +198,11 @@ def _offline_sentence(tm: Any, name: str, err: BaseException) -> str:
     is_group = getattr(getattr(entry, "kind", None), "name", "") == "GROUP"
     cfg = getattr(entry, "cfg", None) or {}
     split = cfg.get("test_split") or cfg.get("validation_split") or "test"
-    copy = "copies of the YAMLs of its tasks (same task names)" if is_group else f"a copy of the task's YAML (same `task: {name}`)"
+    copy = (
+        "copies of the YAMLs of its tasks (same task names)"
+        if is_group
+        else f"a copy of the task's YAML (same `task: {name}`)"
+    )
     return (
         f"task '{name}' needs {what}, which is not in the local datasets cache and cannot be downloaded offline; "
         f"run once with network access to cache it, or point the harness at a local copy: {copy} with `dataset_path: json` "
@@ -195,7 +211,9 @@ def _offline_sentence(tm: Any, name: str, err: BaseException) -> str:
     )
 
 
-def run_tasks(lm: Any, tasks: Sequence[str], shots: int, limit: int | float | None, tm: Any) -> dict[str, Any]:
+def run_tasks(
+    lm: Any, tasks: Sequence[str], shots: int, limit: int | float | None, tm: Any
+) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` of ``tasks`` at ``shots``; a dataset that cannot be had offline becomes
     one UserError sentence naming the task."""
     import lm_eval
@@ -240,7 +258,12 @@ def task_metrics(results: dict[str, Any], tasks: Sequence[str]) -> dict[str, dic
         row = table.get(t) or table.get(Path(t).stem if _is_yaml_path(t) else t) or {}
         vals = {}
         for k, v in row.items():
-            if k in ("alias", "sample_len", "sample_count") or "_stderr" in k or isinstance(v, bool) or not isinstance(v, int | float):
+            if (
+                k in ("alias", "sample_len", "sample_count")
+                or "_stderr" in k
+                or isinstance(v, bool)
+                or not isinstance(v, int | float)
+            ):
                 continue
             vals[_metric_key(k)] = float(v)
         out[t] = vals
@@ -343,7 +366,11 @@ def evaluate_checkpoint(
         "run_dir": str(run_dir),
         "run_name": loaded.run.name,
         "global_step": loaded.global_step,
-        "model": {"layout": model.cfg.layout, "topology": model.cfg.topology, "max_seq_len": model.cfg.max_seq_len},
+        "model": {
+            "layout": model.cfg.layout,
+            "topology": model.cfg.topology,
+            "max_seq_len": model.cfg.max_seq_len,
+        },
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "window": lm.max_length,
         "stride": stride or lm.max_length,
@@ -360,10 +387,18 @@ def evaluate_checkpoint(
     if context_lengths:
         name = ctx_set or next(iter(sets), None)
         if name is None or name not in texts:
-            raise UserError("--context-lengths needs a text set: pass one with --ppl NAME=PATH (and --ctx-ppl NAME).")
+            raise UserError(
+                "--context-lengths needs a text set: pass one with --ppl NAME=PATH (and --ctx-ppl NAME)."
+            )
         by_len = perplexity_by_context_length(
-            model, tok, texts[name], context_lengths, block=ctx_block, max_tokens=ctx_max_tokens,
-            mode=ctx_mode, batch_size=lm.batch_size,
+            model,
+            tok,
+            texts[name],
+            context_lengths,
+            block=ctx_block,
+            max_tokens=ctx_max_tokens,
+            mode=ctx_mode,
+            batch_size=lm.batch_size,
         )
         result["ppl_ctx"] = {"set": name, "lengths": {str(k): v for k, v in by_len.items()}}
     if tasks:
@@ -419,8 +454,14 @@ def _mlflow_target(loaded: Any, run_dir: Path, tracking_uri: str | None) -> dict
             log.info("MLflow run %s of the checkpoint is not in %s; creating a new run", run_id, uri)
     exp = ensure_experiment(uri, loaded.run.name, run_dir / "mlartifacts")
     new_id = create_run(
-        uri, exp, f"eval-{loaded.run.name}",
-        tags={"checkpoint": str(loaded.path), "recursive_lightning.kind": "eval", "training_run_id": str(run_id or "")},
+        uri,
+        exp,
+        f"eval-{loaded.run.name}",
+        tags={
+            "checkpoint": str(loaded.path),
+            "recursive_lightning.kind": "eval",
+            "training_run_id": str(run_id or ""),
+        },
     )
     log_params(uri, new_id, {**loaded.run.flat(), "checkpoint": str(loaded.path)})
     return {"tracking_uri": uri, "run_id": new_id, "created": True}
@@ -463,30 +504,51 @@ def _log_mlflow(result: dict[str, Any], json_path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------- output
 def print_report(result: dict[str, Any]) -> None:
-    rows_ppl = [(n, f"{r['ppl']:.3f}", f"{r['bits_per_byte']:.4f}", str(r["tokens"])) for n, r in result["ppl"].items()]
+    rows_ppl = [
+        (n, f"{r['ppl']:.3f}", f"{r['bits_per_byte']:.4f}", str(r["tokens"]))
+        for n, r in result["ppl"].items()
+    ]
     ctx = result.get("ppl_ctx", {}).get("lengths", {})
     rows_ctx = [
         (L, f"{r['ppl']:.3f}", f"{r['ppl_last']:.3f}", str(r["segments"]), "yes" if r["extrapolated"] else "")
-        if "ppl" in r else (L, "-", "-", "-", f"skipped: {r['skipped']}")
+        if "ppl" in r
+        else (L, "-", "-", "-", f"skipped: {r['skipped']}")
         for L, r in ctx.items()
     ]
     shots = list(result["headline"])
-    tasks = sorted({t for k in shots for t in result["headline"][k]}, key=lambda t: (t not in PAPER_METRIC, list(PAPER_METRIC).index(t) if t in PAPER_METRIC else 0, t))
+    tasks = sorted(
+        {t for k in shots for t in result["headline"][k]},
+        key=lambda t: (t not in PAPER_METRIC, list(PAPER_METRIC).index(t) if t in PAPER_METRIC else 0, t),
+    )
     rows_task = []
     for t in tasks:
         cells = []
         metric = ""
         for k in shots:
             h = result["headline"][k].get(t)
-            cells.append(f"{100 * h['value']:.2f}" if h and not any(x in h["metric"] for x in NOT_ACCURACY) else (f"{h['value']:.3f}" if h else "-"))
+            cells.append(
+                f"{100 * h['value']:.2f}"
+                if h and not any(x in h["metric"] for x in NOT_ACCURACY)
+                else (f"{h['value']:.3f}" if h else "-")
+            )
             metric = h["metric"] if h else metric
         rows_task.append((t, metric, *cells))
     if shots:
-        rows_task.append(("average", "", *[f"{100 * result['avg'][k]:.2f}" if result["avg"][k] is not None else "-" for k in shots]))
+        rows_task.append(
+            (
+                "average",
+                "",
+                *[f"{100 * result['avg'][k]:.2f}" if result["avg"][k] is not None else "-" for k in shots],
+            )
+        )
     title = f"{result['run_name']} @ step {result['global_step']} ({Path(result['checkpoint']).name})"
     tables = [
         ("perplexity", ("set", "ppl", "bits/byte", "tokens"), rows_ppl),
-        (f"perplexity by context length ({result.get('ppl_ctx', {}).get('set', '')})", ("L", "ppl", "ppl last block", "segments", "extrapolated"), rows_ctx),
+        (
+            f"perplexity by context length ({result.get('ppl_ctx', {}).get('set', '')})",
+            ("L", "ppl", "ppl last block", "segments", "extrapolated"),
+            rows_ctx,
+        ),
         ("downstream accuracy (%)", ("task", "metric", *[f"{k}-shot" for k in shots]), rows_task),
     ]
     try:
@@ -530,7 +592,9 @@ def _limit(text: str | None) -> int | float | None:
     try:
         v = float(text)
     except ValueError:
-        raise UserError(f"--limit must be a number of examples (or a fraction below 1), not '{text}'.") from None
+        raise UserError(
+            f"--limit must be a number of examples (or a fraction below 1), not '{text}'."
+        ) from None
     if v <= 0:
         raise UserError(f"--limit must be positive, not {text}.")
     return int(v) if v >= 1 and v.is_integer() else v
@@ -548,25 +612,65 @@ def build_parser() -> argparse.ArgumentParser:
         description="Perplexity, perplexity by context length and lm-eval downstream accuracy of a checkpoint.",
     )
     p.add_argument("checkpoint", help="a .ckpt file or a run directory (its newest good checkpoint)")
-    p.add_argument("--ppl", action="append", default=[], metavar="NAME=PATH",
-                   help="a perplexity text set: .txt (one document), .jsonl/.json ('text' fields) or a folder; repeatable")
-    p.add_argument("--tasks", nargs="+", default=None,
-                   help=f"lm-eval tasks, comma-separated (default: {','.join(DEFAULT_TASKS)}); 'none' for no tasks")
+    p.add_argument(
+        "--ppl",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a perplexity text set: .txt (one document), .jsonl/.json ('text' fields) or a folder; repeatable",
+    )
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        default=None,
+        help=f"lm-eval tasks, comma-separated (default: {','.join(DEFAULT_TASKS)}); 'none' for no tasks",
+    )
     p.add_argument("--shots", default="0,5", help="few-shot counts, comma-separated (default 0,5)")
     p.add_argument("--limit", default=None, help="at most N examples per task (a fraction if below 1)")
-    p.add_argument("--context-lengths", default=None, help="e.g. 1024,4096,16384: perplexity of a --ppl set at each length")
-    p.add_argument("--ctx-ppl", default=None, metavar="NAME", help="the --ppl set for --context-lengths (default: the first)")
-    p.add_argument("--ctx-block", type=int, default=128, help="last-block size of the context-length table (default 128)")
-    p.add_argument("--ctx-max-tokens", type=int, default=None, help="scored tokens per context length (default: all)")
+    p.add_argument(
+        "--context-lengths",
+        default=None,
+        help="e.g. 1024,4096,16384: perplexity of a --ppl set at each length",
+    )
+    p.add_argument(
+        "--ctx-ppl",
+        default=None,
+        metavar="NAME",
+        help="the --ppl set for --context-lengths (default: the first)",
+    )
+    p.add_argument(
+        "--ctx-block", type=int, default=128, help="last-block size of the context-length table (default 128)"
+    )
+    p.add_argument(
+        "--ctx-max-tokens", type=int, default=None, help="scored tokens per context length (default: all)"
+    )
     p.add_argument("--ctx-mode", choices=("stream", "documents"), default="stream")
-    p.add_argument("--stride", type=int, default=None, help="sliding-window stride in tokens (default: the window, disjoint)")
-    p.add_argument("--max-length", type=int, default=None, help="window / context in tokens (default: the model's max_seq_len)")
+    p.add_argument(
+        "--stride",
+        type=int,
+        default=None,
+        help="sliding-window stride in tokens (default: the window, disjoint)",
+    )
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="window / context in tokens (default: the model's max_seq_len)",
+    )
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--out", default=None, help="folder of the JSON result (default <run_dir>/eval)")
-    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///<run_dir>/mlflow.db)")
+    p.add_argument(
+        "--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///<run_dir>/mlflow.db)"
+    )
     p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
-    p.add_argument("--include-path", action="append", default=[], metavar="DIR", help="folder of local task YAMLs; repeatable")
+    p.add_argument(
+        "--include-path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="folder of local task YAMLs; repeatable",
+    )
     return p
 
 

@@ -37,9 +37,16 @@ def collect(storage_url: str, study_name: str) -> tuple[list[dict], list[dict], 
     study = optuna.load_study(study_name=study_name, storage=storage_url)
     done, failed = [], []
     for t in study.get_trials(deepcopy=False):
-        row = {"number": t.number, "params": dict(t.params), "metrics": dict(t.user_attrs.get("metrics", {})),
-               "value": t.value, "state": t.state.name, "key": t.user_attrs.get("point_key"),
-               "mlflow_run_id": t.user_attrs.get("mlflow_run_id"), "error": t.user_attrs.get("error")}
+        row = {
+            "number": t.number,
+            "params": dict(t.params),
+            "metrics": dict(t.user_attrs.get("metrics", {})),
+            "value": t.value,
+            "state": t.state.name,
+            "key": t.user_attrs.get("point_key"),
+            "mlflow_run_id": t.user_attrs.get("mlflow_run_id"),
+            "error": t.user_attrs.get("error"),
+        }
         if t.state == TrialState.COMPLETE:
             done.append(row)
         elif t.state == TrialState.FAIL:
@@ -50,7 +57,9 @@ def collect(storage_url: str, study_name: str) -> tuple[list[dict], list[dict], 
     return done, failed, dict(study.user_attrs)
 
 
-def axis_table(rows: list[dict], axis: str, metric: str) -> tuple[list[tuple[Any, float, float, int, dict]], Any]:
+def axis_table(
+    rows: list[dict], axis: str, metric: str
+) -> tuple[list[tuple[Any, float, float, int, dict]], Any]:
     groups: dict[Any, list[dict]] = defaultdict(list)
     for r in rows:
         groups[r["params"].get(axis)].append(r)
@@ -96,7 +105,14 @@ def _plot_axis(table, axis: str, metric: str, path: Path, kind: str) -> Path:
     if kind == "line" or (kind == "auto" and numeric and len(table) > 2):
         order = sorted(range(len(table)), key=lambda i: table[i][0]) if numeric else range(len(table))
         xs = [table[i][0] for i in order] if numeric else list(range(len(table)))
-        ax.errorbar(xs, [means[i] for i in order], yerr=[stds[i] for i in order], marker="o", capsize=3, color="#8e44ad")
+        ax.errorbar(
+            xs,
+            [means[i] for i in order],
+            yerr=[stds[i] for i in order],
+            marker="o",
+            capsize=3,
+            color="#8e44ad",
+        )
         if not numeric:
             ax.set_xticks(xs, [labels[i] for i in order], rotation=20, ha="right")
     else:
@@ -118,11 +134,15 @@ def _plot_axis(table, axis: str, metric: str, path: Path, kind: str) -> Path:
     return path
 
 
-def write_report(run_dir: str | Path, spec=None, storage_url: str | None = None, tracking_uri: str | None = None) -> dict:
+def write_report(
+    run_dir: str | Path, spec=None, storage_url: str | None = None, tracking_uri: str | None = None
+) -> dict:
     run_dir = Path(run_dir).resolve()
     info_file = run_dir / "sweep.json"
     if not info_file.exists():
-        raise ConfigError(f"'{run_dir}' is not a sweep directory (no sweep.json); pass the --run-dir of a sweep.")
+        raise ConfigError(
+            f"'{run_dir}' is not a sweep directory (no sweep.json); pass the --run-dir of a sweep."
+        )
     info = json.loads(info_file.read_text())
     storage_url = storage_url or info["storage"]
     tracking_uri = tracking_uri or info["tracking_uri"]
@@ -133,13 +153,19 @@ def write_report(run_dir: str | Path, spec=None, storage_url: str | None = None,
     rows, failed, attrs = collect(storage_url, info["name"])
     metric = spec.metric
     ppl_metric = metric.replace("/loss", "/ppl")
-    axes = [a.name for a in spec.axes if a.name != SEED_AXIS] or sorted({k for r in rows for k in r["params"]} - {SEED_AXIS})
+    axes = [a.name for a in spec.axes if a.name != SEED_AXIS] or sorted(
+        {k for r in rows for k in r["params"]} - {SEED_AXIS}
+    )
     hints = spec.report or {}
     lines = [f"# Sweep `{spec.name}`", ""]
     if spec.description:
         lines += [spec.description, ""]
-    lines += [f"{len(rows)} finished trials" + (f", {len(failed)} failed" if failed else "") +
-              f"; metric `{ppl_metric}` (lower is better), mean ± std over seeds; ★ marks the best row.", ""]
+    lines += [
+        f"{len(rows)} finished trials"
+        + (f", {len(failed)} failed" if failed else "")
+        + f"; metric `{ppl_metric}` (lower is better), mean ± std over seeds; ★ marks the best row.",
+        "",
+    ]
     figures = []
     for axis in axes:
         used = ppl_metric if any(ppl_metric in r["metrics"] for r in rows) else metric
@@ -147,9 +173,17 @@ def write_report(run_dir: str | Path, spec=None, storage_url: str | None = None,
         if not table:
             continue
         extra_cols = sorted({c for r in table for c in r[4] if c != used})
-        lines += [f"## {axis}", "", "| " + " | ".join([axis, used, "n"] + extra_cols) + " |",
-                  "|" + "---|" * (3 + len(extra_cols))]
-        order = sorted(table, key=lambda r: (str(type(r[0])), r[0])) if all(not isinstance(r[0], str) for r in table) else table
+        lines += [
+            f"## {axis}",
+            "",
+            "| " + " | ".join([axis, used, "n"] + extra_cols) + " |",
+            "|" + "---|" * (3 + len(extra_cols)),
+        ]
+        order = (
+            sorted(table, key=lambda r: (str(type(r[0])), r[0]))
+            if all(not isinstance(r[0], str) for r in table)
+            else table
+        )
         for label, mean, std, n, extra in order:
             star = " ★" if label == best else ""
             cells = [f"{_fmt(label)}{star}", f"{mean:.3f} ± {std:.3f}", str(n)]
@@ -178,8 +212,15 @@ def write_report(run_dir: str | Path, spec=None, storage_url: str | None = None,
 
             if rows:
                 best = min(rows, key=lambda r: r["value"] if r["value"] is not None else float("inf"))
-                log_metrics(tracking_uri, parent, {"best/" + metric: best["value"], "trials/finished": len(rows),
-                                                   "trials/failed": len(failed)})
+                log_metrics(
+                    tracking_uri,
+                    parent,
+                    {
+                        "best/" + metric: best["value"],
+                        "trials/finished": len(rows),
+                        "trials/failed": len(failed),
+                    },
+                )
         except Exception as e:  # the report on disk is still complete
             print(f"warning: could not log the report to MLflow ({e})")
     return {"path": path, "markdown": md, "figures": figures, "rows": rows, "failed": failed}

@@ -68,8 +68,13 @@ def _storage(url: str, max_retries: int):
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": 120}}
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     # a trial whose worker stops sending heartbeats is failed and re-enqueued (same params) up to max_retries
-    return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                      heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=max_retries), **kwargs)
+    return RDBStorage(
+        url,
+        heartbeat_interval=HEARTBEAT_S,
+        grace_period=GRACE_S,
+        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=max_retries),
+        **kwargs,
+    )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -89,8 +94,9 @@ def prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri
 
     storage = _storage(storage_url, spec.max_retries)
     sampler = optuna.samplers.TPESampler(seed=0) if spec.search else None
-    study = optuna.create_study(study_name=spec.name, storage=storage, direction="minimize",
-                                load_if_exists=True, sampler=sampler)
+    study = optuna.create_study(
+        study_name=spec.name, storage=storage, direction="minimize", load_if_exists=True, sampler=sampler
+    )
     trials = study.get_trials(deepcopy=False)
     if spec.search is None:
         present = {t.user_attrs.get("point_key") for t in trials}
@@ -107,18 +113,32 @@ def prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri
     exp_id = ensure_experiment(tracking_uri, spec.name, run_dir / "mlartifacts")
     parent = study.user_attrs.get("mlflow_parent_run_id")
     if parent is None:
-        parent = create_run(tracking_uri, exp_id, f"sweep:{spec.name}", tags={"sweep": spec.name, "kind": "sweep"})
+        parent = create_run(
+            tracking_uri, exp_id, f"sweep:{spec.name}", tags={"sweep": spec.name, "kind": "sweep"}
+        )
         study.set_user_attr("mlflow_parent_run_id", parent)
         study.set_user_attr("tracking_uri", tracking_uri)
-        log_params(tracking_uri, parent, {"sweep.name": spec.name, "sweep.file": str(spec.path),
-                                          "sweep.axes": json.dumps({a.name: a.labels for a in spec.axes}, default=str),
-                                          "sweep.storage": storage_url, "sweep.grid_size": len(spec.grid())})
+        log_params(
+            tracking_uri,
+            parent,
+            {
+                "sweep.name": spec.name,
+                "sweep.file": str(spec.path),
+                "sweep.axes": json.dumps({a.name: a.labels for a in spec.axes}, default=str),
+                "sweep.storage": storage_url,
+                "sweep.grid_size": len(spec.grid()),
+            },
+        )
         if spec.path is not None:
             log_artifact(tracking_uri, parent, spec.path)
     if spec.path is not None:
         atomic_write_text(run_dir / "sweep.yaml", spec.path.read_text())
-    atomic_write_text(run_dir / "sweep.json", json.dumps({"name": spec.name, "storage": storage_url,
-                                                          "tracking_uri": tracking_uri, "parent_run_id": parent}))
+    atomic_write_text(
+        run_dir / "sweep.json",
+        json.dumps(
+            {"name": spec.name, "storage": storage_url, "tracking_uri": tracking_uri, "parent_run_id": parent}
+        ),
+    )
     return study, parent
 
 
@@ -191,7 +211,9 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
             elif isinstance(dist["low"], int) and isinstance(dist["high"], int) and not dist.get("log"):
                 point[name] = trial.suggest_int(name, dist["low"], dist["high"], step=dist.get("step", 1))
             else:
-                point[name] = trial.suggest_float(name, float(dist["low"]), float(dist["high"]), log=bool(dist.get("log")))
+                point[name] = trial.suggest_float(
+                    name, float(dist["low"]), float(dist["high"]), log=bool(dist.get("log"))
+                )
     key = trial.user_attrs.get("point_key") or point_key(point)
     trial.set_user_attr("point_key", key)
     cfg = spec.trial_config(point)
@@ -203,20 +225,47 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
         pruner_cb = PruningCallback(trial, spec.metric, int(spec.pruning.get("warmup_steps", 0)))
         callbacks.append(pruner_cb)
     label = ", ".join(f"{k}={v}" for k, v in point.items())
-    print(f"[sweep {spec.name}] trial {trial.number}: {label}" + (" (resuming)" if resume else ""), flush=True)
-    tags = {"sweep": spec.name, "optuna.trial_number": str(trial.number), "point_key": key,
-            "optuna.study": spec.name}
-    result = train(cfg, trial_dir, resume=resume, tracking_uri=tracking_uri, experiment=spec.name,
-                   run_name=key, parent_run_id=parent, tags=tags, callbacks=callbacks)
+    print(
+        f"[sweep {spec.name}] trial {trial.number}: {label}" + (" (resuming)" if resume else ""), flush=True
+    )
+    tags = {
+        "sweep": spec.name,
+        "optuna.trial_number": str(trial.number),
+        "point_key": key,
+        "optuna.study": spec.name,
+    }
+    if _multi_process(cfg):
+        result = _train_in_subprocess(cfg, trial_dir, resume, tracking_uri, spec.name, key, parent, tags)
+    else:
+        result = train(
+            cfg,
+            trial_dir,
+            resume=resume,
+            tracking_uri=tracking_uri,
+            experiment=spec.name,
+            run_name=key,
+            parent_run_id=parent,
+            tags=tags,
+            callbacks=callbacks,
+        )
     metrics = dict(result.metrics)
-    if spec.evaluate:
-        from recursive_lightning.evaluation.run import evaluate_checkpoint
+    if spec.evaluate:  # perplexity sets and (optionally) lm-eval tasks on the finished trial
+        from recursive_lightning.evaluation.run import evaluate_checkpoint, flat_metrics
 
         ev = spec.evaluate
-        out = evaluate_checkpoint(result.last_checkpoint, ppl_sets=ev.get("ppl"), tasks=ev.get("tasks") or [],
-                                  shots=ev.get("shots", [0]), limit=ev.get("limit"), tracking_uri=tracking_uri,
-                                  include_path=ev.get("include_path"))
-        metrics.update({k: float(v) for k, v in (out.get("metrics") or {}).items() if isinstance(v, int | float)})
+        here = spec.path.parent if spec.path is not None else Path.cwd()
+        ppl = {k: str((here / v).resolve()) for k, v in (ev.get("ppl") or {}).items()}
+        include = ev.get("include_path")
+        out = evaluate_checkpoint(
+            result.last_checkpoint,
+            ppl_sets=ppl or None,
+            tasks=ev.get("tasks") or [],
+            shots=ev.get("shots", [0]),
+            limit=ev.get("limit"),
+            tracking_uri=tracking_uri,
+            include_path=str((here / include).resolve()) if include else None,
+        )
+        metrics.update(flat_metrics(out))
     from mlflow.tracking import MlflowClient
 
     c = MlflowClient(tracking_uri)
@@ -236,15 +285,79 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
     study.tell(trial, float(value))
 
 
-def worker(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri: str, max_trials: int | None = None) -> int:
+def _multi_process(cfg) -> bool:
+    t = cfg.train
+    devices = t.devices if isinstance(t.devices, int) else 2
+    return t.strategy in ("ddp", "fsdp") or devices > 1 or t.num_nodes > 1
+
+
+def _train_in_subprocess(
+    cfg,
+    trial_dir: Path,
+    resume: bool,
+    tracking_uri: str,
+    experiment: str,
+    key: str,
+    parent: str,
+    tags: dict[str, str],
+):
+    """A multi-device trial (DDP / FSDP2) runs as its own `train` command: Lightning's launcher re-executes
+    that command once per rank, which it cannot do for a sweep worker. Pruning is not available there."""
+    from recursive_lightning.training.run import TrainResult
+
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    cfg_file = trial_dir / "trial.yaml"
+    atomic_write_text(cfg_file, cfg.to_yaml())
+    cmd = [
+        sys.executable,
+        "-m",
+        "recursive_lightning",
+        "train",
+        "--config",
+        str(cfg_file),
+        "--run-dir",
+        str(trial_dir),
+        "--tracking-uri",
+        tracking_uri,
+        "--experiment",
+        experiment,
+        "--run-name",
+        key,
+        "--parent-run-id",
+        parent,
+    ]
+    cmd += [f"--tag={k}={v}" for k, v in tags.items()]
+    if resume:
+        cmd.append("--resume")
+    subprocess.run(cmd, check=True)
+    r = json.loads((trial_dir / "result.json").read_text())
+    return TrainResult(
+        run_dir=Path(r["run_dir"]),
+        steps=r["steps"],
+        tokens=r["tokens"],
+        metrics=r["metrics"],
+        last_checkpoint=Path(r["last_checkpoint"]) if r["last_checkpoint"] else None,
+        best_checkpoint=Path(r["best_checkpoint"]) if r["best_checkpoint"] else None,
+        mlflow_run_id=r["mlflow_run_id"],
+        tracking_uri=r["tracking_uri"],
+        seconds=r["seconds"],
+    )
+
+
+def worker(
+    spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri: str, max_trials: int | None = None
+) -> int:
     """Claim and run trials until none is waiting; returns the number of trials run here."""
     import optuna
     from optuna.storages import fail_stale_trials
     from optuna.trial import TrialState
 
     storage = _storage(storage_url, spec.max_retries)
-    study = optuna.load_study(study_name=spec.name, storage=storage,
-                              sampler=optuna.samplers.TPESampler(seed=os.getpid()) if spec.search else None)
+    study = optuna.load_study(
+        study_name=spec.name,
+        storage=storage,
+        sampler=optuna.samplers.TPESampler(seed=os.getpid()) if spec.search else None,
+    )
     parent = study.user_attrs["mlflow_parent_run_id"]
     done = 0
     while max_trials is None or done < max_trials:
@@ -254,7 +367,11 @@ def worker(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri: str, 
             if trial_id is None:
                 break
         else:
-            n = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING, TrialState.PRUNED)))
+            n = len(
+                study.get_trials(
+                    deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING, TrialState.PRUNED)
+                )
+            )
             trial_id = _claim(study, storage)
             if trial_id is None:
                 if n >= int(spec.search["n_trials"]):
@@ -277,9 +394,15 @@ def worker(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri: str, 
                 study.tell(trial.number, state=TrialState.FAIL)
                 if attempt < spec.max_retries:
                     params = trial.params or dict(trial.system_attrs.get("fixed_params", {}))
-                    study.enqueue_trial(params, user_attrs={"point_key": trial.user_attrs.get("point_key"),
-                                                            "attempt": attempt + 1, "retry_of": trial.number},
-                                        skip_if_exists=False)
+                    study.enqueue_trial(
+                        params,
+                        user_attrs={
+                            "point_key": trial.user_attrs.get("point_key"),
+                            "attempt": attempt + 1,
+                            "retry_of": trial.number,
+                        },
+                        skip_if_exists=False,
+                    )
         done += 1
     return done
 
@@ -287,8 +410,22 @@ def worker(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri: str, 
 def _spawn_workers(n: int, sweep_file: Path, run_dir: Path, storage: str, tracking: str) -> int:
     threads = max(1, (os.cpu_count() or 2) // n)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RL_TORCH_THREADS": str(threads)}
-    cmd = [sys.executable, "-m", "recursive_lightning", "sweep", str(sweep_file), "--attach", "--worker",
-           "--run-dir", str(run_dir), "--storage", storage, "--tracking-uri", tracking, "--no-report"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recursive_lightning",
+        "sweep",
+        str(sweep_file),
+        "--attach",
+        "--worker",
+        "--run-dir",
+        str(run_dir),
+        "--storage",
+        storage,
+        "--tracking-uri",
+        tracking,
+        "--no-report",
+    ]
     procs = [subprocess.Popen(cmd, env=env) for _ in range(n)]
     try:
         codes = [p.wait() for p in procs]
@@ -300,11 +437,20 @@ def _spawn_workers(n: int, sweep_file: Path, run_dir: Path, storage: str, tracki
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="recursive_lightning sweep", description="Run an ablation sweep (Optuna + MLflow).")
-    p.add_argument("file", nargs="?", default=str(DEFAULT_SWEEP), help="sweep YAML (default ablations/default.yaml)")
-    p.add_argument("--run-dir", help="where trials, optuna.db, mlflow.db and the report go (default runs/sweeps/<name>)")
+    p = argparse.ArgumentParser(
+        prog="recursive_lightning sweep", description="Run an ablation sweep (Optuna + MLflow)."
+    )
+    p.add_argument(
+        "file", nargs="?", default=str(DEFAULT_SWEEP), help="sweep YAML (default ablations/default.yaml)"
+    )
+    p.add_argument(
+        "--run-dir", help="where trials, optuna.db, mlflow.db and the report go (default runs/sweeps/<name>)"
+    )
     p.add_argument("--workers", type=int, default=1, help="worker processes on this machine")
-    p.add_argument("--storage", help="Optuna RDB URL (default sqlite:///<run-dir>/optuna.db; PostgreSQL for several machines)")
+    p.add_argument(
+        "--storage",
+        help="Optuna RDB URL (default sqlite:///<run-dir>/optuna.db; PostgreSQL for several machines)",
+    )
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite:///<run-dir>/mlflow.db)")
     p.add_argument("--attach", action="store_true", help="join an existing study (e.g. from another machine)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -327,15 +473,20 @@ def main(argv: list[str]) -> int:
     t0 = time.time()
     if not args.attach:
         prepare_study(spec, run_dir, storage, tracking)
-        print(f"[sweep {spec.name}] {len(spec.grid()) if spec.search is None else spec.search['n_trials']} trials; "
-              f"study in {storage}; tracking {tracking}", flush=True)
+        print(
+            f"[sweep {spec.name}] {len(spec.grid()) if spec.search is None else spec.search['n_trials']} trials; "
+            f"study in {storage}; tracking {tracking}",
+            flush=True,
+        )
     else:
         import optuna
 
         try:
             optuna.load_study(study_name=spec.name, storage=_storage(storage, spec.max_retries))
         except KeyError:
-            raise ConfigError(f"--attach: no study named '{spec.name}' in {storage}; start the sweep without --attach first.") from None
+            raise ConfigError(
+                f"--attach: no study named '{spec.name}' in {storage}; start the sweep without --attach first."
+            ) from None
     if args.workers > 1 and not args.worker:
         _spawn_workers(args.workers, sweep_file, run_dir, storage, tracking)
     else:

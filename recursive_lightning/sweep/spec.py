@@ -35,8 +35,21 @@ from typing import Any
 from recursive_lightning.config import RunConfig, check_model_types, load_yaml, set_dotted
 from recursive_lightning.errors import ConfigError
 
-TOP_KEYS = {"name", "description", "base", "overrides", "axes", "seeds", "search", "metric", "max_retries",
-            "pruning", "evaluate", "report", "full_size"}
+TOP_KEYS = {
+    "name",
+    "description",
+    "base",
+    "overrides",
+    "axes",
+    "seeds",
+    "search",
+    "metric",
+    "max_retries",
+    "pruning",
+    "evaluate",
+    "report",
+    "full_size",
+}
 SCALAR = (str, int, float, bool, type(None))
 
 
@@ -70,7 +83,10 @@ class SweepSpec:
         """Every grid point as {axis name: label}, in a deterministic order."""
         if not self.axes:
             return [{}]
-        return [dict(zip([a.name for a in self.axes], combo)) for combo in itertools.product(*[a.labels for a in self.axes])]
+        return [
+            dict(zip([a.name for a in self.axes], combo))
+            for combo in itertools.product(*[a.labels for a in self.axes])
+        ]
 
     def search_space(self) -> dict[str, list[Any]]:
         return {a.name: list(a.labels) for a in self.axes}
@@ -98,7 +114,9 @@ class SweepSpec:
                 self.trial_config(point)
             except ConfigError as e:
                 where = ", ".join(f"{k}={v}" for k, v in point.items())
-                raise ConfigError(f"sweep '{self.name}'" + (f" at {where}" if where else "") + f": {e}") from None
+                raise ConfigError(
+                    f"sweep '{self.name}'" + (f" at {where}" if where else "") + f": {e}"
+                ) from None
         return self
 
 
@@ -121,19 +139,27 @@ def _parse_axis(name: str, values: Any, where: str) -> Axis:
         overrides = {}
         for label, row in values.items():
             if not isinstance(row, dict):
-                raise ConfigError(f"{where}: row '{label}' of axis '{name}' must be a mapping of dotted fields, not {row!r}.")
+                raise ConfigError(
+                    f"{where}: row '{label}' of axis '{name}' must be a mapping of dotted fields, not {row!r}."
+                )
             overrides[str(label)] = {str(k): v for k, v in row.items()}
         return Axis(name, list(overrides), overrides)
     if not isinstance(values, list):
-        raise ConfigError(f"{where}: axis '{name}' must be a list of values or a mapping of named rows, not {values!r}.")
+        raise ConfigError(
+            f"{where}: axis '{name}' must be a list of values or a mapping of named rows, not {values!r}."
+        )
     if not values:
         raise ConfigError(f"{where}: axis '{name}' is empty; give it at least one value.")
     if "." not in name:
-        raise ConfigError(f"{where}: axis '{name}' must be a dotted config field like model.buffer (or a mapping of named rows).")
+        raise ConfigError(
+            f"{where}: axis '{name}' must be a dotted config field like model.buffer (or a mapping of named rows)."
+        )
     labels = []
     for v in values:
         if not isinstance(v, SCALAR):
-            raise ConfigError(f"{where}: axis '{name}' holds {v!r}; values must be numbers, strings or booleans.")
+            raise ConfigError(
+                f"{where}: axis '{name}' holds {v!r}; values must be numbers, strings or booleans."
+            )
         labels.append(v)
     if len(set(map(repr, labels))) != len(labels):
         raise ConfigError(f"{where}: axis '{name}' repeats a value.")
@@ -151,7 +177,9 @@ def load_sweep(path: str | Path) -> SweepSpec:
     if isinstance(base, str):
         base_path = (path.parent / base).resolve()
         if not base_path.is_file():
-            raise ConfigError(f"{where}: base config '{base}' does not exist (paths are relative to the sweep file).")
+            raise ConfigError(
+                f"{where}: base config '{base}' does not exist (paths are relative to the sweep file)."
+            )
         base = load_yaml(base_path)
     elif base is None:
         base = {}
@@ -168,10 +196,14 @@ def load_sweep(path: str | Path) -> SweepSpec:
     search = raw.get("search")
     if search is not None:
         if not isinstance(search, dict) or not isinstance(search.get("space"), dict) or not search["space"]:
-            raise ConfigError(f"{where}: search needs a non-empty `space` mapping of dotted fields to ranges or choices.")
+            raise ConfigError(
+                f"{where}: search needs a non-empty `space` mapping of dotted fields to ranges or choices."
+            )
         for k, v in search["space"].items():
             if not isinstance(v, dict) or not ({"low", "high"} <= set(v) or "choices" in v):
-                raise ConfigError(f"{where}: search.space.{k} must be {{low, high[, log, step]}} or {{choices: [...]}}.")
+                raise ConfigError(
+                    f"{where}: search.space.{k} must be {{low, high[, log, step]}} or {{choices: [...]}}."
+                )
         if int(search.get("n_trials", 0)) < 1:
             raise ConfigError(f"{where}: search.n_trials must be >= 1.")
     max_retries = raw.get("max_retries", 2)
@@ -181,8 +213,16 @@ def load_sweep(path: str | Path) -> SweepSpec:
     if not isinstance(name, str):
         raise ConfigError(f"{where}: name must be a string.")
     spec = SweepSpec(
-        name=name, path=path, base=base, axes=axes, description=str(raw.get("description", "")),
-        search=search, metric=str(raw.get("metric", "val/heldout/loss")), max_retries=max_retries,
-        pruning=dict(raw.get("pruning") or {}), evaluate=dict(raw.get("evaluate") or {}), report=dict(raw.get("report") or {}),
+        name=name,
+        path=path,
+        base=base,
+        axes=axes,
+        description=str(raw.get("description", "")),
+        search=search,
+        metric=str(raw.get("metric", "val/heldout/loss")),
+        max_retries=max_retries,
+        pruning=dict(raw.get("pruning") or {}),
+        evaluate=dict(raw.get("evaluate") or {}),
+        report=dict(raw.get("report") or {}),
     )
     return spec.validate()

@@ -29,7 +29,9 @@ class CheckpointError(UserError):
 class AtomicCheckpointIO(TorchCheckpointIO):
     """torch.save to ``<path>.tmp``, fsync, then os.replace: readers see the old or the new file, never half."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None
+    ) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -39,7 +41,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
-    def load_checkpoint(self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         return read_checkpoint(path, map_location=map_location or "cpu")
 
 
@@ -66,13 +70,21 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     if path.is_dir():  # a sharded (distributed) checkpoint directory
         return _read_distributed(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint '{path}' does not exist; pass the path of a .ckpt file or a run directory.")
+        raise CheckpointError(
+            f"checkpoint '{path}' does not exist; pass the path of a .ckpt file or a run directory."
+        )
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, Exception) as e:  # noqa: B014
         others = [p for p in candidates(path.parent) if p != path and _readable(p)]
-        hint = f"; the previous good checkpoint is '{others[0]}' (resume with --ckpt-path {others[0]})" if others else ""
-        raise CheckpointError(f"checkpoint '{path}' is damaged or truncated ({type(e).__name__}){hint}.") from None
+        hint = (
+            f"; the previous good checkpoint is '{others[0]}' (resume with --ckpt-path {others[0]})"
+            if others
+            else ""
+        )
+        raise CheckpointError(
+            f"checkpoint '{path}' is damaged or truncated ({type(e).__name__}){hint}."
+        ) from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise CheckpointError(f"'{path}' is not a Lightning checkpoint (no state_dict).")
     return ckpt
@@ -99,7 +111,9 @@ def _read_distributed(path: Path) -> dict[str, Any]:
     if meta.exists():
         ckpt.update(torch.load(meta, map_location="cpu", weights_only=True))
     if "state_dict" not in ckpt and "model" in ckpt:
-        ckpt["state_dict"] = {f"model.{k}" if not k.startswith("model.") else k: v for k, v in ckpt["model"].items()}
+        ckpt["state_dict"] = {
+            f"model.{k}" if not k.startswith("model.") else k: v for k, v in ckpt["model"].items()
+        }
     return ckpt
 
 
@@ -133,11 +147,15 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     ckpt = read_checkpoint(path)
     extra = ckpt.get("recursive_lightning")
     if not extra:
-        raise CheckpointError(f"'{path}' was not written by recursive_lightning (no config/tokenizer inside).")
+        raise CheckpointError(
+            f"'{path}' was not written by recursive_lightning (no config/tokenizer inside)."
+        )
     run = RunConfig.from_dict(extra["run"])
     model = RecursiveLM(run.model)
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-    state = {k.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""): v for k, v in state.items()}
+    state = {
+        k.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""): v for k, v in state.items()
+    }
     model.load_state_dict(state)
     model.to(device).eval()
     tokenizer = None
@@ -148,8 +166,14 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     return Loaded(model, run, tokenizer, extra.get("mlflow_run_id"), path, int(ckpt.get("global_step", 0)))
 
 
-def save_model_checkpoint(path: str | os.PathLike, model: RecursiveLM, run: RunConfig, tokenizer: Any = None,
-                          global_step: int = 0, mlflow_run_id: str | None = None) -> Path:
+def save_model_checkpoint(
+    path: str | os.PathLike,
+    model: RecursiveLM,
+    run: RunConfig,
+    tokenizer: Any = None,
+    global_step: int = 0,
+    mlflow_run_id: str | None = None,
+) -> Path:
     """Write a self-contained, Lightning-compatible checkpoint of a bare model (e.g. converted Pythia weights)."""
     path = Path(path)
     ckpt = {

@@ -35,7 +35,12 @@ class RecursiveLMModule(L.LightningModule):
     ``val_names`` names the validation dataloaders; each gets ``val/<name>/ppl`` and ``val/<name>/loss``.
     """
 
-    def __init__(self, run: dict[str, Any], val_names: tuple[str, ...] = ("heldout",), tokenizer_json: str | None = None) -> None:
+    def __init__(
+        self,
+        run: dict[str, Any],
+        val_names: tuple[str, ...] = ("heldout",),
+        tokenizer_json: str | None = None,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters({"run": run, "val_names": list(val_names)})
         self.run_cfg = RunConfig.from_dict(run)
@@ -85,12 +90,19 @@ class RecursiveLMModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=False)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         step = self.global_step + 1
-        self.log("train/tokens", float(step * tokens * self.run_cfg.train.accumulate), on_step=True, on_epoch=False)
+        self.log(
+            "train/tokens", float(step * tokens * self.run_cfg.train.accumulate), on_step=True, on_epoch=False
+        )
         if self._t_last is not None:
             tps = tokens / max(now - self._t_last, 1e-9)
             self.log("train/tokens_per_sec", tps, prog_bar=True, on_step=True, on_epoch=False)
             if self.peak_flops:
-                self.log("train/mfu", tps * self.flops_per_token / (self.peak_flops * self.trainer.world_size), on_step=True, on_epoch=False)
+                self.log(
+                    "train/mfu",
+                    tps * self.flops_per_token / (self.peak_flops * self.trainer.world_size),
+                    on_step=True,
+                    on_epoch=False,
+                )
         self._t_last = now
         return loss
 

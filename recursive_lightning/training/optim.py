@@ -29,9 +29,14 @@ def cosine_with_warmup(step: int, total: int, warmup_ratio: float, min_ratio: fl
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     opt = torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=1e-8,
         fused=False,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(

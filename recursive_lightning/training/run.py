@@ -54,10 +54,15 @@ class TrainResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "run_dir": str(self.run_dir), "steps": self.steps, "tokens": self.tokens, "metrics": self.metrics,
+            "run_dir": str(self.run_dir),
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "metrics": self.metrics,
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "best_checkpoint": str(self.best_checkpoint) if self.best_checkpoint else None,
-            "mlflow_run_id": self.mlflow_run_id, "tracking_uri": self.tracking_uri, "seconds": self.seconds,
+            "mlflow_run_id": self.mlflow_run_id,
+            "tracking_uri": self.tracking_uri,
+            "seconds": self.seconds,
         }
 
 
@@ -65,11 +70,20 @@ def build_datamodule(cfg: RunConfig):
     from recursive_lightning.data.datamodule import TextDataModule
 
     d = cfg.data
-    cache = d.cache_dir or os.environ.get("RECURSIVE_LIGHTNING_CACHE") or Path(
-        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "recursive_lightning"
+    cache = (
+        d.cache_dir
+        or os.environ.get("RECURSIVE_LIGHTNING_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "recursive_lightning"
+    )
     return TextDataModule(
-        data=d.path, tokenizer=d.tokenizer, seq_len=d.seq_len, batch_size=d.batch_size,
-        cache_dir=cache, seed=cfg.train.seed, val_batches=d.val_batches, num_workers=d.num_workers,
+        data=d.path,
+        tokenizer=d.tokenizer,
+        seq_len=d.seq_len,
+        batch_size=d.batch_size,
+        cache_dir=cache,
+        seed=cfg.train.seed,
+        val_batches=d.val_batches,
+        num_workers=d.num_workers,
         val_fraction=d.val_fraction,
     )
 
@@ -77,7 +91,12 @@ def build_datamodule(cfg: RunConfig):
 def _check_same_config(saved: RunConfig, cfg: RunConfig, run_dir: Path) -> None:
     a, b = saved.flat(), cfg.flat()
     for k in a:
-        if k.startswith("train.") and k in ("train.max_steps", "train.progress", "train.devices", "train.accelerator"):
+        if k.startswith("train.") and k in (
+            "train.max_steps",
+            "train.progress",
+            "train.devices",
+            "train.accelerator",
+        ):
             continue
         if a.get(k) != b.get(k):
             raise ConfigError(
@@ -118,7 +137,9 @@ def train(
     if resume and saved_cfg.exists():
         _check_same_config(RunConfig.from_dict(load_yaml(saved_cfg)), cfg, run_dir)
     if not resume and latest_good(ckpt_dir) is not None:
-        raise ConfigError(f"--run-dir '{run_dir}' already holds checkpoints; pass --resume to continue it or choose a new --run-dir.")
+        raise ConfigError(
+            f"--run-dir '{run_dir}' already holds checkpoints; pass --resume to continue it or choose a new --run-dir."
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     if not saved_cfg.exists():
         atomic_write_text(saved_cfg, cfg.to_yaml())
@@ -152,7 +173,9 @@ def train(
     if id_file.exists():
         run_id = id_file.read_text().strip()
     else:
-        run_id = create_run(tracking_uri, exp_id, run_name or cfg.name, tags=tags, parent_run_id=parent_run_id)
+        run_id = create_run(
+            tracking_uri, exp_id, run_name or cfg.name, tags=tags, parent_run_id=parent_run_id
+        )
         atomic_write_text(id_file, run_id)
         stats = describe(cfg.model, seq_len=cfg.data.seq_len)
         params = {**cfg.flat(), **{f"describe.{k}": v for k, v in stats.items() if k != "flops_convention"}}
@@ -161,18 +184,36 @@ def train(
         log_artifact_text(tracking_uri, run_id, "config.yaml", cfg.to_yaml())
         log_artifact_text(tracking_uri, run_id, "describe.json", to_json(stats))
 
-    L.seed_everything(cfg.train.seed, workers=True, verbose=False)  # init must not depend on what data prep consumed
+    L.seed_everything(
+        cfg.train.seed, workers=True, verbose=False
+    )  # init must not depend on what data prep consumed
     module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
     module.mlflow_run_id = run_id
-    logger = MLFlowLogger(experiment_name=experiment or cfg.name, tracking_uri=tracking_uri, run_id=run_id,
-                          log_model=False)
+    logger = MLFlowLogger(
+        experiment_name=experiment or cfg.name, tracking_uri=tracking_uri, run_id=run_id, log_model=False
+    )
 
     t = cfg.train
-    periodic = ModelCheckpoint(dirpath=ckpt_dir, filename="step={step:06d}", auto_insert_metric_name=False,
-                               every_n_train_steps=t.checkpoint_every, save_top_k=2, monitor="step", mode="max",
-                               save_last=True, enable_version_counter=False)
-    best = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/heldout/loss", mode="min", save_top_k=1,
-                           auto_insert_metric_name=False, enable_version_counter=False)
+    periodic = ModelCheckpoint(
+        dirpath=ckpt_dir,
+        filename="step={step:06d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=t.checkpoint_every,
+        save_top_k=2,
+        monitor="step",
+        mode="max",
+        save_last=True,
+        enable_version_counter=False,
+    )
+    best = ModelCheckpoint(
+        dirpath=ckpt_dir,
+        filename="best",
+        monitor="val/heldout/loss",
+        mode="min",
+        save_top_k=1,
+        auto_insert_metric_name=False,
+        enable_version_counter=False,
+    )
     cbs = [periodic, best, *(callbacks or [])]
     if t.progress:
         from lightning.pytorch.callbacks import TQDMProgressBar
@@ -209,7 +250,9 @@ def train(
         status = "FINISHED"
     finally:
         if trainer.is_global_zero and status != "FINISHED":
-            set_terminated(tracking_uri, run_id, status="KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED")
+            set_terminated(
+                tracking_uri, run_id, status="KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED"
+            )
     # a final validation at the last step, unless one just ran there
     if trainer.global_step % t.val_every != 0:
         trainer.validate(module, datamodule=dm, verbose=False)
@@ -217,15 +260,22 @@ def train(
     if trainer.is_global_zero:
         from recursive_lightning.tracking import log_metrics
 
-        log_metrics(tracking_uri, run_id, {f"final/{k}": v for k, v in metrics.items()}, step=trainer.global_step)
+        log_metrics(
+            tracking_uri, run_id, {f"final/{k}": v for k, v in metrics.items()}, step=trainer.global_step
+        )
         set_terminated(tracking_uri, run_id, "FINISHED")
     last = ckpt_dir / "last.ckpt"
     tokens = trainer.global_step * cfg.data.batch_size * cfg.data.seq_len * t.accumulate * trainer.world_size
     result = TrainResult(
-        run_dir=run_dir, steps=trainer.global_step, tokens=tokens, metrics=metrics,
+        run_dir=run_dir,
+        steps=trainer.global_step,
+        tokens=tokens,
+        metrics=metrics,
         last_checkpoint=last if last.exists() else None,
         best_checkpoint=Path(best.best_model_path) if best.best_model_path else None,
-        mlflow_run_id=run_id, tracking_uri=tracking_uri, seconds=time.time() - t0,
+        mlflow_run_id=run_id,
+        tracking_uri=tracking_uri,
+        seconds=time.time() - t0,
     )
     if trainer.is_global_zero:
         atomic_write_text(run_dir / "result.json", json.dumps(result.to_dict(), indent=2))
@@ -235,37 +285,69 @@ def train(
 
 def summary_line(r: TrainResult) -> str:
     ppl = ", ".join(f"{k.removeprefix('val/')}={v:.2f}" for k, v in r.metrics.items() if k.endswith("/ppl"))
-    return (f"trained {r.steps} steps ({r.tokens:,} tokens) in {r.seconds:.0f}s; val {ppl or 'n/a'}; "
-            f"checkpoint {r.last_checkpoint}; MLflow run {r.mlflow_run_id} ({ui_command(r.tracking_uri)})")
+    return (
+        f"trained {r.steps} steps ({r.tokens:,} tokens) in {r.seconds:.0f}s; val {ppl or 'n/a'}; "
+        f"checkpoint {r.last_checkpoint}; MLflow run {r.mlflow_run_id} ({ui_command(r.tracking_uri)})"
+    )
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="recursive_lightning train", description="Train one config.",
-                                epilog="Any config field can be overridden: --model.topology mesh --train.lr 3e-4")
-    p.add_argument("--config", default=None, help=f"run YAML (default {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
+    p = argparse.ArgumentParser(
+        prog="recursive_lightning train",
+        description="Train one config.",
+        epilog="Any config field can be overridden: --model.topology mesh --train.lr 3e-4",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help=f"run YAML (default {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})",
+    )
     p.add_argument("--data", help="text file, folder, glob or hf:<dataset> (default: the embedded corpus)")
     p.add_argument("--max-steps", type=int)
-    p.add_argument("--run-dir", default=None, help="checkpoints, tracking DB and artifacts (default runs/<name>)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last good checkpoint")
+    p.add_argument(
+        "--run-dir", default=None, help="checkpoints, tracking DB and artifacts (default runs/<name>)"
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue the run in --run-dir from its last good checkpoint"
+    )
     p.add_argument("--ckpt-path", help="resume from this checkpoint instead of the newest")
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite:///<run-dir>/mlflow.db)")
     p.add_argument("--experiment", help="MLflow experiment name (default: the config's name)")
     p.add_argument("--seed", type=int)
+    p.add_argument("--parent-run-id", help="MLflow parent run (sweeps start multi-device trials this way)")
+    p.add_argument("--run-name", help="MLflow run name (default: the config's name)")
+    p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="MLflow tag of a new run")
     args, rest = p.parse_known_args(argv)
     config = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)
     overrides = list(rest)
-    for flag, key in (("data", "data.path"), ("max_steps", "train.max_steps"), ("checkpoint_every", "train.checkpoint_every"),
-                      ("seed", "train.seed")):
+    for flag, key in (
+        ("data", "data.path"),
+        ("max_steps", "train.max_steps"),
+        ("checkpoint_every", "train.checkpoint_every"),
+        ("seed", "train.seed"),
+    ):
         if getattr(args, flag) is not None:
             overrides += [f"--{key}", str(getattr(args, flag))]
     cfg = load_run_config(config, overrides)
     run_dir = Path(args.run_dir or Path("runs") / cfg.name)
     if args.resume and not run_dir.exists():
-        raise ConfigError(f"--resume: run directory '{run_dir}' does not exist; start the run without --resume first.")
+        raise ConfigError(
+            f"--resume: run directory '{run_dir}' does not exist; start the run without --resume first."
+        )
     if args.resume and (run_dir / "config.yaml").exists() and not args.config:
         cfg = load_run_config(run_dir / "config.yaml", overrides)
-    result = train(cfg, run_dir, resume=args.resume, ckpt_path=args.ckpt_path, tracking_uri=args.tracking_uri,
-                   experiment=args.experiment)
+    tags = dict(t.split("=", 1) for t in args.tag if "=" in t)
+    result = train(
+        cfg,
+        run_dir,
+        resume=args.resume,
+        ckpt_path=args.ckpt_path,
+        tracking_uri=args.tracking_uri,
+        experiment=args.experiment,
+        run_name=args.run_name,
+        parent_run_id=args.parent_run_id,
+        tags=tags,
+    )
     print(summary_line(result))
     return 0
