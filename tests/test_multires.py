@@ -58,7 +58,7 @@ def test_strict_causality_property(c):
 @given(multires_configs())
 def test_prefix_consistency_property(c):
     """A position's logits do not depend on how many tokens follow it (what decoding relies on)."""
-    length, j = c.pop("length"), c.pop("j")
+    length, _ = c.pop("length"), c.pop("j")
     model = build(**c)
     x = torch.randint(0, model.cfg.vocab_size, (1, length + 9))
     with torch.no_grad():
