@@ -47,6 +47,8 @@ def quiet_libraries() -> None:
     import logging
     import warnings
 
+    import lightning.pytorch  # noqa: F401  (it sets its loggers to INFO on import; override after)
+
     for name in ("lightning.pytorch", "lightning.fabric", "mlflow", "alembic", "litdata"):
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*(LeafSpec|__len__|litlogger|does not have many workers).*")
@@ -407,6 +409,19 @@ def worker(
     return done
 
 
+def prepare_data(spec: SweepSpec) -> None:
+    """Build the tokenizer and token shards of every distinct data section of the grid, once."""
+    from recursive_lightning.training.run import build_datamodule
+
+    seen = set()
+    for point in spec.grid() if spec.search is None else [{}]:
+        cfg = spec.trial_config(point)
+        key = json.dumps(cfg.to_dict()["data"], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            build_datamodule(cfg).prepare_data()
+
+
 def _spawn_workers(n: int, sweep_file: Path, run_dir: Path, storage: str, tracking: str) -> int:
     threads = max(1, (os.cpu_count() or 2) // n)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RL_TORCH_THREADS": str(threads)}
@@ -446,7 +461,7 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--run-dir", help="where trials, optuna.db, mlflow.db and the report go (default runs/sweeps/<name>)"
     )
-    p.add_argument("--workers", type=int, default=1, help="worker processes on this machine")
+    p.add_argument("--workers", type=int, help="worker processes on this machine (default: the sweep file's, else 1)")
     p.add_argument(
         "--storage",
         help="Optuna RDB URL (default sqlite:///<run-dir>/optuna.db; PostgreSQL for several machines)",
@@ -468,8 +483,9 @@ def main(argv: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     storage = args.storage or default_storage(run_dir)
     tracking = args.tracking_uri or default_tracking_uri(run_dir)
-    if args.workers < 1:
-        raise ConfigError(f"--workers must be >= 1, not {args.workers}.")
+    workers = args.workers if args.workers is not None else spec.workers
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, not {workers}.")
     t0 = time.time()
     if not args.attach:
         prepare_study(spec, run_dir, storage, tracking)
@@ -487,8 +503,9 @@ def main(argv: list[str]) -> int:
             raise ConfigError(
                 f"--attach: no study named '{spec.name}' in {storage}; start the sweep without --attach first."
             ) from None
-    if args.workers > 1 and not args.worker:
-        _spawn_workers(args.workers, sweep_file, run_dir, storage, tracking)
+    if workers > 1 and not args.worker:
+        prepare_data(spec)  # tokenise once here rather than racing in every worker
+        _spawn_workers(workers, sweep_file, run_dir, storage, tracking)
     else:
         worker(spec, run_dir, storage, tracking, max_trials=args.max_trials)
     if args.worker or args.no_report:

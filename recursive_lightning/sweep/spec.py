@@ -15,6 +15,7 @@
       space: {train.lr: {low: 1.0e-4, high: 3.0e-3, log: true}, model.topology: {choices: [anchor, mesh]}}
     metric: val/heldout/loss                      # minimised; reported as PPL too
     max_retries: 2
+    workers: 2                                    # worker processes (default 1; --workers overrides)
     pruning: {enabled: false, warmup_steps: 100}
     evaluate: {ppl: {name: path}, tasks: [], limit: 50, shots: [0]}
     report: {plot: line, x: model.buffer}         # hints for the report's figures
@@ -48,7 +49,7 @@ TOP_KEYS = {
     "pruning",
     "evaluate",
     "report",
-    "full_size",
+    "workers",
 }
 SCALAR = (str, int, float, bool, type(None))
 
@@ -77,6 +78,7 @@ class SweepSpec:
     pruning: dict[str, Any] = field(default_factory=dict)
     evaluate: dict[str, Any] = field(default_factory=dict)
     report: dict[str, Any] = field(default_factory=dict)
+    workers: int = 1
 
     # ------------------------------------------------------------------ grid
     def grid(self) -> list[dict[str, Any]]:
@@ -209,6 +211,9 @@ def load_sweep(path: str | Path) -> SweepSpec:
     max_retries = raw.get("max_retries", 2)
     if not isinstance(max_retries, int) or max_retries < 0:
         raise ConfigError(f"{where}: max_retries must be an integer >= 0, not {max_retries!r}.")
+    workers = raw.get("workers", 1)
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ConfigError(f"{where}: workers must be an integer >= 1, not {workers!r}.")
     name = raw.get("name") or path.stem
     if not isinstance(name, str):
         raise ConfigError(f"{where}: name must be a string.")
@@ -224,5 +229,6 @@ def load_sweep(path: str | Path) -> SweepSpec:
         pruning=dict(raw.get("pruning") or {}),
         evaluate=dict(raw.get("evaluate") or {}),
         report=dict(raw.get("report") or {}),
+        workers=workers,
     )
     return spec.validate()
