@@ -231,3 +231,22 @@ def test_sweep_evaluates_finished_trials(tmp_path, data_cache):
     assert m["eval/ppl/wiki"] > 1 and 0 <= m["eval/tiny_mc/0shot/acc"] <= 1
     report = (run_dir / "report.md").read_text()
     assert "eval/ppl/wiki" in report and "eval/tiny_mc/0shot/acc" in report
+
+
+def test_tpe_search_with_pruning_reports(tmp_path, data_cache):
+    """A search space instead of a grid: Optuna's TPE proposes the trials; intermediate losses are reported."""
+    spec = sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}}, steps=6)
+    raw = yaml.safe_load(spec.read_text())
+    del raw["axes"], raw["seeds"]
+    raw["search"] = {"n_trials": 2, "space": {"train.lr": {"low": 1e-4, "high": 1e-2, "log": True},
+                                               "model.topology": {"choices": ["anchor", "mesh"]}}}
+    raw["pruning"] = {"enabled": True, "warmup_steps": 0}
+    spec.write_text(yaml.safe_dump(raw))
+    run_dir = tmp_path / "sweep"
+    p = run_sweep([spec, "--run-dir", run_dir])
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    trials = study_trials(run_dir)
+    assert len(trials) == 2 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    assert all(1e-4 <= t.params["train.lr"] <= 1e-2 for t in trials)
+    assert all(t.intermediate_values for t in trials)  # validation losses reported by global step
