@@ -172,3 +172,29 @@ def test_fsdp2_two_processes_kill_and_resume(tmp_path, tiny_run):
     a, b = losses(full), losses(half)
     assert sorted(a) == sorted(b) and len(a) == 10
     assert all(abs(a[s] - b[s]) < 1e-6 for s in a), (a, b)
+
+
+def test_activation_checkpointing_keeps_loss_and_gradients(tiny_run):
+    """train.activation_checkpointing wraps every layer; the loss and gradients are unchanged."""
+    import torch
+
+    from recursive_lightning.training.module import RecursiveLMModule
+
+    cfg = RunConfig.from_dict(tiny_run())
+    torch.manual_seed(0)
+    plain = RecursiveLMModule(cfg.to_dict())
+    cfg.train.activation_checkpointing = True
+    ac = RecursiveLMModule(cfg.to_dict())
+    ac.model.load_state_dict(plain.model.state_dict())
+    ac.configure_model()
+    assert "checkpoint" in type(ac.model.cores[0].layers[0]).__name__.lower()
+    batch = torch.randint(0, 4096, (2, 65))
+    losses = []
+    for m in (plain, ac):
+        loss, _, _ = m._loss(batch)
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+    g0 = plain.model.cores[0].layers[0].attn.qkv.weight.grad
+    g1 = dict(ac.model.named_parameters())["cores.0.layers.0._checkpoint_wrapped_module.attn.qkv.weight"].grad
+    torch.testing.assert_close(g0, g1, atol=1e-6, rtol=1e-5)
