@@ -55,34 +55,33 @@ def _write_read_eq6(buffer, u, w_write, w_read):
 
 
 class LazyMeSH(MeSH):
-    """Buffer-free MeSH: same parameters, same outputs, no (B, b, l, d) tensor.
-
-    carry["sources"] = [h_emb, h_pre, u^(0), ...] and carry["writes"] = the matching per-token write
-    weights (b, l, B) (h_emb's is the one-hot of slot 0, Eq. 2).
+    """Buffer-free MeSH: same parameters, same outputs, no (B, b, l, d) tensor (the proposed patch for
+    ``topology.MeSH``). carry["sources"] = [h_pre, u^(0), u^(1), ...] and carry["writes"] = their
+    per-token write weights (b, l, B); slot 0's h_emb (Eq. 2) is carry["h_emb"].
     """
 
-    def _read(self, sources, writes, w_read):
-        h = None
-        for src, w in zip(sources, writes):
-            gain = (w * w_read).sum(-1, keepdim=True)  # (b, l, 1)
-            h = src * gain if h is None else torch.addcmul(h, gain, src)
+    @staticmethod
+    def _read(carry, w_read):
+        # Eq. 6 on the unrolled buffer: slot 0's h_emb, then every written source u^(tau) with gain
+        # <w_read, w_write^(tau)> (the diagonal term is Eq. 6's gating factor)
+        h = carry["h_emb"].to(w_read.dtype) * w_read[..., :1]
+        for src, w_write in zip(carry["sources"], carry["writes"]):
+            h = torch.addcmul(h, (w_write * w_read).sum(-1, keepdim=True), src)
         return h
 
     def start(self, h_emb, h_pre):
         if self.record is not None:
             self.record = {"write": [], "read": []}
         router_in = h_pre if self.transition_input == "prelude" else h_emb
-        w_write, w_read = self._route(0, router_in)
-        h_emb = h_emb.to(h_pre.dtype)
-        # slot 0 holds h_emb with weight 1: its gain is just w_read[..., 0]
-        h0 = torch.addcmul(h_emb * w_read[..., :1], (w_write * w_read).sum(-1, keepdim=True), h_pre)
-        return h0, {"h0": h0, "h_emb": h_emb, "sources": [h_pre], "writes": [w_write], "read0": None}
+        w_write, w_read = self._route(0, router_in)  # Alg. 2 lines 9-13
+        carry = {"h_emb": h_emb, "sources": [h_pre], "writes": [w_write]}
+        h0 = self._read(carry, w_read)
+        return h0, {**carry, "h0": h0}
 
     def step(self, t, h, u, carry):
-        w_write, w_read = self._route(t + 1, h)
-        sources, writes = [*carry["sources"], u], [*carry["writes"], w_write]
-        h_next = torch.addcmul(self._read(sources, writes, w_read), carry["h_emb"], w_read[..., :1])
-        return h_next, {**carry, "sources": sources, "writes": writes}
+        w_write, w_read = self._route(t + 1, h)  # routers read h^(t) (Alg. 2 line 17)
+        carry = {**carry, "sources": [*carry["sources"], u], "writes": [*carry["writes"], w_write]}
+        return self._read(carry, w_read), carry
 
 
 def parse_sets(items: list[str]) -> dict:
@@ -190,7 +189,7 @@ def quartiles(xs: list[float]) -> tuple[float, float]:
 
 
 def check_equivalent(ref: RecursiveLM, other: RecursiveLM, idx: torch.Tensor, tgt: torch.Tensor) -> float:
-    """Max abs difference of loss gradients and logits between two models with equal weights."""
+    """Largest of: max abs logit difference, and per parameter max |grad difference| / max |grad|."""
     other.load_state_dict(ref.state_dict())
     diffs = []
     outs = []

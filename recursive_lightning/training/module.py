@@ -132,8 +132,6 @@ class RecursiveLMModule(L.LightningModule):
 
     # -------------------------------------------------------------- self-contained checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if hasattr(self.logger, "flush"):  # metrics up to a checkpoint are in MLflow before a resume needs them
-            self.logger.flush()
         checkpoint["recursive_lightning"] = {
             "run": self.run_cfg.to_dict(),
             "tokenizer_json": self.tokenizer_json,

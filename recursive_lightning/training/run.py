@@ -122,12 +122,12 @@ def train(
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import MLFlowLogger
 
     from recursive_lightning.data.tokenizer import tokenizer_fingerprint  # noqa: F401  (import check)
     from recursive_lightning.model.accounting import describe
     from recursive_lightning.training import parallel
     from recursive_lightning.training.checkpoint import AtomicCheckpointIO, latest_good, read_checkpoint
-    from recursive_lightning.training.mlflow_logger import BufferedMLFlowLogger
     from recursive_lightning.training.module import RecursiveLMModule
 
     t0 = time.time()
@@ -189,7 +189,7 @@ def train(
     )  # init must not depend on what data prep consumed
     module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
     module.mlflow_run_id = run_id
-    logger = BufferedMLFlowLogger(
+    logger = MLFlowLogger(
         experiment_name=experiment or cfg.name, tracking_uri=tracking_uri, run_id=run_id, log_model=False
     )
 
