@@ -189,18 +189,22 @@ def quartiles(xs: list[float]) -> tuple[float, float]:
 
 
 def check_equivalent(ref: RecursiveLM, other: RecursiveLM, idx: torch.Tensor, tgt: torch.Tensor) -> float:
-    """Largest of: max abs logit difference, and per parameter max |grad difference| / max |grad|."""
+    """Largest of: max abs logit difference, and per parameter max |grad difference| / max |grad|
+    (the denominator floored at 1e-3 of the largest gradient, so parameters whose gradient is zero in
+    exact arithmetic - e.g. a bias before a softmax - compare rounding noise to a real scale)."""
     other.load_state_dict(ref.state_dict())
-    diffs = []
     outs = []
     for m in (ref, other):
         logits = m(idx)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten()).backward()
-        outs.append((logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+        outs.append(
+            (logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+        )
         m.zero_grad(set_to_none=True)
-    diffs.append((outs[0][0] - outs[1][0]).abs().max().item())
+    floor = 1e-3 * max(g.abs().max().item() for g in outs[0][1].values())
+    diffs = [(outs[0][0] - outs[1][0]).abs().max().item()]
     for n, g in outs[0][1].items():
-        diffs.append((g - outs[1][1][n]).abs().max().item() / (g.abs().max().item() + 1e-12))
+        diffs.append((g - outs[1][1][n]).abs().max().item() / max(g.abs().max().item(), floor))
     return max(diffs)
 
 

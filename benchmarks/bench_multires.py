@@ -39,7 +39,15 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_mesh_overhead import ROUNDS, LazyMeSH, fwd_bwd, interleaved, parse_sets, quartiles  # noqa: E402
+from bench_mesh_overhead import (
+    ROUNDS,
+    LazyMeSH,
+    check_equivalent,
+    fwd_bwd,
+    interleaved,
+    parse_sets,
+    quartiles,
+)  # noqa: E402
 
 from recursive_lightning.model.accounting import describe  # noqa: E402
 from recursive_lightning.model.config import preset  # noqa: E402
@@ -49,9 +57,11 @@ from recursive_lightning.model.topology import MeSH  # noqa: E402
 
 def down_mulsum(self, h: torch.Tensor) -> torch.Tensor:
     """Prototype S_down (Eqs. 16-18): the Eq. 18 contraction as broadcast multiply + sum over the chunk
-    instead of ``einsum("bng,bngd->bnd")`` (which becomes a bmm of (1 x g)(g x d) blocks)."""
+    instead of ``einsum("bng,bngd->bnd")`` (which becomes a bmm of (1 x g)(g x d) blocks).
+
+    Otherwise a copy of ``ResolutionStep.down``; the start-up equivalence check fails if they drift."""
     g, w = self.g, self.offset
-    n = h.shape[1] // g
+    n = (h.shape[1] + w) // g  # L_t: every complete chunk of the offset partition (Eqs. 13-14)
     chunks = rearrange(F.pad(h, (0, 0, w, 0))[:, : n * g], "b (n g) d -> b n g d", g=g)
     if self.scorer is None:
         return chunks.sum(2) / g
@@ -255,6 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     for m in sorted({m for v in variants for m in v.split("+")[1:]}):
         print(f"patch    +{m}: {MODIFIERS[m]}")
+    small = idx[:2, :61], tgt[:2, :61]  # a length no chunk size divides
+    for v in variants:
+        kind, *mods = v.split("+")
+        if mods:
+            err = check_equivalent(build(args, kind), build(args, v), *small)
+            print(f"check    {v} vs {kind}: max rel. grad / abs. logit difference {err:.2e}")
+            assert err < 1e-4, f"{v} is not equivalent to {kind} ({err})"
 
     times = interleaved(
         {k: (lambda m=m: fwd_bwd(m, idx, tgt)) for k, m in models.items()},

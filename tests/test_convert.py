@@ -273,3 +273,21 @@ def test_unsupported_configs() -> None:
         config_from_gpt_neox({"model_type": "llama", "hidden_size": 64})
     with pytest.raises(ConfigError, match="attention_bias"):
         config_from_gpt_neox(_hf_config(attention_bias=False))
+
+
+def test_failed_load_leaves_model_unchanged(hf_small) -> None:
+    model = _fresh(hf_small)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sd = dict(hf_small.state_dict())
+    del sd["gpt_neox.final_layer_norm.bias"]  # found missing only after every other key was read
+    with pytest.raises(ConfigError, match="final_layer_norm"):
+        load_gpt_neox_state_dict(model, sd)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_tied_model_rejects_different_head() -> None:
+    hf = _hf_model(_hf_config(tie_word_embeddings=True))
+    sd = dict(hf.state_dict())
+    sd["lm_head.weight"] = sd["lm_head.weight"] + 1.0
+    with pytest.raises(ConfigError, match="tie_embeddings"):
+        load_gpt_neox_state_dict(_fresh(hf), sd)

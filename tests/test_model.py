@@ -182,3 +182,22 @@ def test_generate_greedy():
     for _ in range(4):
         ref = torch.cat([ref, m(ref)[:, -1:].argmax(-1)], 1)
     assert torch.equal(out, ref)
+
+
+def test_mesh_read_equals_the_materialised_buffer():
+    """The factored buffer gives exactly Eq. 5-6 on the explicit (B, b, l, d) buffer of Algorithm 2."""
+    m = tiny("2+2R3+2", "mesh")
+    topo = m.topology
+    h_emb = torch.randn(2, 7, 32, dtype=torch.double)
+    h, carry = topo.start(h_emb, torch.randn(2, 7, 32, dtype=torch.double))
+    for t in range(3):
+        u = torch.randn(2, 7, 32, dtype=torch.double)
+        h_next, carry = topo.step(t, h, u, carry)
+        buffer = MeSH.buffer(carry)  # Eq. 2 + every write
+        w_read = topo.read[t + 1](h).softmax(-1)
+        torch.testing.assert_close(h_next, (buffer * w_read.permute(2, 0, 1).unsqueeze(-1)).sum(0))
+        assert buffer.shape == (6, 2, 7, 32)  # B = N_loop + 3
+        torch.testing.assert_close(
+            buffer[:, 0, 0].sum(0) - h_emb[0, 0], sum(w[0][0, 0] for w in carry["writes"])
+        )
+        h = h_next

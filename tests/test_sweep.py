@@ -238,8 +238,13 @@ def test_tpe_search_with_pruning_reports(tmp_path, data_cache):
     spec = sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}}, steps=6)
     raw = yaml.safe_load(spec.read_text())
     del raw["axes"], raw["seeds"]
-    raw["search"] = {"n_trials": 2, "space": {"train.lr": {"low": 1e-4, "high": 1e-2, "log": True},
-                                               "model.topology": {"choices": ["anchor", "mesh"]}}}
+    raw["search"] = {
+        "n_trials": 2,
+        "space": {
+            "train.lr": {"low": 1e-4, "high": 1e-2, "log": True},
+            "model.topology": {"choices": ["anchor", "mesh"]},
+        },
+    }
     raw["pruning"] = {"enabled": True, "warmup_steps": 0}
     spec.write_text(yaml.safe_dump(raw))
     run_dir = tmp_path / "sweep"

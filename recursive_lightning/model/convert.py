@@ -206,7 +206,8 @@ def load_gpt_neox_state_dict(model: RecursiveLM, hf_state_dict: Mapping[str, tor
     """Copy a ``GPTNeoXForCausalLM`` state dict into a vanilla ``model`` in place (strict).
 
     Raises ``ConfigError`` naming the first offending key when the checkpoint has a key without a
-    counterpart, lacks a key the model needs, or holds a tensor of the wrong shape.
+    counterpart, lacks a key the model needs, or holds a tensor of the wrong shape; the model is
+    left unchanged then (everything is checked before the first copy).
     """
     if not isinstance(model, RecursiveLM):
         raise ConfigError(f"load_gpt_neox_state_dict needs a RecursiveLM, not {type(model).__name__}.")
@@ -221,7 +222,7 @@ def load_gpt_neox_state_dict(model: RecursiveLM, hf_state_dict: Mapping[str, tor
         )
 
     heads = model.cfg.n_heads
-    filled: set[int] = set()
+    plan: dict[int, tuple[str, torch.nn.Parameter, torch.Tensor]] = {}  # id(param) -> (key, param, value)
     head_key = None
     for key, value in hf_state_dict.items():
         if _IGNORED.match(key):
@@ -254,19 +255,18 @@ def load_gpt_neox_state_dict(model: RecursiveLM, hf_state_dict: Mapping[str, tor
             )
         if is_qkv:
             value = _qkv_rows(value, heads)
-        if model.cfg.tie_embeddings and param is model.embed.weight and id(param) in filled:
-            # tied: embed_in and the head share one tensor; both copies must agree
-            if not torch.equal(param, value.to(device=param.device, dtype=param.dtype)):
+        if id(param) in plan:  # tied: embed_in and the head are one tensor; both copies must agree
+            other_key, _, other = plan[id(param)]
+            if not torch.equal(other, value.to(device=other.device, dtype=other.dtype)):
                 raise ConfigError(
-                    f"model.tie_embeddings is True but checkpoint key '{key}' differs from the tied embedding; "
+                    f"model.tie_embeddings is True but checkpoint keys '{other_key}' and '{key}' differ; "
                     "set tie_embeddings False (config_from_gpt_neox reads tie_word_embeddings)."
                 )
             continue
-        param.copy_(value)
-        filled.add(id(param))
+        plan[id(param)] = (key, param, value)
 
-    missing = [k for k, (p, _) in targets.items() if id(p) not in filled]
-    if id(model.head.weight) not in filled:
+    missing = [k for k, (p, _) in targets.items() if id(p) not in plan]
+    if id(model.head.weight) not in plan:
         missing.append("embed_out.weight (or lm_head.weight)")
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -274,9 +274,12 @@ def load_gpt_neox_state_dict(model: RecursiveLM, hf_state_dict: Mapping[str, tor
             f"the checkpoint lacks '{missing[0]}'{more}; pass the full state dict of GPTNeoXForCausalLM "
             "(its LM head included)."
         )
-    unfilled = [n for n, p in model.named_parameters() if id(p) not in filled]
+    unfilled = [n for n, p in model.named_parameters() if id(p) not in plan]
     if unfilled:  # pragma: no cover - guarded by _check_model; kept so a new parameter can't slip through
-        raise ConfigError(f"load_gpt_neox_state_dict left model parameter '{unfilled[0]}' unfilled.")
+        raise ConfigError(f"load_gpt_neox_state_dict would leave model parameter '{unfilled[0]}' unfilled.")
+    # everything checked: only now touch the model, so a failed load leaves it unchanged
+    for _, param, value in plan.values():
+        param.copy_(value)
 
 
 def from_pretrained_gpt_neox(name_or_path: str, **kwargs: Any) -> RecursiveLM:

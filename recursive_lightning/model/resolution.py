@@ -57,7 +57,9 @@ class ResolutionStep(nn.Module):
         alpha = rearrange(score, "b (n g) -> b n g", g=g).softmax(-1).to(h.dtype)  # Eq. 17
         if self.record is not None:
             self.record.append({"alpha": alpha.detach()})
-        return torch.einsum("bng,bngd->bnd", alpha, chunks)  # Eq. 18
+        return (alpha.unsqueeze(-1) * chunks).sum(
+            2
+        )  # Eq. 18 (multiply + sum: faster than a bmm of 1 x g blocks)
 
     def up(self, z: torch.Tensor, length: int) -> torch.Tensor:
         """(b, L_t, d) -> shifted token-level update u~ of shape (b, L, d), Eqs. 19-22."""

@@ -461,7 +461,9 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--run-dir", help="where trials, optuna.db, mlflow.db and the report go (default runs/sweeps/<name>)"
     )
-    p.add_argument("--workers", type=int, help="worker processes on this machine (default: the sweep file's, else 1)")
+    p.add_argument(
+        "--workers", type=int, help="worker processes on this machine (default: the sweep file's, else 1)"
+    )
     p.add_argument(
         "--storage",
         help="Optuna RDB URL (default sqlite:///<run-dir>/optuna.db; PostgreSQL for several machines)",
