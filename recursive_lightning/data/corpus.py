@@ -24,9 +24,10 @@ import marshal
 import os
 import sys
 import sysconfig
-import tempfile
 import types
 from pathlib import Path
+
+from recursive_lightning.tracking import atomic_write_text
 
 __all__ = [
     "MIN_DOCSTRING_CHARS",
@@ -202,13 +203,5 @@ def write_embedded_corpus(directory: str | os.PathLike[str]) -> Path:
     if target.is_file():
         return target
     text = DOCUMENT_SEPARATOR.join(_documents()) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".embedded_corpus.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp creates it private
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(target, text)
     return target

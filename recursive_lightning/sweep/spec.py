@@ -60,10 +60,6 @@ class Axis:
     labels: list[Any]  # grid values as Optuna sees them (primitives)
     overrides: dict[Any, dict[str, Any]]  # label -> dotted overrides
 
-    @property
-    def is_field(self) -> bool:
-        return "." in self.name and all(list(o) == [self.name] for o in self.overrides.values())
-
 
 @dataclass
 class SweepSpec:
@@ -97,7 +93,7 @@ class SweepSpec:
         data = copy.deepcopy(self.base)
         for axis in self.axes:
             if axis.name in point:
-                for key, value in axis.overrides[_key(point[axis.name])].items():
+                for key, value in axis.overrides[point[axis.name]].items():
                     set_dotted(data, key, value)
         for key, value in point.items():  # search-space parameters are plain dotted fields
             if key not in {a.name for a in self.axes}:
@@ -120,10 +116,6 @@ class SweepSpec:
                     f"sweep '{self.name}'" + (f" at {where}" if where else "") + f": {e}"
                 ) from None
         return self
-
-
-def _key(label: Any) -> Any:
-    return label
 
 
 def point_key(point: dict[str, Any]) -> str:

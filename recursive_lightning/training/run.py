@@ -120,11 +120,9 @@ def train(
 ) -> TrainResult:
     """Train ``cfg`` into ``run_dir``; with ``resume`` continue from its newest good checkpoint."""
     import lightning as L
-    import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import MLFlowLogger
 
-    from recursive_lightning.data.tokenizer import tokenizer_fingerprint  # noqa: F401  (import check)
     from recursive_lightning.model.accounting import describe
     from recursive_lightning.training import parallel
     from recursive_lightning.training.checkpoint import AtomicCheckpointIO, latest_good, read_checkpoint
@@ -145,15 +143,15 @@ def train(
         atomic_write_text(saved_cfg, cfg.to_yaml())
 
     resume_from: str | None = ckpt_path
+    if resume_from is not None and not Path(resume_from).is_dir():
+        read_checkpoint(resume_from)  # an explicit --ckpt-path: one sentence if it is damaged
     if resume and resume_from is None:
         last = ckpt_dir / "last.ckpt"
         if last.exists() or any(ckpt_dir.glob("step*.ckpt")):
             good = latest_good(ckpt_dir)
             if last.exists() and good != last:
                 read_checkpoint(last)  # raises one sentence naming the damaged file and the good one
-            resume_from = str(good) if good else None
-    if resume_from is not None:
-        read_checkpoint(resume_from) if not Path(resume_from).is_dir() else None
+            resume_from = str(good) if good else None  # latest_good already checked it reads
 
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     dm = build_datamodule(cfg)
@@ -279,7 +277,6 @@ def train(
     )
     if trainer.is_global_zero:
         atomic_write_text(run_dir / "result.json", json.dumps(result.to_dict(), indent=2))
-    del torch
     return result
 
 
