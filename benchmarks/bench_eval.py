@@ -1,5 +1,9 @@
 """Log-likelihood requests per second of the lm-eval adapter: batched (batch 16) vs one request at a time.
 
+Three modes: ``single`` (batch 1), ``padded`` (batch 16, every request its own row) and ``batched`` (batch 16
+with prefix sharing: the continuations of one context in one packed row, ``evaluation/prefix_sharing.py``;
+multi-resolution layouts are not packable and score like ``padded``).
+
     python benchmarks/bench_eval.py                                  # cpu-small, layout 2+2R2+2 mesh, CPU
     python benchmarks/bench_eval.py --layout 8 --topology base --requests 512 --device cuda
 
@@ -58,7 +62,12 @@ def build(args):
             s = rng.randrange(0, len(words) - 12)
             requests.append((ctx, " " + " ".join(words[s : s + rng.randint(1, 8)])))
     requests = requests[: args.requests]
-    make = lambda bs: RecursiveLightningLM.from_loaded(loaded, batch_size=bs, device=args.device)  # noqa: E731
+
+    def make(bs: int, sharing: bool = True) -> RecursiveLightningLM:
+        return RecursiveLightningLM.from_loaded(
+            loaded, batch_size=bs, device=args.device, prefix_sharing=sharing
+        )
+
     return make, requests, tok
 
 
@@ -88,7 +97,7 @@ def main() -> int:
 
     make, requests, tok = build(args)
     inst = [Instance("loglikelihood", {}, r, i) for i, r in enumerate(requests)]
-    batched, single = make(args.batch_size), make(1)
+    batched, padded, single = make(args.batch_size), make(args.batch_size, False), make(1)
     n_tok = sum(len(tok.encode(c + x).ids) for c, x in requests)
     print(
         f"{args.preset} {args.layout} {args.topology} on {args.device} ({platform.processor() or platform.machine()}, "
@@ -96,12 +105,13 @@ def main() -> int:
         f"{n_tok / len(requests):.0f} tokens each on average"
     )
     batched.loglikelihood(inst[:32], disable_tqdm=True)  # warm-up
+    padded.loglikelihood(inst[:32], disable_tqdm=True)
     single.loglikelihood(inst[:8], disable_tqdm=True)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
-    times = {"batched": [], "single": []}
+    times = {"batched": [], "padded": [], "single": []}
     results = {}
     for _ in range(args.rounds):
-        for name, lm in (("batched", batched), ("single", single)):
+        for name, lm in (("batched", batched), ("padded", padded), ("single", single)):
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             t = clock()
@@ -109,9 +119,13 @@ def main() -> int:
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             times[name].append(clock() - t)
-    diff = max(abs(a - b) for (a, _), (b, _) in zip(results["batched"], results["single"]))
+    diff = max(
+        abs(a - b)
+        for other in ("batched", "padded")
+        for (a, _), (b, _) in zip(results[other], results["single"])
+    )
     rate = {k: len(requests) / min(v) for k, v in times.items()}
-    for k in ("single", "batched"):
+    for k in ("single", "padded", "batched"):
         bs = 1 if k == "single" else args.batch_size
         print(
             f"  {k:8s} (batch {bs:2d}): {rate[k]:8.1f} requests/s   rounds: "
@@ -119,8 +133,8 @@ def main() -> int:
         )
     speedup = rate["batched"] / rate["single"]
     print(
-        f"  speed-up {speedup:.2f}x (goal >= 4x): {'ok' if speedup >= 4 else 'below goal'}; "
-        f"max |loglik batched - single| = {diff:.2e}"
+        f"  speed-up {speedup:.2f}x (goal >= 4x): {'ok' if speedup >= 4 else 'below goal'}; without prefix "
+        f"sharing {rate['padded'] / rate['single']:.2f}x; max |loglik batched - single| = {diff:.2e}"
     )
     return 0
 

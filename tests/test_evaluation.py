@@ -33,6 +33,7 @@ FAMILIES = {
     "vanilla": {"layout": "4"},
     "looped-base": {"layout": "1+2R2+1", "topology": "base"},
     "looped-mesh": {"layout": "1+2R2+1", "topology": "mesh"},
+    "looped-dynamic-gqa": {"layout": "1+2R2+1", "topology": "dynamic", "n_kv_heads": 2},
     "unshared": {"layout": "1+1+1+1", "topology": "anchor"},
     "multires": {"layout": "1+2x{1/4,1/2,1}+1", "topology": "mesh"},
 }
@@ -133,10 +134,22 @@ def test_loglikelihood_equals_model_logprobs(family, ckpts, tokenizer):
         ("A", " B"),
         ("Question: what is frozen water?\nAnswer:", " ice"),
         ("x = 1", "\ny = 2\nprint(x + y)"),
+        # multiple-choice items: continuations of one context share a packed row (prefix_sharing.py)
+        ("Question: what is frozen water?\nAnswer:", " fire"),
+        ("Question: what is frozen water?\nAnswer:", " steam, or a cloud of it"),
+        ("The quick brown fox", " sleeps"),
+        (long_ctx, " too long to share"),
     ]
-    got = lm.loglikelihood(
-        [Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)], disable_tqdm=True
-    )
+    packed_calls = []
+    hidden = loaded.model.hidden
+    loaded.model.hidden = lambda *a, **k: packed_calls.append(k.get("mask") is not None) or hidden(*a, **k)
+    try:
+        got = lm.loglikelihood(
+            [Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)], disable_tqdm=True
+        )
+    finally:
+        del loaded.model.hidden
+    assert any(packed_calls) == (family != "multires")
     assert len(tokenizer.encode(long_ctx).ids) > 2 * MAX_LEN
     for (ctx, cont), (ll, greedy) in zip(reqs, got):
         ref, ref_greedy = _direct_loglikelihood(loaded.model, tokenizer, lm.eot_token_id, ctx, cont, MAX_LEN)

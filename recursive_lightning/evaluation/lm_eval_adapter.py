@@ -12,7 +12,8 @@
 Scoring follows ``perplexity.py`` exactly: the checkpoint's own ``tokenizers.Tokenizer``, ``<|endoftext|>`` as
 end-of-text and as the prefix of an empty context / of a rolling document, contexts left-truncated to
 ``max_length`` tokens, the same windows for ``loglikelihood_rolling`` as ``perplexity.perplexity`` (so the two
-agree to float precision), batches sorted by length and right-padded (the models are causal).
+agree to float precision), batches sorted by length and right-padded (the models are causal). Continuations of
+one context are scored in one packed row (``prefix_sharing.py``; ``prefix_sharing=false`` turns it off).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from recursive_lightning.evaluation.perplexity import (
     plan_windows,
     score_sequences,
 )
+from recursive_lightning.evaluation.prefix_sharing import plan_trees, score_trees
 
 log = logging.getLogger(__name__)
 NAME = "recursive_lightning"
@@ -86,6 +88,7 @@ class RecursiveLightningLM(TemplateLM):
         dtype: str | None = None,
         loaded: Any = None,
         max_batch_size: int | None = None,  # passed by lm-eval's CLI; batch sizing is fixed here
+        prefix_sharing: bool | str = True,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -124,6 +127,7 @@ class RecursiveLightningLM(TemplateLM):
         plan_windows(2, 1, self._max_length, self.stride)  # validates the stride
         self.max_gen_toks = int(max_gen_toks)
         self.batch_size = _batch_size(batch_size)
+        self.prefix_sharing = str(prefix_sharing).lower() not in ("false", "0", "no")
         self._warned_sampling = False
 
     @classmethod
@@ -193,24 +197,38 @@ class RecursiveLightningLM(TemplateLM):
         **kwargs: Any,
     ) -> list[tuple[float, bool]]:
         """Sum of log-probabilities of each continuation given its (left-truncated) context, and whether
-        greedy decoding would produce it. A continuation longer than ``max_length`` is scored in windows."""
+        greedy decoding would produce it. A continuation longer than ``max_length`` is scored in windows.
+
+        Continuations of one context (multiple-choice items) share a forward pass when the model allows it
+        (``prefix_sharing.py``); ``batch_size`` counts requests either way."""
+        fits = [len(ctx) + len(cont) - 1 <= self._max_length for _, ctx, cont in requests]
+        trees, alone = [], list(range(len(requests)))
+        if self.prefix_sharing and self.batch_size > 1 and getattr(self.model, "packable", False):
+            trees, rest = plan_trees(
+                [(ctx, cont) if ok else ((), ()) for (_, ctx, cont), ok in zip(requests, fits)],
+                self.batch_size,
+                self._max_length,
+            )
+            alone = rest
         scored_reqs: list[tuple[list[int], int]] = []
         owner: list[int] = []
-        for r, (_, ctx, cont) in enumerate(requests):
+        for r in alone:
+            _, ctx, cont = requests[r]
             full = [*ctx, *cont]
             for w in plan_windows(len(full), len(ctx), self._max_length, self.stride):
                 scored_reqs.append((full[w.begin : w.end], w.end - w.target))
                 owner.append(r)
         bar = tqdm(
-            total=len(scored_reqs),
+            total=len(scored_reqs) + len(requests) - len(alone),
             desc="recursive_lightning loglikelihood",
-            disable=disable_tqdm or len(scored_reqs) < 2,
+            disable=disable_tqdm or len(requests) < 2,
         )
+        shared = score_trees(self.model, trees, self.batch_size, progress=bar.update)
         scored = score_sequences(self.model, scored_reqs, self.batch_size, progress=bar.update)
         bar.close()
         sums = [0.0] * len(requests)
         greedy = [True] * len(requests)
-        for r, s in zip(owner, scored):
+        for r, s in [*zip(owner, scored), *shared.items()]:
             sums[r] += s.logprob
             greedy[r] = greedy[r] and s.greedy
         out = []

@@ -80,6 +80,29 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def score_rows(
+    model: torch.nn.Module,
+    h: torch.Tensor,
+    rows_b: Sequence[int],
+    rows_p: Sequence[int],
+    targets: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability (float64) of ``targets[i]`` at hidden state ``h[rows_b[i], rows_p[i]]``, and whether
+    it is the argmax; only these rows go through the output head, :data:`LOGIT_ROWS` at a time."""
+    device = h.device
+    sel = h[torch.as_tensor(rows_b, device=device), torch.as_tensor(rows_p, device=device)]
+    tgt = torch.as_tensor(targets, dtype=torch.long, device=device)
+    lps, hits = [], []
+    for c in range(0, sel.shape[0], LOGIT_ROWS):
+        logits = model.head(sel[c : c + LOGIT_ROWS]).float()
+        t = tgt[c : c + LOGIT_ROWS]
+        lps.append(F.log_softmax(logits, dim=-1).gather(-1, t[:, None]).squeeze(-1).double())
+        hits.append(logits.argmax(-1) == t)
+    lp = torch.cat(lps).cpu() if lps else torch.zeros(0, dtype=torch.float64)
+    hit = torch.cat(hits).cpu() if hits else torch.zeros(0, dtype=torch.bool)
+    return lp, hit
+
+
 @torch.inference_mode()
 def score_sequences(
     model: torch.nn.Module,
@@ -121,16 +144,7 @@ def score_sequences(
             targets += toks[m - k + 1 : m + 1]
             owner += [r] * k
         h = model.hidden(x.to(device))
-        sel = h[torch.as_tensor(rows_b, device=device), torch.as_tensor(rows_p, device=device)]
-        tgt = torch.as_tensor(targets, dtype=torch.long, device=device)
-        lps, hits = [], []
-        for c in range(0, sel.shape[0], LOGIT_ROWS):
-            logits = model.head(sel[c : c + LOGIT_ROWS]).float()
-            t = tgt[c : c + LOGIT_ROWS]
-            lps.append(F.log_softmax(logits, dim=-1).gather(-1, t[:, None]).squeeze(-1).double())
-            hits.append(logits.argmax(-1) == t)
-        lp = torch.cat(lps).cpu() if lps else torch.zeros(0, dtype=torch.float64)
-        hit = torch.cat(hits).cpu() if hits else torch.zeros(0, dtype=torch.bool)
+        lp, hit = score_rows(model, h, rows_b, rows_p, targets)
         own = torch.as_tensor(owner, dtype=torch.long)
         sums = torch.zeros(len(idx), dtype=torch.float64).index_add_(0, own, lp)
         misses = torch.zeros(len(idx), dtype=torch.long).index_add_(0, own, (~hit).long())

@@ -35,21 +35,22 @@ class Rotary(nn.Module):
         self.dim = int(cfg.head_dim * cfg.rotary_pct)
         self.base = cfg.rotary_base
 
-    def cos_sin(
-        self, length: int, device: torch.device, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the rotary angles at integer ``positions`` of shape (l,) or (b, l): (..., l, dim)."""
         inv_freq = 1.0 / (
-            self.base ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim)
+            self.base
+            ** (torch.arange(0, self.dim, 2, device=positions.device, dtype=torch.float32) / self.dim)
         )
-        t = torch.arange(length, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
+        freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: (b, h, l, hd); cos/sin: (l, dim)."""
+        """x: (b, h, l, hd); cos/sin: (l, dim), or (b, l, dim) for per-row positions."""
         if self.dim == 0:
             return x
+        if cos.dim() == 3:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         rot, rest = x[..., : self.dim], x[..., self.dim :]
         x1, x2 = rot.chunk(2, dim=-1)
         rotated = torch.cat((-x2, x1), dim=-1)
@@ -65,7 +66,11 @@ class Attention(nn.Module):
         self.rotary = Rotary(cfg)
         self.capture: list[torch.Tensor] | None = None  # set to a list to record attention maps (probes)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Causal self-attention; ``mask`` (b, l, l), True = may attend, replaces the causal mask (packed
+        sequences, see ``evaluation/prefix_sharing.py``)."""
         hd = self.head_dim
         q, k, v = self.qkv(x).split([self.n_heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
         q = rearrange(q, "b l (h d) -> b h l d", d=hd)
@@ -73,7 +78,11 @@ class Attention(nn.Module):
         v = rearrange(v, "b l (h d) -> b h l d", d=hd)
         q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         if self.capture is not None:
-            y = self._explicit(q, k, v)
+            y = self._explicit(q, k, v, mask)
+        elif mask is not None:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=self.kv_heads != self.n_heads
+            )
         elif flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
             y = flash_attn_func(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True
@@ -84,13 +93,17 @@ class Attention(nn.Module):
             )
         return self.proj(rearrange(y, "b h l d -> b l (h d)"))
 
-    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _explicit(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Materialised softmax(QK^T) so probes can read the attention map; same output as SDPA."""
         rep = self.n_heads // self.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
         length = q.shape[-2]
         mask = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+        if allowed is not None:
+            mask = ~allowed.unsqueeze(1)
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # upcast half precision only
         attn = scores.masked_fill(mask, float("-inf")).softmax(-1).to(q.dtype)
         self.capture.append(attn.detach())
@@ -120,23 +133,29 @@ class Block(nn.Module):
         self.norm1, self.norm2 = make_norm(cfg), make_norm(cfg)
         self.attn, self.mlp = Attention(cfg), MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.parallel:
-            return x + self.attn(self.norm1(x), cos, sin) + self.mlp(self.norm2(x))
-        x = x + self.attn(self.norm1(x), cos, sin)
+            return x + self.attn(self.norm1(x), cos, sin, mask) + self.mlp(self.norm2(x))
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
         return x + self.mlp(self.norm2(x))
 
 
 class Stack(nn.Module):
-    """A run of layers (prelude, one core, or coda); rotary positions 0..L-1 of its input."""
+    """A run of layers (prelude, one core, or coda); rotary positions 0..L-1 of its input unless given."""
 
     def __init__(self, cfg: ModelConfig, n_layers: int) -> None:
         super().__init__()
         self.layers = nn.ModuleList(Block(cfg) for _ in range(n_layers))
         self.rotary = Rotary(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary.cos_sin(x.shape[1], x.device, x.dtype)
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, mask)
         return x

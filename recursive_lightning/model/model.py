@@ -12,6 +12,7 @@ A vanilla layout has no loop steps; ``4+8+8+4`` loops over distinct cores (MeSH 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -91,10 +92,31 @@ class RecursiveLM(nn.Module):
         return [layer for s in stacks for layer in s.layers]
 
     # ------------------------------------------------------------------ forward
-    def hidden(self, idx: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
-        """Final hidden states (b, l, d) after the final norm."""
+    @property
+    def packable(self) -> bool:
+        """Whether every operation but attention acts per position, so that several sequences can share one
+        row under an attention ``mask`` (true unless a loop step runs at a coarser resolution)."""
+        return all(step.full_resolution for step in self.steps)
+
+    def hidden(
+        self,
+        idx: torch.Tensor,
+        trace: Trace | None = None,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states (b, l, d) after the final norm.
+
+        ``positions`` (b, l) and ``mask`` (b, l, l), True = may attend, describe a packed input (rotary
+        positions and who sees whom); only for :attr:`packable` models."""
+        packed = {} if positions is None and mask is None else {"positions": positions, "mask": mask}
+        if packed and not self.packable:
+            raise ValueError(
+                "a packed input (positions/mask) needs a full-resolution model: multi-resolution steps pool "
+                "neighbouring positions"
+            )
         h_emb = self.embed(idx) * self.emb_scale
-        h_pre = self.prelude(h_emb)
+        h_pre = self.prelude(h_emb, **packed)
         if trace is not None:
             trace.blocks.append(("prelude", h_emb, h_pre))
             trace.states.append(("h_emb", h_emb))
@@ -102,14 +124,15 @@ class RecursiveLM(nn.Module):
         if trace is not None:
             trace.states.append(("h(0)", h))
         for t, (step, core_id) in enumerate(zip(self.steps, self.layout.core_index)):
-            u = step(h, self.cores[core_id])
+            core = self.cores[core_id]
+            u = step(h, functools.partial(core, **packed) if packed else core)
             if trace is not None:
                 trace.blocks.append((f"core {t + 1}", h, u))
             h, carry = self.topology.step(t, h, u, carry)
             if trace is not None:
                 trace.states.append((f"h({t + 1})", h))
         h = self.topology.finish(h, carry)
-        out = self.coda(h)
+        out = self.coda(h, **packed)
         if trace is not None:
             trace.blocks.append(("coda", h, out))
             trace.states.append(("h_out", out))

@@ -46,6 +46,11 @@ class ResolutionStep(nn.Module):
         self.allocator = nn.Linear(cfg.d_model, g) if learn_up else None  # B^(t), Eq. 21
         self.record: list[dict[str, torch.Tensor]] | None = None
 
+    @property
+    def full_resolution(self) -> bool:
+        """g = 1 without shift or gain: the step is the core itself (LoopedFormer)."""
+        return self.g == 1 and self.shift == 0 and self.gain == 1
+
     def down(self, h: torch.Tensor) -> torch.Tensor:
         """(b, L, d) -> (b, L_t, d), Eqs. 16-18."""
         g, w = self.g, self.offset
@@ -80,7 +85,7 @@ class ResolutionStep(nn.Module):
 
     def forward(self, h: torch.Tensor, core: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         length = h.shape[1]
-        if self.g == 1 and self.shift == 0 and self.gain == 1:
+        if self.full_resolution:
             return core(h)  # full resolution: u~ = f_core(h)
         if length + self.offset < self.g:
             return torch.zeros_like(h)  # no complete chunk yet: no position receives an update
