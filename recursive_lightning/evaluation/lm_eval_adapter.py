@@ -39,6 +39,7 @@ from recursive_lightning.evaluation.perplexity import (
     score_sequences,
 )
 from recursive_lightning.evaluation.prefix_sharing import plan_trees, score_trees
+from recursive_lightning.model.decoding import greedy
 
 log = logging.getLogger(__name__)
 NAME = "recursive_lightning"
@@ -294,30 +295,30 @@ class RecursiveLightningLM(TemplateLM):
 
     @torch.inference_mode()
     def _greedy(self, contexts: list[list[int]], until: list[str], max_new: int) -> list[str]:
+        """Greedy continuations of ``contexts``, decoded with the model's cache (``model/decoding.py``);
+        contexts of equal length decode together, and a row stops at EOS or once a stop string appears."""
         device = model_device(self.model)
-        seqs = [list(c) for c in contexts]
         gen: list[list[int]] = [[] for _ in contexts]
-        active = list(range(len(contexts)))
-        for _ in range(max_new):
-            if not active:
-                break
-            windows = [seqs[i][-self._max_length :] for i in active]
-            lens = torch.as_tensor([len(w) for w in windows])
-            x = torch.zeros(len(windows), int(lens.max()), dtype=torch.long)
-            for r, w in enumerate(windows):
-                x[r, : len(w)] = torch.as_tensor(w)
-            h = self.model.hidden(x.to(device))
-            last = h[torch.arange(len(windows), device=device), (lens - 1).to(device)]
-            nxt = self.model.head(last).float().argmax(-1).tolist()
-            still = []
-            for i, t in zip(active, nxt):
-                if t == self._eot:
-                    continue
-                gen[i].append(t)
-                seqs[i].append(t)
-                if not any(u and u in self.tok_decode(gen[i]) for u in until):
-                    still.append(i)
-            active = still
+        by_length: dict[int, list[int]] = defaultdict(list)
+        for i, c in enumerate(contexts):
+            by_length[len(c)].append(i)
+        for rows in by_length.values():
+            x = torch.as_tensor([contexts[i] for i in rows], dtype=torch.long, device=device)
+            tokens = greedy(self.model, x, max_new, window=self._max_length)
+            active = set(range(len(rows)))
+            for nxt in tokens:
+                for r, t in enumerate(nxt.tolist()):
+                    if r not in active:
+                        continue
+                    i = rows[r]
+                    if t == self._eot:
+                        active.discard(r)
+                        continue
+                    gen[i].append(t)
+                    if any(u and u in self.tok_decode(gen[i]) for u in until):
+                        active.discard(r)
+                if not active:
+                    break
         texts = []
         for g in gen:
             text = self.tok_decode(g)

@@ -57,6 +57,24 @@ class Rotary(nn.Module):
         return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
 
 
+class KV:
+    """Keys and values one attention layer has seen so far (the decoding cache of one layer, one call site)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[-2]
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=-2), torch.cat([self.v, v], dim=-2)
+        self.k, self.v = k, v
+        return k, v
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -67,16 +85,28 @@ class Attention(nn.Module):
         self.capture: list[torch.Tensor] | None = None  # set to a list to record attention maps (probes)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        kv: KV | None = None,
     ) -> torch.Tensor:
         """Causal self-attention; ``mask`` (b, l, l), True = may attend, replaces the causal mask (packed
-        sequences, see ``evaluation/prefix_sharing.py``)."""
+        sequences, see ``evaluation/prefix_sharing.py``); ``kv`` prepends the keys/values of earlier calls
+        and keeps these (decoding, ``model/decoding.py``)."""
         hd = self.head_dim
         q, k, v = self.qkv(x).split([self.n_heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
         q = rearrange(q, "b l (h d) -> b h l d", d=hd)
         k = rearrange(k, "b l (h d) -> b h l d", d=hd)
         v = rearrange(v, "b l (h d) -> b h l d", d=hd)
         q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+        if kv is not None:
+            past = kv.length
+            k, v = kv.extend(k, v)
+            if past and mask is None:  # new query j sits at position past + j and sees keys 0 .. past + j
+                new = torch.arange(q.shape[-2], device=q.device)
+                mask = (new[:, None] + past >= torch.arange(k.shape[-2], device=q.device)).unsqueeze(0)
         if self.capture is not None:
             y = self._explicit(q, k, v, mask)
         elif mask is not None:
@@ -134,11 +164,16 @@ class Block(nn.Module):
         self.attn, self.mlp = Attention(cfg), MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        kv: KV | None = None,
     ) -> torch.Tensor:
         if self.parallel:
-            return x + self.attn(self.norm1(x), cos, sin, mask) + self.mlp(self.norm2(x))
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+            return x + self.attn(self.norm1(x), cos, sin, mask, kv) + self.mlp(self.norm2(x))
+        x = x + self.attn(self.norm1(x), cos, sin, mask, kv)
         return x + self.mlp(self.norm2(x))
 
 
@@ -151,11 +186,20 @@ class Stack(nn.Module):
         self.rotary = Rotary(cfg)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        kv: list[KV] | None = None,
     ) -> torch.Tensor:
+        """``kv``: one cache per layer; positions then continue after what the cache holds."""
         if positions is None:
-            positions = torch.arange(x.shape[1], device=x.device)
+            start = kv[0].length if kv else 0
+            positions = torch.arange(start, start + x.shape[1], device=x.device)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, mask)
+        for i, layer in enumerate(self.layers):
+            if kv is not None:
+                x = layer(x, cos, sin, mask, kv[i])
+            else:
+                x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, mask)
         return x

@@ -22,6 +22,7 @@ from torch import nn
 
 from recursive_lightning.model.block import Block, Stack, make_norm
 from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.decoding import DecodeCache, greedy
 from recursive_lightning.model.resolution import ResolutionStep
 from recursive_lightning.model.topology import Combination, MeSH, build_topology
 
@@ -104,19 +105,24 @@ class RecursiveLM(nn.Module):
         trace: Trace | None = None,
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
+        cache: DecodeCache | None = None,
     ) -> torch.Tensor:
         """Final hidden states (b, l, d) after the final norm.
 
         ``positions`` (b, l) and ``mask`` (b, l, l), True = may attend, describe a packed input (rotary
-        positions and who sees whom); only for :attr:`packable` models."""
+        positions and who sees whom); only for :attr:`packable` models. ``cache`` continues a sequence whose
+        earlier positions it holds (``decoding.py``)."""
         packed = {} if positions is None and mask is None else {"positions": positions, "mask": mask}
         if packed and not self.packable:
             raise ValueError(
                 "a packed input (positions/mask) needs a full-resolution model: multi-resolution steps pool "
                 "neighbouring positions"
             )
+        if packed and cache is not None:
+            raise ValueError("a packed input cannot continue a decoding cache")
+        kv = (lambda site: {"kv": cache.kv[site]}) if cache is not None else (lambda site: packed)
         h_emb = self.embed(idx) * self.emb_scale
-        h_pre = self.prelude(h_emb, **packed)
+        h_pre = self.prelude(h_emb, **kv("prelude"))
         if trace is not None:
             trace.blocks.append(("prelude", h_emb, h_pre))
             trace.states.append(("h_emb", h_emb))
@@ -124,15 +130,21 @@ class RecursiveLM(nn.Module):
         if trace is not None:
             trace.states.append(("h(0)", h))
         for t, (step, core_id) in enumerate(zip(self.steps, self.layout.core_index)):
-            core = self.cores[core_id]
-            u = step(h, functools.partial(core, **packed) if packed else core)
+            core, site = self.cores[core_id], kv(f"step{t}")
+            u = step(
+                h,
+                functools.partial(core, **site) if site else core,
+                cache.steps[t] if cache is not None else None,
+            )
             if trace is not None:
                 trace.blocks.append((f"core {t + 1}", h, u))
             h, carry = self.topology.step(t, h, u, carry)
             if trace is not None:
                 trace.states.append((f"h({t + 1})", h))
         h = self.topology.finish(h, carry)
-        out = self.coda(h, **packed)
+        out = self.coda(h, **kv("coda"))
+        if cache is not None:
+            cache.length += idx.shape[1]
         if trace is not None:
             trace.blocks.append(("coda", h, out))
             trace.states.append(("h_out", out))
@@ -189,12 +201,18 @@ class RecursiveLM(nn.Module):
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, stop: list[int] | None = None) -> torch.Tensor:
-        """Greedy decoding by full recomputation over a context window of ``max_seq_len``."""
-        for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.cfg.max_seq_len :])[:, -1]
-            nxt = logits.argmax(-1, keepdim=True)
-            idx = torch.cat([idx, nxt], dim=1)
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, stop: list[int] | None = None, use_cache: bool = True
+    ) -> torch.Tensor:
+        """Greedy decoding over a context window of ``max_seq_len``: with the decoding cache (``decoding.py``;
+        SpiralFormer Alg. 2 for multi-resolution steps), or by full recomputation at every token."""
+        for nxt in greedy(self, idx, max_new_tokens, use_cache):
+            idx = torch.cat([idx, nxt[:, None]], dim=1)
             if stop is not None and idx.shape[0] == 1 and nxt.item() in stop:
                 break
         return idx
+
+    @property
+    def cacheable(self) -> bool:
+        """Cached decoding needs every multi-resolution step causal (s >= g - 1, Prop. 1)."""
+        return all(step.full_resolution or step.shift >= step.g - 1 for step in self.steps)

@@ -16,6 +16,7 @@ no Python loop over chunks or tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +52,9 @@ class ResolutionStep(nn.Module):
         """g = 1 without shift or gain: the step is the core itself (LoopedFormer)."""
         return self.g == 1 and self.shift == 0 and self.gain == 1
 
-    def down(self, h: torch.Tensor) -> torch.Tensor:
-        """(b, L, d) -> (b, L_t, d), Eqs. 16-18."""
-        g, w = self.g, self.offset
+    def down(self, h: torch.Tensor, offset: int | None = None) -> torch.Tensor:
+        """(b, L, d) -> (b, L_t, d), Eqs. 16-18 (``offset`` overrides ω: decoding down-scales a later stretch)."""
+        g, w = self.g, self.offset if offset is None else offset
         n = (h.shape[1] + w) // g  # L_t: every complete chunk of the ω-offset partition (Eq. 13-14)
         chunks = rearrange(F.pad(h, (0, 0, w, 0))[:, : n * g], "b (n g) d -> b n g d", g=g)
         if self.scorer is None:
@@ -83,10 +84,66 @@ class ResolutionStep(nn.Module):
         front = min(s, length)
         return F.pad(u, (0, 0, front, length - front - u.shape[1]))
 
-    def forward(self, h: torch.Tensor, core: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        core: Callable[[torch.Tensor], torch.Tensor],
+        cache: StepCache | None = None,
+    ) -> torch.Tensor:
+        if cache is not None and not self.full_resolution:
+            return self.extend(h, core, cache)
         length = h.shape[1]
         if self.full_resolution:
             return core(h)  # full resolution: u~ = f_core(h)
         if length + self.offset < self.g:
             return torch.zeros_like(h)  # no complete chunk yet: no position receives an update
         return self.up(core(self.down(h)), length)
+
+    # ------------------------------------------------------------------ decoding (SpiralFormer Alg. 2)
+    def extend(
+        self, h: torch.Tensor, core: Callable[[torch.Tensor], torch.Tensor], cache: StepCache
+    ) -> torch.Tensor:
+        """u~ for new positions P .. P+l-1 given the states of positions 0 .. P-1 in ``cache``.
+
+        Every chunk that the new positions complete (in-chunk index ρ = g - 1, Alg. 2's chunk trigger) is
+        down-scaled and run through the core once, the core's KV cache continuing at that chunk's coarse
+        position; then position i reads the update of its source position i - s (Eq. 22), which lies in an
+        already complete chunk when s >= g - 1 (Prop. 1). Equal to :meth:`forward` on the whole sequence."""
+        if self.shift < self.g - 1:
+            raise ValueError(
+                f"cached decoding needs a causal shift (s >= g - 1, Prop. 1); this step has s={self.shift}, "
+                f"g={self.g}"
+            )
+        g, w, s = self.g, self.offset, self.shift
+        past = cache.seen
+        total = cache.seen = past + h.shape[1]
+        # pending: states from the first position of the first incomplete chunk on
+        pending = h if cache.pending is None else torch.cat([cache.pending, h], dim=1)
+        done, now = (past + w) // g, (total + w) // g  # complete chunks before / after (Eqs. 13-14)
+        if now > done:
+            end = now * g - w - max(0, done * g - w)
+            z_hat = core(self.down(pending[:, :end], offset=w if done == 0 else 0))
+            cache.z_hat = z_hat if cache.z_hat is None else torch.cat([cache.z_hat, z_hat], dim=1)
+            pending = pending[:, end:]
+        cache.pending = pending
+        src = torch.arange(past, total, device=h.device) - s  # Eq. 22: position i receives source i - s
+        if cache.z_hat is None or not bool((src >= 0).any()):
+            return torch.zeros_like(h)
+        chunk, slot = torch.div(src + w, g, rounding_mode="floor").clamp(min=0), (src + w) % g  # Eq. 12
+        z = cache.z_hat[:, chunk]  # (b, l, d): the summary of each new position's source chunk
+        if self.allocator is None:
+            u = (self.gain / g) * z  # Eq. 20
+        else:
+            beta = self.allocator(z).float().softmax(-1).to(z.dtype)  # Eq. 21
+            u = self.gain * beta.gather(-1, slot.expand(z.shape[0], -1).unsqueeze(-1)) * z  # Eq. 19
+        return u * (src >= 0).to(u.dtype)[:, None]
+
+
+@dataclass
+class StepCache:
+    """What a multi-resolution step keeps between decoding calls: how many positions it has seen, their
+    input states h^(t) from the first incomplete chunk on, and the core outputs z^ of every complete chunk."""
+
+    seen: int = 0
+    pending: torch.Tensor | None = None  # (b, positions of the incomplete chunk seen so far, d)
+    z_hat: torch.Tensor | None = None  # (b, complete chunks, d)

@@ -1,0 +1,72 @@
+"""Cached autoregressive decoding for every model family (SpiralFormer Alg. 2 for multi-resolution steps).
+
+Each call site of a layer keeps its own keys and values: the prelude, every loop step's pass through the
+shared core (the core is one set of weights but sees a different input at each step, so each step has its
+own cache), and the coda. A multi-resolution step caches at its own resolution: the core runs once per
+*complete chunk* (the chunk trigger of Alg. 2), on a coarse sequence whose positions are chunk indices, and
+every token reads the up-scaled summary of its shifted source chunk (``ResolutionStep.extend``). The
+topologies act per position, so their state (MeSH's buffer, the anchors) needs no cache.
+
+    cache = DecodeCache.empty(model)
+    h = model.hidden(prompt, cache=cache)        # prefill: same states as model.hidden(prompt)
+    h = model.hidden(next_tokens, cache=cache)   # one (or more) new positions per call
+
+Every call returns exactly what the full forward gives for those positions (``tests/test_decoding.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from recursive_lightning.model.block import KV
+from recursive_lightning.model.resolution import StepCache
+
+
+@dataclass
+class DecodeCache:
+    kv: dict[str, list[KV]]  # per call site ("prelude", "step0", ..., "coda"): one KV per layer
+    steps: list[StepCache] = field(default_factory=list)  # per loop step
+    length: int = 0  # positions seen
+
+    @classmethod
+    def empty(cls, model: torch.nn.Module) -> DecodeCache:
+        sites = {"prelude": len(model.prelude.layers), "coda": len(model.coda.layers)}
+        for t, core_id in enumerate(model.layout.core_index):
+            sites[f"step{t}"] = len(model.cores[core_id].layers)
+        return cls(
+            {k: [KV() for _ in range(n)] for k, n in sites.items()}, [StepCache() for _ in model.steps]
+        )
+
+
+@torch.no_grad()
+def greedy(
+    model: torch.nn.Module,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    use_cache: bool = True,
+    window: int | None = None,
+) -> Iterator[torch.Tensor]:
+    """Yield the greedy next token of every row, (b,), ``max_new_tokens`` times; rows share one length.
+
+    With the cache the prompt is prefilled once, then each step feeds one token. Past ``max_seq_len``
+    positions (or ``window``) the window slides as without a cache: the last ``max_seq_len`` tokens are prefilled again at
+    every step (rotary positions and chunk boundaries restart with the window). Without the cache (or for a
+    model with a non-causal shift, which cannot be cached) every step recomputes the window."""
+    limit = min(window or model.cfg.max_seq_len, model.cfg.max_seq_len)
+    use_cache = use_cache and model.cacheable
+    cache = DecodeCache.empty(model) if use_cache else None
+    h = model.hidden(idx[:, -limit:], cache=cache)
+    for i in range(max_new_tokens):
+        nxt = model.head(h[:, -1]).argmax(-1)
+        yield nxt
+        if i == max_new_tokens - 1:
+            return
+        idx = torch.cat([idx, nxt[:, None]], dim=1)
+        if use_cache and cache.length < limit:
+            h = model.hidden(nxt[:, None], cache=cache)
+        else:
+            cache = DecodeCache.empty(model) if use_cache else None
+            h = model.hidden(idx[:, -limit:], cache=cache)
