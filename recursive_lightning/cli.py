@@ -1,4 +1,4 @@
-"""``python -m recursive_lightning <command>``: describe, train, sweep, report, eval, probe."""
+"""``python -m recursive_lightning <command>``: describe, train, sweep, report, eval, probe, generate."""
 
 from __future__ import annotations
 
@@ -45,8 +45,57 @@ def _describe(argv: list[str]) -> int:
     return 0
 
 
+def _generate(argv: list[str]) -> int:
+    import time
+
+    import torch
+
+    from recursive_lightning.evaluation.perplexity import EOS_TOKEN
+    from recursive_lightning.model.decoding import greedy
+    from recursive_lightning.training.checkpoint import load_checkpoint
+
+    p = argparse.ArgumentParser(
+        prog="recursive_lightning generate",
+        description="Greedy continuation of a prompt by a checkpoint, printed as it is decoded.",
+    )
+    p.add_argument("checkpoint", help="a .ckpt file or a run directory (its newest good checkpoint)")
+    p.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--no-cache", action="store_true", help="recompute the window at every token")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, not {args.max_new_tokens}.")
+    loaded = load_checkpoint(args.checkpoint, device=args.device)
+    if loaded.tokenizer is None:
+        raise UserError(f"checkpoint '{loaded.path}' carries no tokenizer, which generation needs.")
+    model, tok = loaded.model.eval(), loaded.tokenizer
+    eos = tok.token_to_id(EOS_TOKEN)
+    ids = tok.encode(args.prompt).ids if args.prompt else []
+    if not ids:
+        if eos is None:
+            raise UserError("give a --prompt: the checkpoint's tokenizer has no end-of-text token to start from.")
+        ids = [eos]
+    idx = torch.tensor([ids], device=next(model.parameters()).device)
+    print(args.prompt, end="", flush=True)
+    out: list[int] = []
+    shown, t0 = "", time.perf_counter()
+    for nxt in greedy(model, idx, args.max_new_tokens, use_cache=not args.no_cache):
+        token = int(nxt[0])
+        if token == eos:
+            break
+        out.append(token)
+        text = tok.decode(out)
+        print(text[len(shown) :], end="", flush=True)
+        shown = text
+    seconds = time.perf_counter() - t0
+    print(f"\n[{len(out)} tokens in {seconds:.2f}s, {len(out) / max(seconds, 1e-9):.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
 COMMANDS = {
     "describe": ("recursive_lightning.cli", "_describe"),
+    "generate": ("recursive_lightning.cli", "_generate"),
     "train": ("recursive_lightning.training.run", "main"),
     "sweep": ("recursive_lightning.sweep.runner", "main"),
     "report": ("recursive_lightning.sweep.report", "main"),
@@ -63,6 +112,7 @@ commands:
   report     tables and plots of a sweep's results
   eval       perplexity and lm-eval downstream accuracy of a checkpoint
   probe      the papers' diagnostic probes of a checkpoint, as figures and JSON
+  generate   greedy continuation of a prompt by a checkpoint (cached decoding)
 
 `python -m recursive_lightning <command> --help` for the options of each command."""
 
@@ -85,9 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import importlib
 
-        if module_name == __name__:
-            return _describe(rest)
-        return int(getattr(importlib.import_module(module_name), func)(rest) or 0)
+        module = sys.modules[__name__] if module_name == __name__ else importlib.import_module(module_name)
+        return int(getattr(module, func)(rest) or 0)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

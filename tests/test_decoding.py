@@ -82,3 +82,30 @@ def test_noncausal_shift_is_not_cached():
     assert not model.cacheable
     with pytest.raises(ValueError, match="Prop. 1"):
         model.hidden(torch.zeros(1, 4, dtype=torch.long), cache=DecodeCache.empty(model))
+
+
+def test_generate_command_prints_the_greedy_continuation(tmp_path, capsys):
+    from pydoc_data.topics import topics
+
+    from recursive_lightning.cli import main
+    from recursive_lightning.config import RunConfig
+    from recursive_lightning.data.tokenizer import train_bpe
+    from recursive_lightning.training.checkpoint import save_model_checkpoint
+
+    tok = train_bpe([topics[k] for k in sorted(topics)[:5]], 300)
+    run = RunConfig.from_dict(
+        {"name": "gen", "model": {"vocab_size": 300, "d_model": 32, "n_heads": 4, "layout": "1+1x{1/4,1}+1"}}
+    )
+    torch.manual_seed(0)
+    model = RecursiveLM(run.model).eval()
+    ckpt = save_model_checkpoint(tmp_path / "m.ckpt", model, run, tok)
+    prompt = "The with statement"
+    assert main(["generate", str(ckpt), "--prompt", prompt, "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr()
+    ids = tok.encode(prompt).ids
+    ref = model.generate(torch.tensor([ids]), 12, stop=[tok.token_to_id("<|endoftext|>")], use_cache=False)
+    new = [t for t in ref[0, len(ids) :].tolist() if t != tok.token_to_id("<|endoftext|>")]
+    assert out.out.rstrip("\n") == prompt + tok.decode(new)
+    assert "tokens/s" in out.err
+    assert main(["generate", str(ckpt), "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens" in capsys.readouterr().err
