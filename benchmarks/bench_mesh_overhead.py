@@ -1,23 +1,14 @@
 """Wall-clock overhead of the MeSH topology (+mesh) over the plain looped model (base), same layout.
 
     python benchmarks/bench_mesh_overhead.py                      # cpu-base, 2+4R2+2, 4 x 512, 10 reps
-    python benchmarks/bench_mesh_overhead.py --variants base,mesh,mesh-eq6,mesh-lazy --isolated --profile
+    python benchmarks/bench_mesh_overhead.py --isolated --profile
 
 One process, one forward+backward (``model.loss`` + ``backward``) per model per repetition; the
 models are interleaved (ABAB, then BABA on odd repetitions so neither always runs first) after a
 warm-up, and medians are compared. Every model holds the same transformer weights.
 
-Variants ``mesh-eq6`` and ``mesh-lazy`` are *prototypes* of a faster MeSH read/write, patched onto
-the MeSH module here (``recursive_lightning/model/topology.py`` is not modified):
-
-* ``mesh-eq6``: read the *old* buffer and add the gated core output (MeSH Eq. 6),
-  ``h = sum_b m_b w_read,b + (w_write . w_read) u``, with the buffer update done by one ``addcmul``.
-* ``mesh-lazy``: no buffer at all. The buffer is linear in its inputs, m_b = [b=0] h_emb +
-  sum_tau w_write,b^(tau) u^(tau), so every read is a weighted sum of the t + 2 sources written so
-  far with per-token scalar gains ``<w_read^(t), w_write^(tau)>`` (the same unrolling as
-  ``probes.metrics.mesh_state_composition``). Work per step is O((t+2) N d) instead of O(5 B N d).
-
-Both are checked against the stock MeSH (logits and all gradients) before timing.
+``--isolated`` also times the topology alone (routers and the factored buffer's reads and writes) on
+random states; ``--profile`` prints a torch.profiler table of the MeSH model.
 """
 
 from __future__ import annotations
@@ -40,48 +31,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from recursive_lightning.model.accounting import describe  # noqa: E402
 from recursive_lightning.model.config import preset  # noqa: E402
 from recursive_lightning.model.model import RecursiveLM  # noqa: E402
-from recursive_lightning.model.topology import MeSH  # noqa: E402
-
-# ----------------------------------------------------------------------------- prototype formulations
-
-
-def _write_read_eq6(buffer, u, w_write, w_read):
-    """Eq. 6 form: read the old buffer, add the gated update; one addcmul for the write (Eq. 5)."""
-    ww = w_write.permute(2, 0, 1).unsqueeze(-1)  # (B, b, l, 1)
-    wr = w_read.permute(2, 0, 1).unsqueeze(-1)
-    gate = (w_write * w_read).sum(-1, keepdim=True)  # (b, l, 1): the gating factor of Eq. 6
-    h = torch.addcmul((buffer * wr).sum(0), gate, u)
-    return h, torch.addcmul(buffer, ww, u)
-
-
-class LazyMeSH(MeSH):
-    """Buffer-free MeSH: same parameters, same outputs, no (B, b, l, d) tensor (the proposed patch for
-    ``topology.MeSH``). carry["sources"] = [h_pre, u^(0), u^(1), ...] and carry["writes"] = their
-    per-token write weights (b, l, B); slot 0's h_emb (Eq. 2) is carry["h_emb"].
-    """
-
-    @staticmethod
-    def _read(carry, w_read):
-        # Eq. 6 on the unrolled buffer: slot 0's h_emb, then every written source u^(tau) with gain
-        # <w_read, w_write^(tau)> (the diagonal term is Eq. 6's gating factor)
-        h = carry["h_emb"].to(w_read.dtype) * w_read[..., :1]
-        for src, w_write in zip(carry["sources"], carry["writes"]):
-            h = torch.addcmul(h, (w_write * w_read).sum(-1, keepdim=True), src)
-        return h
-
-    def start(self, h_emb, h_pre):
-        if self.record is not None:
-            self.record = {"write": [], "read": []}
-        router_in = h_pre if self.transition_input == "prelude" else h_emb
-        w_write, w_read = self._route(0, router_in)  # Alg. 2 lines 9-13
-        carry = {"h_emb": h_emb, "sources": [h_pre], "writes": [w_write]}
-        h0 = self._read(carry, w_read)
-        return h0, {**carry, "h0": h0}
-
-    def step(self, t, h, u, carry):
-        w_write, w_read = self._route(t + 1, h)  # routers read h^(t) (Alg. 2 line 17)
-        carry = {**carry, "sources": [*carry["sources"], u], "writes": [*carry["writes"], w_write]}
-        return self._read(carry, w_read), carry
 
 
 def parse_sets(items: list[str]) -> dict:
@@ -108,12 +57,8 @@ def make_model(cfg_kwargs: dict, variant: str, weights: dict | None) -> Recursiv
     if weights is not None:
         missing, unexpected = model.load_state_dict(weights, strict=False)
         assert not unexpected and all(k.startswith("topology.") for k in missing), (missing, unexpected)
-    if variant == "mesh-eq6":
-        model.topology._write_read = _write_read_eq6  # instance attribute shadows the staticmethod
-    elif variant == "mesh-lazy":
-        model.topology.__class__ = LazyMeSH
-    elif variant not in ("base", "mesh"):
-        raise SystemExit(f"unknown variant '{variant}'; use base, mesh, mesh-eq6, mesh-lazy")
+    if variant not in ("base", "mesh"):
+        raise SystemExit(f"unknown variant '{variant}'; use base or mesh")
     return model
 
 
@@ -186,26 +131,6 @@ def quartiles(xs: list[float]) -> tuple[float, float]:
         return min(xs), max(xs)
     q = statistics.quantiles(xs, n=4)
     return q[0], q[2]
-
-
-def check_equivalent(ref: RecursiveLM, other: RecursiveLM, idx: torch.Tensor, tgt: torch.Tensor) -> float:
-    """Largest of: max abs logit difference, and per parameter max |grad difference| / max |grad|
-    (the denominator floored at 1e-3 of the largest gradient, so parameters whose gradient is zero in
-    exact arithmetic - e.g. a bias before a softmax - compare rounding noise to a real scale)."""
-    other.load_state_dict(ref.state_dict())
-    outs = []
-    for m in (ref, other):
-        logits = m(idx)
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten()).backward()
-        outs.append(
-            (logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
-        )
-        m.zero_grad(set_to_none=True)
-    floor = 1e-3 * max(g.abs().max().item() for g in outs[0][1].values())
-    diffs = [(outs[0][0] - outs[1][0]).abs().max().item()]
-    for n, g in outs[0][1].items():
-        diffs.append((g - outs[1][1][n]).abs().max().item() / max(g.abs().max().item(), floor))
-    return max(diffs)
 
 
 def isolated_topology(
@@ -297,7 +222,6 @@ def main(argv: list[str] | None = None) -> int:
         help="wall: wall-clock (default); cpu: process CPU time, robust on a busy shared machine (use --threads 1)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    p.add_argument("--variants", default="base,mesh", help="comma list of base, mesh, mesh-eq6, mesh-lazy")
     p.add_argument("--isolated", action="store_true", help="also time the topology alone (fwd+bwd)")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of the mesh model")
     p.add_argument("--bf16", action="store_true", help="run under torch.autocast('cpu', bfloat16)")
@@ -306,9 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if "base" not in variants or "mesh" not in variants:
-        raise SystemExit("--variants must include base and mesh")
+    variants = ["base", "mesh"]
     cfgk = {"preset": args.preset, "layout": args.layout, **parse_sets(args.set)}
     lay = model_cfg(cfgk, "base").parsed_layout
     if lay.n_loop == 0:
@@ -335,13 +257,6 @@ def main(argv: list[str] | None = None) -> int:
         f"reps {args.reps} (+{args.warmup} warm-up), interleaved"
         + (f", overrides {' '.join(args.set)}" if args.set else "")
     )
-
-    small = idx[:2, :64], tgt[:2, :64]
-    for v in variants:
-        if v.startswith("mesh-"):
-            err = check_equivalent(models["mesh"], make_model(cfgk, v, None), *small)
-            print(f"check    {v} vs mesh: max rel. grad / abs. logit difference {err:.2e}")
-            assert err < 1e-4, f"{v} is not equivalent to mesh ({err})"
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
     with autocast:

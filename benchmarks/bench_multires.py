@@ -2,7 +2,7 @@
 
     python benchmarks/bench_multires.py                      # cpu-base, 2+4x{1/8,1/4,1/2,1}+2 vs 2+4x{1,1}+2, mesh
     python benchmarks/bench_multires.py --breakdown          # + where the time goes, component by component
-    python benchmarks/bench_multires.py --variants looped,spiral,looped+lazy,spiral+lazy+mulsum  # + prototypes
+    python benchmarks/bench_multires.py --preset pythia-160m --batch 1 --reps 30   # the paper's smallest size
 
 Table 1 compares, at every Pythia size, LoopedFormer ``P+Nx{1,1}+P`` with SpiralFormer-B
 ``P+Nx{1/8,1/4,1/2,1}+P`` (same prelude/core/coda, same parameters; e.g. 160M: 2+4x{1,1}+2 at 1.65e12
@@ -28,76 +28,27 @@ import os
 import platform
 import statistics
 import sys
-import types
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_mesh_overhead import (
-    ROUNDS,
-    LazyMeSH,
-    check_equivalent,
-    fwd_bwd,
-    interleaved,
-    parse_sets,
-    quartiles,
-)  # noqa: E402
+from bench_mesh_overhead import ROUNDS, fwd_bwd, interleaved, parse_sets, quartiles  # noqa: E402
 
 from recursive_lightning.model.accounting import describe  # noqa: E402
 from recursive_lightning.model.config import preset  # noqa: E402
 from recursive_lightning.model.model import RecursiveLM  # noqa: E402
-from recursive_lightning.model.topology import MeSH  # noqa: E402
 
 
-def down_mulsum(self, h: torch.Tensor) -> torch.Tensor:
-    """Prototype S_down (Eqs. 16-18): the Eq. 18 contraction as broadcast multiply + sum over the chunk
-    instead of ``einsum("bng,bngd->bnd")`` (which becomes a bmm of (1 x g)(g x d) blocks).
-
-    Otherwise a copy of ``ResolutionStep.down``; the start-up equivalence check fails if they drift."""
-    g, w = self.g, self.offset
-    n = (h.shape[1] + w) // g  # L_t: every complete chunk of the offset partition (Eqs. 13-14)
-    chunks = rearrange(F.pad(h, (0, 0, w, 0))[:, : n * g], "b (n g) d -> b n g d", g=g)
-    if self.scorer is None:
-        return chunks.sum(2) / g
-    score = F.pad(self.scorer(h).squeeze(-1).float(), (w, 0), value=float("-inf"))[:, : n * g]
-    alpha = rearrange(score, "b (n g) -> b n g", g=g).softmax(-1).to(h.dtype)
-    if self.record is not None:
-        self.record.append({"alpha": alpha.detach()})
-    return (alpha.unsqueeze(-1) * chunks).sum(2)
-
-
-MODIFIERS = {
-    "lazy": "buffer-free MeSH prototype (bench_mesh_overhead.LazyMeSH)",
-    "mulsum": "S_down contraction as multiply + sum (down_mulsum)",
-}
-
-
-def build(args: argparse.Namespace, variant: str) -> RecursiveLM:
-    """``looped`` / ``spiral`` with optional ``+lazy`` / ``+mulsum`` prototype patches."""
-    kind, *mods = variant.split("+")
-    if kind not in ("looped", "spiral") or any(m not in MODIFIERS for m in mods):
-        raise SystemExit(f"variant '{variant}': use looped or spiral, optionally +{' +'.join(MODIFIERS)}")
+def build(args: argparse.Namespace, kind: str) -> RecursiveLM:
+    """``looped`` or ``spiral``: same seed, so the same prelude, core and coda weights."""
     torch.manual_seed(0)
     layout = args.looped if kind == "looped" else args.spiral
     model = RecursiveLM(preset(args.preset, layout=layout, topology=args.topology, **parse_sets(args.set)))
-    if "lazy" in mods and isinstance(model.topology, MeSH):
-        model.topology.__class__ = LazyMeSH
-    if "mulsum" in mods:
-        for step in model.steps:
-            step.down = types.MethodType(down_mulsum, step)
     return model.train()
-
-
-def reference(variant: str, names: list[str]) -> str:
-    """The looped model a spiral variant is compared with: same MeSH implementation when timed."""
-    ref = "looped+lazy" if "lazy" in variant.split("+")[1:] else "looped"
-    return ref if ref in names else "looped"
 
 
 def _grad_leaf(*shape: int) -> torch.Tensor:
@@ -207,12 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--looped", default="2+4x{1,1}+2", help="LoopedFormer layout with the same allocation")
     p.add_argument("--topology", default="mesh", help="topology of both models (Table 1: mesh)")
     p.add_argument(
-        "--variants",
-        default="looped,spiral",
-        help="comma list of looped / spiral with optional prototype patches +lazy (buffer-free MeSH) "
-        "and +mulsum (S_down as multiply+sum), e.g. looped,spiral,looped+lazy,spiral+lazy+mulsum",
-    )
-    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -243,10 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if "looped" not in variants or not any(v.startswith("spiral") for v in variants):
-        raise SystemExit("--variants needs looped and at least one spiral variant")
-    layouts = {v: args.looped if v.startswith("looped") else args.spiral for v in variants}
+    variants = ["looped", "spiral"]
+    layouts = {"looped": args.looped, "spiral": args.spiral}
     models = {v: build(args, v) for v in variants}
     vocab = models["looped"].cfg.vocab_size
     g = torch.Generator().manual_seed(1)
@@ -263,15 +206,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.seq_len}, reps {args.reps} (+{args.warmup} warm-up), interleaved"
         + (f", overrides {' '.join(args.set)}" if args.set else "")
     )
-    for m in sorted({m for v in variants for m in v.split("+")[1:]}):
-        print(f"patch    +{m}: {MODIFIERS[m]}")
-    small = idx[:2, :61], tgt[:2, :61]  # a length no chunk size divides
-    for v in variants:
-        kind, *mods = v.split("+")
-        if mods:
-            err = check_equivalent(build(args, kind), build(args, v), *small)
-            print(f"check    {v} vs {kind}: max rel. grad / abs. logit difference {err:.2e}")
-            assert err < 1e-4, f"{v} is not equivalent to {kind} ({err})"
 
     times = interleaved(
         {k: (lambda m=m: fwd_bwd(m, idx, tgt)) for k, m in models.items()},
@@ -313,10 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| ratio | medians | paired: median of per-rep ratios (IQR) | mins | goal |")
     print("| --- | ---: | ---: | ---: | --- |")
-    for v in variants:
-        if not v.startswith("spiral"):
-            continue
-        ref = reference(v, variants)
+    for v, ref in [("spiral", "looped")]:
         r = med[v] / med[ref]
         ratios = [a / b for a, b in zip(times[v], times[ref])]
         paired, (plo, phi) = statistics.median(ratios), quartiles(ratios)
@@ -329,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.breakdown:
         breakdown(models, med, args.batch, args.seq_len, max(5, args.reps), args.clock)
     if args.profile:
-        profile(models[next(v for v in variants if v.startswith("spiral"))], idx, tgt)
+        profile(models["spiral"], idx, tgt)
     return 0
 
 
