@@ -1,6 +1,7 @@
 """The ablation runner end to end: kill and resume, two workers, a real MLflow server reading the results."""
 
 import json
+import math
 import os
 import signal
 import socket
@@ -255,3 +256,24 @@ def test_tpe_search_with_pruning_reports(tmp_path, data_cache):
     assert len(trials) == 2 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
     assert all(1e-4 <= t.params["train.lr"] <= 1e-2 for t in trials)
     assert all(t.intermediate_values for t in trials)  # validation losses reported by global step
+
+
+@pytest.mark.slow
+def test_a_trial_can_be_a_two_process_fsdp_job(tmp_path, data_cache):
+    """A grid point with train.strategy fsdp on 2 devices runs as its own `train` command (Lightning launches
+    the ranks), lands in the study with its metric and in MLflow as a child of the sweep's parent run."""
+    rows = {"fsdp": {"train.strategy": "fsdp", "train.devices": 2, "train.accelerator": "cpu"}}
+    spec = sweep_file(tmp_path, data_cache, rows, steps=6)
+    run_dir = tmp_path / "run"
+    p = run_sweep([spec, "--run-dir", run_dir])
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out
+    (trial,) = study_trials(run_dir)
+    assert trial.state == optuna.trial.TrialState.COMPLETE and trial.value > 1
+    assert trial.user_attrs["steps"] == 6
+    assert (Path(trial.user_attrs["checkpoint"])).is_dir()  # a sharded (distributed) checkpoint
+    _, (parent,), (child,) = child_runs(run_dir)
+    assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert child.info.status == "FINISHED"
+    assert child.data.metrics["final/val/heldout/loss"] == pytest.approx(trial.value)  # the study's metric
+    assert trial.user_attrs["metrics"]["val/heldout/ppl"] == pytest.approx(math.exp(trial.value), rel=1e-4)
