@@ -74,7 +74,9 @@ def _generate(argv: list[str]) -> int:
     ids = tok.encode(args.prompt).ids if args.prompt else []
     if not ids:
         if eos is None:
-            raise UserError("give a --prompt: the checkpoint's tokenizer has no end-of-text token to start from.")
+            raise UserError(
+                "give a --prompt: the checkpoint's tokenizer has no end-of-text token to start from."
+            )
         ids = [eos]
     idx = torch.tensor([ids], device=next(model.parameters()).device)
     print(args.prompt, end="", flush=True)
@@ -89,7 +91,10 @@ def _generate(argv: list[str]) -> int:
         print(text[len(shown) :], end="", flush=True)
         shown = text
     seconds = time.perf_counter() - t0
-    print(f"\n[{len(out)} tokens in {seconds:.2f}s, {len(out) / max(seconds, 1e-9):.1f} tokens/s]", file=sys.stderr)
+    print(
+        f"\n[{len(out)} tokens in {seconds:.2f}s, {len(out) / max(seconds, 1e-9):.1f} tokens/s]",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -120,9 +120,12 @@ class RecursiveLM(nn.Module):
             )
         if packed and cache is not None:
             raise ValueError("a packed input cannot continue a decoding cache")
-        kv = (lambda site: {"kv": cache.kv[site]}) if cache is not None else (lambda site: packed)
+
+        def stack_args(site: str) -> dict:  # what each call site's Stack gets: its KV caches, or the packing
+            return {"kv": cache.kv[site]} if cache is not None else packed
+
         h_emb = self.embed(idx) * self.emb_scale
-        h_pre = self.prelude(h_emb, **kv("prelude"))
+        h_pre = self.prelude(h_emb, **stack_args("prelude"))
         if trace is not None:
             trace.blocks.append(("prelude", h_emb, h_pre))
             trace.states.append(("h_emb", h_emb))
@@ -130,7 +133,7 @@ class RecursiveLM(nn.Module):
         if trace is not None:
             trace.states.append(("h(0)", h))
         for t, (step, core_id) in enumerate(zip(self.steps, self.layout.core_index)):
-            core, site = self.cores[core_id], kv(f"step{t}")
+            core, site = self.cores[core_id], stack_args(f"step{t}")
             u = step(
                 h,
                 functools.partial(core, **site) if site else core,
@@ -142,7 +145,7 @@ class RecursiveLM(nn.Module):
             if trace is not None:
                 trace.states.append((f"h({t + 1})", h))
         h = self.topology.finish(h, carry)
-        out = self.coda(h, **kv("coda"))
+        out = self.coda(h, **stack_args("coda"))
         if cache is not None:
             cache.length += idx.shape[1]
         if trace is not None:
