@@ -205,12 +205,11 @@ class RecursiveLightningLM(TemplateLM):
         fits = [len(ctx) + len(cont) - 1 <= self._max_length for _, ctx, cont in requests]
         trees, alone = [], list(range(len(requests)))
         if self.prefix_sharing and self.batch_size > 1 and getattr(self.model, "packable", False):
-            trees, rest = plan_trees(
+            trees, alone = plan_trees(  # a context that must be left-truncated is never shared
                 [(ctx, cont) if ok else ((), ()) for (_, ctx, cont), ok in zip(requests, fits)],
                 self.batch_size,
                 self._max_length,
             )
-            alone = rest
         scored_reqs: list[tuple[list[int], int]] = []
         owner: list[int] = []
         for r in alone:
@@ -228,13 +227,13 @@ class RecursiveLightningLM(TemplateLM):
         scored = score_sequences(self.model, scored_reqs, self.batch_size, progress=bar.update)
         bar.close()
         sums = [0.0] * len(requests)
-        greedy = [True] * len(requests)
+        is_greedy = [True] * len(requests)
         for r, s in [*zip(owner, scored), *shared.items()]:
             sums[r] += s.logprob
-            greedy[r] = greedy[r] and s.greedy
+            is_greedy[r] = is_greedy[r] and s.greedy
         out = []
         for r, (key, _, _) in enumerate(requests):
-            answer = (sums[r], greedy[r])
+            answer = (sums[r], is_greedy[r])
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
             out.append(answer)
