@@ -51,21 +51,29 @@ def _generate(argv: list[str]) -> int:
     import torch
 
     from recursive_lightning.evaluation.perplexity import EOS_TOKEN
-    from recursive_lightning.model.decoding import greedy
+    from recursive_lightning.model.decoding import decode
     from recursive_lightning.training.checkpoint import load_checkpoint
 
     p = argparse.ArgumentParser(
         prog="recursive_lightning generate",
-        description="Greedy continuation of a prompt by a checkpoint, printed as it is decoded.",
+        description="Continuation of a prompt by a checkpoint (greedy, or sampled with --temperature), "
+        "printed as it is decoded.",
     )
     p.add_argument("checkpoint", help="a .ckpt file or a run directory (its newest good checkpoint)")
     p.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
+    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.add_argument("--no-cache", action="store_true", help="recompute the window at every token")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, not {args.max_new_tokens}.")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), not {args.temperature}.")
+    if args.top_k is not None and args.top_k < 1:
+        raise UserError(f"--top-k must be >= 1, not {args.top_k}.")
     loaded = load_checkpoint(args.checkpoint, device=args.device)
     if loaded.tokenizer is None:
         raise UserError(f"checkpoint '{loaded.path}' carries no tokenizer, which generation needs.")
@@ -82,7 +90,16 @@ def _generate(argv: list[str]) -> int:
     print(args.prompt, end="", flush=True)
     out: list[int] = []
     shown, t0 = "", time.perf_counter()
-    for nxt in greedy(model, idx, args.max_new_tokens, use_cache=not args.no_cache):
+    tokens = decode(
+        model,
+        idx,
+        args.max_new_tokens,
+        use_cache=not args.no_cache,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        generator=torch.Generator(device=idx.device).manual_seed(args.seed),
+    )
+    for nxt in tokens:
         token = int(nxt[0])
         if token == eos:
             break
@@ -91,8 +108,9 @@ def _generate(argv: list[str]) -> int:
         print(text[len(shown) :], end="", flush=True)
         shown = text
     seconds = time.perf_counter() - t0
+    print(flush=True)
     print(
-        f"\n[{len(out)} tokens in {seconds:.2f}s, {len(out) / max(seconds, 1e-9):.1f} tokens/s]",
+        f"[{len(out)} tokens in {seconds:.2f}s, {len(out) / max(seconds, 1e-9):.1f} tokens/s]",
         file=sys.stderr,
     )
     return 0
@@ -117,7 +135,7 @@ commands:
   report     tables and plots of a sweep's results
   eval       perplexity and lm-eval downstream accuracy of a checkpoint
   probe      the papers' diagnostic probes of a checkpoint, as figures and JSON
-  generate   greedy continuation of a prompt by a checkpoint (cached decoding)
+  generate   continuation of a prompt by a checkpoint (greedy or sampled, cached decoding)
 
 `python -m recursive_lightning <command> --help` for the options of each command."""
 

@@ -77,6 +77,21 @@ def test_generate_with_cache_equals_recomputation_past_the_window(arch):
     assert torch.equal(cached, recomputed)
 
 
+def test_sampling_with_cache_equals_recomputation_and_top1_is_greedy():
+    model = _model(layout="1+1x{1/4,1/2,1}+1", topology="mesh")
+    idx = torch.randint(0, 53, (3, 20), generator=torch.Generator().manual_seed(2))
+    runs = [
+        model.generate(
+            idx, 25, use_cache=c, temperature=1.5, top_k=20, generator=torch.Generator().manual_seed(7)
+        )
+        for c in (True, False)
+    ]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], model.generate(idx, 25))  # sampling does differ from greedy here
+    top1 = model.generate(idx, 25, temperature=2.0, top_k=1, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(top1, model.generate(idx, 25))
+
+
 def test_noncausal_shift_is_not_cached():
     model = _model(layout="1+1x{1/4}+1", shift=[1], allow_noncausal=True)
     assert not model.cacheable
@@ -109,3 +124,8 @@ def test_generate_command_prints_the_greedy_continuation(tmp_path, capsys):
     assert "tokens/s" in out.err
     assert main(["generate", str(ckpt), "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens" in capsys.readouterr().err
+    assert main(["generate", str(ckpt), "--temperature", "-1"]) == 2
+    assert "--temperature" in capsys.readouterr().err
+    sampled = [main(["generate", str(ckpt), "--temperature", "1", "--seed", "5"]) for _ in range(2)]
+    first, second, _ = capsys.readouterr().out.split("\n")
+    assert sampled == [0, 0] and first == second  # a seed gives the same sample

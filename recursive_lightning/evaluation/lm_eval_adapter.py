@@ -39,7 +39,7 @@ from recursive_lightning.evaluation.perplexity import (
     score_sequences,
 )
 from recursive_lightning.evaluation.prefix_sharing import plan_trees, score_trees
-from recursive_lightning.model.decoding import greedy
+from recursive_lightning.model.decoding import decode
 
 log = logging.getLogger(__name__)
 NAME = "recursive_lightning"
@@ -303,7 +303,7 @@ class RecursiveLightningLM(TemplateLM):
             by_length[len(c)].append(i)
         for rows in by_length.values():
             x = torch.as_tensor([contexts[i] for i in rows], dtype=torch.long, device=device)
-            tokens = greedy(self.model, x, max_new, window=self._max_length)
+            tokens = decode(self.model, x, max_new, window=self._max_length)
             active = set(range(len(rows)))
             for nxt in tokens:
                 for r, t in enumerate(nxt.tolist()):

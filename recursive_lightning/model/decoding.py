@@ -41,26 +41,49 @@ class DecodeCache:
         )
 
 
+def pick(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token per row from (b, vocab) logits: the argmax at temperature 0, else a sample from
+    softmax(logits / temperature), restricted to the ``top_k`` most likely tokens when given."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
 @torch.no_grad()
-def greedy(
+def decode(
     model: torch.nn.Module,
     idx: torch.Tensor,
     max_new_tokens: int,
     use_cache: bool = True,
     window: int | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Yield the greedy next token of every row, (b,), ``max_new_tokens`` times; rows share one length.
+    """Yield the next token of every row, (b,), ``max_new_tokens`` times (greedy at temperature 0, see
+    :func:`pick`); rows share one length.
 
     With the cache the prompt is prefilled once, then each step feeds one token. Past ``max_seq_len``
-    positions (or ``window``) the window slides as without a cache: the last ``max_seq_len`` tokens are prefilled again at
-    every step (rotary positions and chunk boundaries restart with the window). Without the cache (or for a
-    model with a non-causal shift, which cannot be cached) every step recomputes the window."""
+    positions (or ``window``) the window slides as without a cache: the last ``max_seq_len`` tokens are
+    prefilled again at every step (rotary positions and chunk boundaries restart with the window). Without
+    the cache (or for a model with a non-causal shift, which cannot be cached) every step recomputes the
+    window."""
     limit = min(window or model.cfg.max_seq_len, model.cfg.max_seq_len)
     use_cache = use_cache and model.cacheable
     cache = DecodeCache.empty(model) if use_cache else None
     h = model.hidden(idx[:, -limit:], cache=cache)
     for i in range(max_new_tokens):
-        nxt = model.head(h[:, -1]).argmax(-1)
+        nxt = pick(model.head(h[:, -1]), temperature, top_k, generator)
         yield nxt
         if i == max_new_tokens - 1:
             return

@@ -22,7 +22,7 @@ from torch import nn
 
 from recursive_lightning.model.block import Block, Stack, make_norm
 from recursive_lightning.model.config import ModelConfig
-from recursive_lightning.model.decoding import DecodeCache, greedy
+from recursive_lightning.model.decoding import DecodeCache, decode
 from recursive_lightning.model.resolution import ResolutionStep
 from recursive_lightning.model.topology import Combination, MeSH, build_topology
 
@@ -205,11 +205,22 @@ class RecursiveLM(nn.Module):
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(
-        self, idx: torch.Tensor, max_new_tokens: int, stop: list[int] | None = None, use_cache: bool = True
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        stop: list[int] | None = None,
+        use_cache: bool = True,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Greedy decoding over a context window of ``max_seq_len``: with the decoding cache (``decoding.py``;
-        SpiralFormer Alg. 2 for multi-resolution steps), or by full recomputation at every token."""
-        for nxt in greedy(self, idx, max_new_tokens, use_cache):
+        """Decoding over a context window of ``max_seq_len`` (greedy at temperature 0, else sampled, optionally
+        top-k): with the decoding cache (``decoding.py``; SpiralFormer Alg. 2 for multi-resolution steps), or
+        by full recomputation at every token."""
+        tokens = decode(
+            self, idx, max_new_tokens, use_cache, temperature=temperature, top_k=top_k, generator=generator
+        )
+        for nxt in tokens:
             idx = torch.cat([idx, nxt[:, None]], dim=1)
             if stop is not None and idx.shape[0] == 1 and nxt.item() in stop:
                 break
