@@ -11,7 +11,8 @@ topologies act per position, so their state (MeSH's buffer, the anchors) needs n
     h = model.hidden(prompt, cache=cache)        # prefill: same states as model.hidden(prompt)
     h = model.hidden(next_tokens, cache=cache)   # one (or more) new positions per call
 
-Every call returns exactly what the full forward gives for those positions (``tests/test_decoding.py``).
+Every call returns what the full forward gives for those positions, up to float rounding
+(``tests/test_decoding.py``).
 """
 
 from __future__ import annotations
