@@ -101,17 +101,24 @@ class Attention(nn.Module):
         k = rearrange(k, "b l (h d) -> b h l d", d=hd)
         v = rearrange(v, "b l (h d) -> b h l d", d=hd)
         q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+        sees_all = False  # a single new query after cached positions attends to every key
         if kv is not None:
             past = kv.length
             k, v = kv.extend(k, v)
-            if past and mask is None:  # new query j sits at position past + j and sees keys 0 .. past + j
+            if past and mask is None and q.shape[-2] == 1:
+                sees_all = True
+            elif past and mask is None:  # new query j sits at position past + j and sees keys 0 .. past + j
                 new = torch.arange(q.shape[-2], device=q.device)
                 mask = (new[:, None] + past >= torch.arange(k.shape[-2], device=q.device)).unsqueeze(0)
         if self.capture is not None:
             y = self._explicit(q, k, v, mask)
-        elif mask is not None:
+        elif mask is not None or sees_all:
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=self.kv_heads != self.n_heads
+                q,
+                k,
+                v,
+                attn_mask=None if mask is None else mask.unsqueeze(1),
+                enable_gqa=self.kv_heads != self.n_heads,
             )
         elif flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
             y = flash_attn_func(
