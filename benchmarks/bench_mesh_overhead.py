@@ -194,10 +194,8 @@ def profile(model: RecursiveLM, idx: torch.Tensor, tgt: torch.Tensor, reps: int 
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="cpu-base")
-    p.add_argument("--layout", default="2+4R2+2", help="a looped layout (MeSH needs loop steps)")
+def add_common_args(p: argparse.ArgumentParser, seq_len: int, batch: int) -> None:
+    """Options shared with ``bench_multires.py``: model overrides, input shape, rounds, clock, threads."""
     p.add_argument(
         "--set",
         action="append",
@@ -205,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="model config override, e.g. d_model=512",
     )
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=seq_len)
+    p.add_argument("--batch", type=int, default=batch)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument(
@@ -222,14 +220,25 @@ def main(argv: list[str] | None = None) -> int:
         help="wall: wall-clock (default); cpu: process CPU time, robust on a busy shared machine (use --threads 1)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+
+
+def set_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="cpu-base")
+    p.add_argument("--layout", default="2+4R2+2", help="a looped layout (MeSH needs loop steps)")
+    add_common_args(p, seq_len=512, batch=4)
     p.add_argument("--isolated", action="store_true", help="also time the topology alone (fwd+bwd)")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of the mesh model")
     p.add_argument("--bf16", action="store_true", help="run under torch.autocast('cpu', bfloat16)")
     args = p.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    with contextlib.suppress(RuntimeError):
-        torch.set_num_interop_threads(1)
+    set_threads(args.threads)
     variants = ["base", "mesh"]
     cfgk = {"preset": args.preset, "layout": args.layout, **parse_sets(args.set)}
     lay = model_cfg(cfgk, "base").parsed_layout

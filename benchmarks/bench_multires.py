@@ -23,7 +23,6 @@ component's share of the measured time next to its share of the FLOPs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import statistics
@@ -36,7 +35,15 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_mesh_overhead import ROUNDS, fwd_bwd, interleaved, parse_sets, quartiles  # noqa: E402
+from bench_mesh_overhead import (  # noqa: E402
+    ROUNDS,
+    add_common_args,
+    fwd_bwd,
+    interleaved,
+    parse_sets,
+    quartiles,
+    set_threads,
+)
 
 from recursive_lightning.model.accounting import describe  # noqa: E402
 from recursive_lightning.model.config import preset  # noqa: E402
@@ -157,37 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spiral", default="2+4x{1/8,1/4,1/2,1}+2", help="SpiralFormer-B layout")
     p.add_argument("--looped", default="2+4x{1,1}+2", help="LoopedFormer layout with the same allocation")
     p.add_argument("--topology", default="mesh", help="topology of both models (Table 1: mesh)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="model config override, e.g. d_model=512",
-    )
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument(
-        "--min-util",
-        type=float,
-        default=0.9,
-        help="keep a round only if CPU time / wall >= this x threads in every call (0: keep all)",
-    )
-    p.add_argument(
-        "--clock",
-        default="wall",
-        choices=("wall", "cpu"),
-        help="wall: wall-clock (default); cpu: process CPU time, robust on a busy shared machine (use --threads 1)",
-    )
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    add_common_args(p, seq_len=1024, batch=2)
     p.add_argument("--breakdown", action="store_true", help="time every component alone")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of the SpiralFormer model")
     args = p.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    with contextlib.suppress(RuntimeError):
-        torch.set_num_interop_threads(1)
+    set_threads(args.threads)
     variants = ["looped", "spiral"]
     layouts = {"looped": args.looped, "spiral": args.spiral}
     models = {v: build(args, v) for v in variants}

@@ -205,8 +205,5 @@ class Stack(nn.Module):
             positions = torch.arange(start, start + x.shape[1], device=x.device)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            if kv is not None:
-                x = layer(x, cos, sin, mask, kv[i])
-            else:
-                x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, mask, kv[i] if kv is not None else None)
         return x

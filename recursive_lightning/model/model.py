@@ -229,4 +229,4 @@ class RecursiveLM(nn.Module):
     @property
     def cacheable(self) -> bool:
         """Cached decoding needs every multi-resolution step causal (s >= g - 1, Prop. 1)."""
-        return all(step.full_resolution or step.shift >= step.g - 1 for step in self.steps)
+        return all(step.causal for step in self.steps)

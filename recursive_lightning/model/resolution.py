@@ -52,6 +52,15 @@ class ResolutionStep(nn.Module):
         """g = 1 without shift or gain: the step is the core itself (LoopedFormer)."""
         return self.g == 1 and self.shift == 0 and self.gain == 1
 
+    @property
+    def causal(self) -> bool:
+        """s >= g - 1 (Prop. 1): no position's update depends on a later token."""
+        return self.full_resolution or self.shift >= self.g - 1
+
+    def allocation(self, z: torch.Tensor) -> torch.Tensor:
+        """β = softmax(B^(t) z) over the g positions of each chunk (Eq. 21)."""
+        return self.allocator(z).float().softmax(-1).to(z.dtype)
+
     def down(self, h: torch.Tensor, offset: int | None = None) -> torch.Tensor:
         """(b, L, d) -> (b, L_t, d), Eqs. 16-18 (``offset`` overrides ω: decoding down-scales a later stretch)."""
         g, w = self.g, self.offset if offset is None else offset
@@ -74,7 +83,7 @@ class ResolutionStep(nn.Module):
         if self.allocator is None:
             u = (self.gain / g) * z.unsqueeze(2).expand(-1, -1, g, -1)  # Eq. 20
         else:
-            beta = self.allocator(z).float().softmax(-1).to(z.dtype)  # Eq. 21
+            beta = self.allocation(z)  # Eq. 21
             if self.record is not None:
                 self.record.append({"beta": beta.detach()})
             u = self.gain * beta.unsqueeze(-1) * z.unsqueeze(2)  # Eq. 19
@@ -109,7 +118,7 @@ class ResolutionStep(nn.Module):
         down-scaled and run through the core once, the core's KV cache continuing at that chunk's coarse
         position; then position i reads the update of its source position i - s (Eq. 22), which lies in an
         already complete chunk when s >= g - 1 (Prop. 1). Equal to :meth:`forward` on the whole sequence."""
-        if self.shift < self.g - 1:
+        if not self.causal:
             raise ValueError(
                 f"cached decoding needs a causal shift (s >= g - 1, Prop. 1); this step has s={self.shift}, "
                 f"g={self.g}"
@@ -134,7 +143,7 @@ class ResolutionStep(nn.Module):
         if self.allocator is None:
             u = (self.gain / g) * z  # Eq. 20
         else:
-            beta = self.allocator(z).float().softmax(-1).to(z.dtype)  # Eq. 21
+            beta = self.allocation(z)  # Eq. 21
             u = self.gain * beta.gather(-1, slot.expand(z.shape[0], -1).unsqueeze(-1)) * z  # Eq. 19
         return u * (src >= 0).to(u.dtype)[:, None]
 
