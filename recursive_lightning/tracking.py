@@ -9,9 +9,14 @@ from pathlib import Path
 from typing import Any
 
 RUN_ID_FILE = "mlflow_run_id"
+TRACKING_URI_FILE = "mlflow_tracking_uri"  # where that run lives (a sweep's trials log to the sweep's store)
 
 
 def default_tracking_uri(run_dir: str | os.PathLike) -> str:
+    """The tracking store a run directory's MLflow run was created in, else SQLite inside the directory."""
+    recorded = Path(run_dir) / TRACKING_URI_FILE
+    if recorded.is_file():
+        return recorded.read_text().strip()
     return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
 
 

@@ -25,6 +25,7 @@ from recursive_lightning.config import RunConfig, load_run_config, load_yaml
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.tracking import (
     RUN_ID_FILE,
+    TRACKING_URI_FILE,
     atomic_write_text,
     create_run,
     default_tracking_uri,
@@ -174,6 +175,9 @@ def train(
         run_id = create_run(
             tracking_uri, exp_id, run_name or cfg.name, tags=tags, parent_run_id=parent_run_id
         )
+        atomic_write_text(
+            run_dir / TRACKING_URI_FILE, tracking_uri
+        )  # before the id: eval / resume find the run
         atomic_write_text(id_file, run_id)
         stats = describe(cfg.model, seq_len=cfg.data.seq_len)
         params = {**cfg.flat(), **{f"describe.{k}": v for k, v in stats.items() if k != "flops_convention"}}
