@@ -71,6 +71,32 @@ def test_kill_and_resume_gives_identical_losses(tmp_path, tiny_run):
     assert all(a[s] == b[s] for s in a), [(s, a[s], b[s]) for s in a if a[s] != b[s]]
 
 
+def test_a_kill_between_checkpoint_and_logging_loses_no_step(tmp_path, tiny_run, monkeypatch):
+    """Lightning writes step N's checkpoint (callbacks' on_train_batch_end) before it hands the step's train
+    metrics to the logger; dying in between must leave no hole in the MLflow history once the run is resumed,
+    and no duplicates."""
+    from recursive_lightning.training.module import RecursiveLMModule
+
+    def die_after_checkpoint(self, outputs, batch, batch_idx) -> None:  # the module hook runs in that window
+        if self.trainer.global_step == 8:
+            raise RuntimeError("killed right after the step-8 checkpoint")
+
+    cfg = RunConfig.from_dict(tiny_run())
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(RecursiveLMModule, "on_train_batch_end", die_after_checkpoint, raising=False)
+        with pytest.raises(RuntimeError, match="killed right after"):
+            train(cfg, run_dir)
+    assert (run_dir / "checkpoints" / "step=000008.ckpt").exists()
+    assert 7 not in losses(run_dir) and 6 in losses(
+        run_dir
+    )  # the window is real: step 7 never reached MLflow
+    train(cfg, run_dir, resume=True)
+    run_id = (run_dir / "mlflow_run_id").read_text().strip()
+    history = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}").get_metric_history(run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(12))
+
+
 def test_tiny_model_beats_unigram_perplexity(tmp_path, tiny_run):
     from recursive_lightning.training.run import build_datamodule
 

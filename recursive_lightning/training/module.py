@@ -55,6 +55,10 @@ class RecursiveLMModule(L.LightningModule):
         self.peak_flops = accelerator_peak_flops()
         self._t_last: float | None = None
         self._configured = False
+        # this step's train/* values: Lightning hands them to the logger only after the step's checkpoint
+        # is written, so a checkpoint carries them and a resumed run logs them if the kill lost them
+        self._step_metrics: dict[str, Any] = {}
+        self._restored_step_metrics: dict[str, Any] | None = None
 
     # -------------------------------------------------------------- parallelism (FSDP2, compile, AC)
     def configure_model(self) -> None:
@@ -87,22 +91,23 @@ class RecursiveLMModule(L.LightningModule):
         loss, _, y = self._loss(batch)
         tokens = y.numel() * self.trainer.world_size
         now = time.perf_counter()
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=False)
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         step = self.global_step + 1
-        self.log(
-            "train/tokens", float(step * tokens * self.run_cfg.train.accumulate), on_step=True, on_epoch=False
-        )
+        metrics: dict[str, Any] = {
+            "train/loss": loss.detach(),
+            "train/lr": self.trainer.optimizers[0].param_groups[0]["lr"],
+            "train/tokens": float(step * tokens * self.run_cfg.train.accumulate),
+        }
         if self._t_last is not None:
             tps = tokens / max(now - self._t_last, 1e-9)
-            self.log("train/tokens_per_sec", tps, prog_bar=True, on_step=True, on_epoch=False)
+            metrics["train/tokens_per_sec"] = tps
             if self.peak_flops:
-                self.log(
-                    "train/mfu",
-                    tps * self.flops_per_token / (self.peak_flops * self.trainer.world_size),
-                    on_step=True,
-                    on_epoch=False,
+                metrics["train/mfu"] = (
+                    tps * self.flops_per_token / (self.peak_flops * self.trainer.world_size)
                 )
+        for name, value in metrics.items():
+            shown = name in ("train/loss", "train/tokens_per_sec")
+            self.log(name, value, prog_bar=shown, on_step=True, on_epoch=False, sync_dist=False)
+        self._step_metrics = metrics
         self._t_last = now
         return loss
 
@@ -139,8 +144,29 @@ class RecursiveLMModule(L.LightningModule):
             "val_names": list(self.val_names),
             "format": 1,
         }
+        if self._step_metrics and self._trainer is not None:
+            checkpoint["recursive_lightning"]["step_metrics"] = {
+                "step": int(self.trainer.fit_loop.epoch_loop._batches_that_stepped),  # the step they log at
+                "metrics": {k: float(v) for k, v in self._step_metrics.items()},
+            }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         extra = checkpoint.get("recursive_lightning", {})
         self.tokenizer_json = extra.get("tokenizer_json", self.tokenizer_json)
         self.mlflow_run_id = extra.get("mlflow_run_id", self.mlflow_run_id)
+        self._restored_step_metrics = extra.get("step_metrics")
+
+    def on_train_start(self) -> None:
+        """After a resume: log the checkpoint's step metrics unless the run already has them (a kill between
+        the checkpoint and Lightning's logging of that step loses them otherwise)."""
+        restored, self._restored_step_metrics = self._restored_step_metrics, None
+        logger = self.logger
+        if not restored or not self.trainer.is_global_zero or logger is None:
+            return
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        if isinstance(logger, MLFlowLogger):
+            history = logger.experiment.get_metric_history(logger.run_id, "train/loss")
+            if any(m.step == restored["step"] for m in history):
+                return
+        logger.log_metrics(restored["metrics"], step=restored["step"])
