@@ -110,6 +110,7 @@ def test_sweep_killed_mid_trial_resumes(tmp_path, data_cache):
     c, parent, children = child_runs(run_dir)
     assert len(parent) == 1 and len(children) == 2
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent[0].info.run_id}
+    assert parent[0].info.status == "FINISHED" and {r.info.status for r in children} == {"FINISHED"}
     for r in children:
         steps = [m.step for m in c.get_metric_history(r.info.run_id, "train/loss")]
         assert sorted(set(steps)) == list(range(12))
@@ -198,6 +199,7 @@ def test_mlflow_server_reads_parent_and_children(two_worker_sweep):
     parents = [r for r, t in zip(runs, tags) if t.get("kind") == "sweep"]
     children = [(r, t) for r, t in zip(runs, tags) if "mlflow.parentRunId" in t]
     assert len(parents) == 1 and len(children) == 4
+    assert parents[0]["info"]["status"] == "FINISHED"  # the sweep ended, and says so in the UI
     assert all(t["mlflow.parentRunId"] == parents[0]["info"]["run_id"] for _, t in children)
     for r, _ in children:
         metrics = {m["key"]: m["value"] for m in r["data"]["metrics"]}
@@ -283,3 +285,26 @@ def test_a_trial_can_be_a_two_process_fsdp_job(tmp_path, data_cache):
     assert child.info.status == "FINISHED"
     assert child.data.metrics["final/val/heldout/loss"] == pytest.approx(trial.value)  # the study's metric
     assert trial.user_attrs["metrics"]["val/heldout/ppl"] == pytest.approx(math.exp(trial.value), rel=1e-4)
+
+
+def test_a_failing_grid_point_is_retried_then_reported(tmp_path, data_cache):
+    """A point that fails at training time is tried 1 + max_retries times, the others finish, the report lists
+    the failure with its error, and the sweep's MLflow parent run ends FAILED."""
+    rows = {"ok": {"model.topology": "base"}, "bad": {"model.vocab_size": 100}}  # smaller than the tokenizer
+    spec = sweep_file(tmp_path, data_cache, rows, steps=4)
+    raw = yaml.safe_load(spec.read_text())
+    raw["max_retries"] = 1
+    spec.write_text(yaml.safe_dump(raw))
+    run_dir = tmp_path / "run"
+    p = run_sweep([spec, "--run-dir", run_dir])
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    trials = study_trials(run_dir)
+    bad = [t for t in trials if t.params.get("variant") == "bad"]
+    assert [t.state for t in bad] == [optuna.trial.TrialState.FAIL] * 2
+    assert all("model.vocab_size" in t.user_attrs["error"] for t in bad)
+    assert [t.state for t in trials if t.params.get("variant") == "ok"] == [optuna.trial.TrialState.COMPLETE]
+    report = (run_dir / "report.md").read_text()
+    assert "## Failed trials" in report and "model.vocab_size" in report
+    _, (parent,), _ = child_runs(run_dir)
+    assert parent.info.status == "FAILED"

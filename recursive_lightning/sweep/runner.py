@@ -28,11 +28,13 @@ from recursive_lightning.errors import ConfigError
 from recursive_lightning.sweep.spec import SweepSpec, load_sweep, point_key
 from recursive_lightning.tracking import (
     atomic_write_text,
+    client,
     create_run,
     default_tracking_uri,
     ensure_experiment,
     log_artifact,
     log_params,
+    set_terminated,
     ui_command,
 )
 
@@ -133,6 +135,8 @@ def prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri
         )
         if spec.path is not None:
             log_artifact(tracking_uri, parent, spec.path)
+    else:  # a re-run continues the sweep: its parent run is running again
+        client(tracking_uri).update_run(parent, status="RUNNING")
     if spec.path is not None:
         atomic_write_text(run_dir / "sweep.yaml", spec.path.read_text())
     atomic_write_text(
@@ -422,6 +426,39 @@ def prepare_data(spec: SweepSpec) -> None:
             build_datamodule(cfg).prepare_data()
 
 
+def close_parent(
+    spec: SweepSpec, storage_url: str, tracking_uri: str, interrupted: bool = False
+) -> str | None:
+    """End the sweep's MLflow parent run once no trial is waiting or running: FINISHED when every grid point
+    (or, for a search, some trial) finished, FAILED when one gave up after its retries, KILLED on Ctrl-C.
+    Returns the status set, or None while trials are still under way (other workers or machines)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    study = optuna.load_study(study_name=spec.name, storage=_storage(storage_url, spec.max_retries))
+    parent = study.user_attrs.get("mlflow_parent_run_id")
+    trials = study.get_trials(deepcopy=False)
+    if parent is None:
+        return None
+    if interrupted:
+        status = "KILLED"
+    elif any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials):
+        return None
+    else:
+        done = {
+            t.user_attrs.get("point_key")
+            for t in trials
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+        }
+        if spec.search is None:
+            ok = all(point_key(p) in done for p in spec.grid())
+        else:
+            ok = bool(done)
+        status = "FINISHED" if ok else "FAILED"
+    set_terminated(tracking_uri, parent, status)
+    return status
+
+
 def _spawn_workers(n: int, sweep_file: Path, run_dir: Path, storage: str, tracking: str) -> int:
     threads = max(1, (os.cpu_count() or 2) // n)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RL_TORCH_THREADS": str(threads)}
@@ -505,17 +542,26 @@ def main(argv: list[str]) -> int:
             raise ConfigError(
                 f"--attach: no study named '{spec.name}' in {storage}; start the sweep without --attach first."
             ) from None
-    if workers > 1 and not args.worker:
-        prepare_data(spec)  # tokenise once here rather than racing in every worker
-        _spawn_workers(workers, sweep_file, run_dir, storage, tracking)
-    else:
-        worker(spec, run_dir, storage, tracking, max_trials=args.max_trials)
-    if args.worker or args.no_report:
+    try:
+        if workers > 1 and not args.worker:
+            prepare_data(spec)  # tokenise once here rather than racing in every worker
+            _spawn_workers(workers, sweep_file, run_dir, storage, tracking)
+        else:
+            worker(spec, run_dir, storage, tracking, max_trials=args.max_trials)
+    except KeyboardInterrupt:
+        if not args.worker:
+            close_parent(spec, storage, tracking, interrupted=True)
+        raise
+    if args.worker:
         return 0
-    from recursive_lightning.sweep.report import write_report
+    if not args.no_report:
+        from recursive_lightning.sweep.report import write_report
 
-    report = write_report(run_dir, spec=spec, storage_url=storage, tracking_uri=tracking)
-    print(report["markdown"])
-    print(f"\nsweep finished in {time.time() - t0:.0f}s; report: {report['path']}")
+        report = write_report(run_dir, spec=spec, storage_url=storage, tracking_uri=tracking)
+        print(report["markdown"])
+        print(f"\nsweep finished in {time.time() - t0:.0f}s; report: {report['path']}")
+    status = close_parent(spec, storage, tracking)
+    if status == "FAILED":
+        print(f"[sweep {spec.name}] some grid points failed after their retries; see the report", flush=True)
     print(f"compare the runs: {ui_command(tracking)}")
     return 0
