@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
 import os
 import platform
 import statistics
@@ -73,6 +74,43 @@ def fwd_bwd(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> None:
 ROUNDS = {"run": 0, "kept": 0}  # of the last interleaved() call, for the report
 
 
+def _serve(build: Callable[[], Callable[[], None]], threads: int, conn) -> None:
+    """Worker loop of :class:`InProcess`: build the workload once, then time one call per request."""
+    set_threads(threads)
+    fn = build()
+    conn.send("ready")
+    while conn.recv() == "run":
+        w0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        conn.send((time.perf_counter() - w0, time.process_time() - c0))
+
+
+class InProcess:
+    """A workload in a process of its own, run on request: ``worker()`` -> (wall s, CPU s) of one call.
+
+    A training run holds one model per process. Two models timed in one process share one heap, and
+    which of them gets recycled pages and which gets fresh ones (a page fault per 4 KiB, e.g. for the
+    200 MB logits of a 50k vocabulary) then depends on the other model's allocations, not on its own.
+    ``build`` must be picklable (a module-level function, or a ``functools.partial`` of one); it returns the
+    function to time. The parent only waits on a pipe while the worker runs."""
+
+    def __init__(self, build: Callable[[], Callable[[], None]], threads: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(build, threads, child), daemon=True)
+        self.proc.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError("benchmark worker failed to start")
+
+    def __call__(self) -> tuple[float, float]:
+        self.conn.send("run")
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send("stop")
+        self.proc.join()
+
+
 def interleaved(
     fns: dict[str, Callable[[], None]],
     reps: int,
@@ -82,6 +120,8 @@ def interleaved(
     clock: str = "wall",
 ) -> dict[str, list[float]]:
     """Seconds per call, the functions alternated ABAB / BABA round by round.
+
+    A function that returns (wall, CPU) seconds (an :class:`InProcess` worker) is timed by what it returns.
 
     ``clock="wall"``: wall-clock (perf_counter). ``clock="cpu"``: this process's CPU time summed over
     its threads (process_time), which other processes on the machine barely disturb; with one torch
@@ -110,8 +150,10 @@ def interleaved(
         row, clean = {}, True
         for n in names if r % 2 == 0 else names[::-1]:
             w0, c0 = time.perf_counter(), time.process_time()
-            fns[n]()
+            timed = fns[n]()
             wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+            if isinstance(timed, tuple):
+                wall, cpu = timed
             clean &= cpu / wall >= need
             row[n] = cpu if clock == "cpu" else wall
         for n in names:

@@ -9,8 +9,10 @@ Table 1 compares, at every Pythia size, LoopedFormer ``P+Nx{1,1}+P`` with Spiral
 vs 2+4x{1/8,1/4,1/2,1}+2 at 1.48e12 FLOPs). The 12-layer ``cpu-base`` preset mirrors the 160M
 allocation. Both use the MeSH topology by default (Table 1's unstarred rows).
 
-One process; one forward+backward (``model.loss`` + ``backward``) per model per repetition,
-interleaved (ABAB, BABA on odd repetitions) after a warm-up; medians are compared. The measured
+Each model trains in a process of its own, as a training run would (``--one-process``: both in this
+one, sharing its heap; see ``bench_mesh_overhead.InProcess`` for why that biases the comparison); one
+forward+backward (``model.loss`` + ``backward``) per model per repetition, the processes taking turns
+(ABAB, BABA on odd repetitions) after a warm-up; medians are compared. The measured
 time ratio is reported next to the forward FLOP ratio of ``accounting.describe`` (goal: time ratio
 <= FLOP ratio + 0.03).
 
@@ -23,6 +25,7 @@ component's share of the measured time next to its share of the FLOPs.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import statistics
@@ -37,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_mesh_overhead import (  # noqa: E402
     ROUNDS,
+    InProcess,
     add_common_args,
     fwd_bwd,
     interleaved,
@@ -56,6 +60,19 @@ def build(args: argparse.Namespace, kind: str) -> RecursiveLM:
     layout = args.looped if kind == "looped" else args.spiral
     model = RecursiveLM(preset(args.preset, layout=layout, topology=args.topology, **parse_sets(args.set)))
     return model.train()
+
+
+def inputs(args: argparse.Namespace, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, vocab, (args.batch, args.seq_len), generator=g)
+    return idx, torch.randint(0, vocab, (args.batch, args.seq_len), generator=g)
+
+
+def workload(args: argparse.Namespace, kind: str):
+    """What an :class:`InProcess` worker times: one forward+backward of ``kind`` on the fixed batch."""
+    model = build(args, kind)
+    idx, tgt = inputs(args, model.cfg.vocab_size)
+    return lambda: fwd_bwd(model, idx, tgt)
 
 
 def _grad_leaf(*shape: int) -> torch.Tensor:
@@ -165,18 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--looped", default="2+4x{1,1}+2", help="LoopedFormer layout with the same allocation")
     p.add_argument("--topology", default="mesh", help="topology of both models (Table 1: mesh)")
     add_common_args(p, seq_len=1024, batch=2)
+    p.add_argument(
+        "--one-process", action="store_true", help="both models in this process (default: a process each)"
+    )
     p.add_argument("--breakdown", action="store_true", help="time every component alone")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of the SpiralFormer model")
     args = p.parse_args(argv)
 
     set_threads(args.threads)
-    variants = ["looped", "spiral"]
     layouts = {"looped": args.looped, "spiral": args.spiral}
-    models = {v: build(args, v) for v in variants}
-    vocab = models["looped"].cfg.vocab_size
-    g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, vocab, (args.batch, args.seq_len), generator=g)
-    tgt = torch.randint(0, vocab, (args.batch, args.seq_len), generator=g)
+    models = (
+        {v: build(args, v) for v in layouts} if args.one_process or args.breakdown or args.profile else {}
+    )
 
     print("# SpiralFormer-B vs LoopedFormer wall-clock (forward + backward)\n")
     print(
@@ -185,17 +202,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"model    preset {args.preset}, topology {args.topology}, batch {args.batch} x seq "
-        f"{args.seq_len}, reps {args.reps} (+{args.warmup} warm-up), interleaved"
+        f"{args.seq_len}, reps {args.reps} (+{args.warmup} warm-up), interleaved, "
+        + ("both in one process" if args.one_process else "a process per model")
         + (f", overrides {' '.join(args.set)}" if args.set else "")
     )
 
-    times = interleaved(
-        {k: (lambda m=m: fwd_bwd(m, idx, tgt)) for k, m in models.items()},
-        args.reps,
-        args.warmup,
-        min_util=args.min_util or None,
-        clock=args.clock,
-    )
+    if args.one_process:
+        idx, tgt = inputs(args, models["looped"].cfg.vocab_size)
+        fns = {k: (lambda m=m: fwd_bwd(m, idx, tgt)) for k, m in models.items()}
+    else:
+        fns = {k: InProcess(functools.partial(workload, args, k), args.threads) for k in layouts}
+    times = interleaved(fns, args.reps, args.warmup, min_util=args.min_util or None, clock=args.clock)
+    for fn in fns.values():
+        if isinstance(fn, InProcess):
+            fn.close()
     print(
         f"rounds   {ROUNDS['kept']} kept of {ROUNDS['run']} run"
         + (f" (--min-util {args.min_util})" if args.clock == "wall" else "")
@@ -242,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.breakdown:
         breakdown(models, med, args.batch, args.seq_len, max(5, args.reps), args.clock)
     if args.profile:
-        profile(models["spiral"], idx, tgt)
+        profile(models["spiral"], *inputs(args, models["spiral"].cfg.vocab_size))
     return 0
 
 
