@@ -17,12 +17,12 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from recursive_lightning.model.block import Block, Stack, make_norm
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.model.decoding import DecodeCache, decode
+from recursive_lightning.model.loss import cross_entropy
 from recursive_lightning.model.resolution import ResolutionStep
 from recursive_lightning.model.topology import Combination, MeSH, build_topology
 
@@ -158,8 +158,7 @@ class RecursiveLM(nn.Module):
         return self.head(self.hidden(idx, trace))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(idx)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return cross_entropy(self(idx), targets)
 
     @torch.no_grad()
     def traced(self, idx: torch.Tensor, attention: bool | set[str] = False) -> tuple[torch.Tensor, Trace]:

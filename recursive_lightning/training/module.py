@@ -7,11 +7,11 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torchmetrics.text import Perplexity
 
 from recursive_lightning.config import RunConfig
 from recursive_lightning.model.accounting import describe
+from recursive_lightning.model.loss import cross_entropy
 from recursive_lightning.model.model import RecursiveLM
 from recursive_lightning.training import parallel
 from recursive_lightning.training.optim import build_optimizer
@@ -84,7 +84,7 @@ class RecursiveLMModule(L.LightningModule):
         batch = batch.long()
         x, y = batch[:, :-1], batch[:, 1:]
         logits = self.model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss = cross_entropy(logits, y)
         return loss, logits, y
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
