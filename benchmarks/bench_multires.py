@@ -12,7 +12,8 @@ allocation. Both use the MeSH topology by default (Table 1's unstarred rows).
 Each model trains in a process of its own, as a training run would (``--one-process``: both in this
 one, sharing its heap; see ``bench_mesh_overhead.InProcess`` for why that biases the comparison); one
 forward+backward (``model.loss`` + ``backward``) per model per repetition, the processes taking turns
-(ABAB, BABA on odd repetitions) after a warm-up; medians are compared. The measured
+(ABAB, BABA on odd repetitions) after a warm-up, fresh processes every ``--respawn`` rounds; medians are
+compared. The measured
 time ratio is reported next to the forward FLOP ratio of ``accounting.describe`` (goal: time ratio
 <= FLOP ratio + 0.03).
 
@@ -185,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--one-process", action="store_true", help="both models in this process (default: a process each)"
     )
+    p.add_argument(
+        "--respawn",
+        type=int,
+        default=4,
+        help="start fresh worker processes every this many rounds: a process keeps its own speed (where its "
+        "memory landed) for its lifetime, so one pair of processes would compare two draws of that",
+    )
     p.add_argument("--breakdown", action="store_true", help="time every component alone")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of the SpiralFormer model")
     args = p.parse_args(argv)
@@ -203,19 +211,36 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model    preset {args.preset}, topology {args.topology}, batch {args.batch} x seq "
         f"{args.seq_len}, reps {args.reps} (+{args.warmup} warm-up), interleaved, "
-        + ("both in one process" if args.one_process else "a process per model")
+        + (
+            "both in one process"
+            if args.one_process
+            else f"a process per model, fresh every {args.respawn} rounds"
+        )
         + (f", overrides {' '.join(args.set)}" if args.set else "")
     )
 
     if args.one_process:
         idx, tgt = inputs(args, models["looped"].cfg.vocab_size)
         fns = {k: (lambda m=m: fwd_bwd(m, idx, tgt)) for k, m in models.items()}
+        times = interleaved(fns, args.reps, args.warmup, min_util=args.min_util or None, clock=args.clock)
     else:
-        fns = {k: InProcess(functools.partial(workload, args, k), args.threads) for k in layouts}
-    times = interleaved(fns, args.reps, args.warmup, min_util=args.min_util or None, clock=args.clock)
-    for fn in fns.values():
-        if isinstance(fn, InProcess):
-            fn.close()
+        times, kept, run, per_pair = {k: [] for k in layouts}, 0, 0, []
+        for start in range(0, args.reps, args.respawn):
+            fns = {k: InProcess(functools.partial(workload, args, k), args.threads) for k in layouts}
+            part = interleaved(
+                fns,
+                min(args.respawn, args.reps - start),
+                args.warmup,
+                min_util=args.min_util or None,
+                clock=args.clock,
+            )
+            for k, fn in fns.items():
+                fn.close()
+                times[k] += part[k]
+            kept, run = kept + ROUNDS["kept"], run + ROUNDS["run"]
+            per_pair.append(statistics.median(a / b for a, b in zip(part["spiral"], part["looped"])))
+        ROUNDS.update(kept=kept, run=run)
+        print("process pairs: median spiral/looped ratio of each  " + "  ".join(f"{r:.3f}" for r in per_pair))
     print(
         f"rounds   {ROUNDS['kept']} kept of {ROUNDS['run']} run"
         + (f" (--min-util {args.min_util})" if args.clock == "wall" else "")
