@@ -121,9 +121,10 @@ class RecursiveLMModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         for name, metric in zip(self.val_names, self.val_ppl):
-            ppl = metric.compute()
-            self.log(f"val/{name}/ppl", ppl, sync_dist=False)
-            self.log(f"val/{name}/loss", ppl.log(), sync_dist=False)
+            ppl = metric.compute()  # already over every rank (torchmetrics syncs its states in compute)
+            # sync_dist averages the identical per-rank values: a no-op that keeps Lightning from warning
+            self.log(f"val/{name}/ppl", ppl, sync_dist=True)
+            self.log(f"val/{name}/loss", ppl.log(), sync_dist=True)
         self._t_last = None  # validation time is not training throughput
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -350,5 +350,8 @@ def main(argv: list[str]) -> int:
         parent_run_id=args.parent_run_id,
         tags=tags,
     )
-    print(summary_line(result))
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    if rank_zero_only.rank == 0:  # DDP / FSDP: every rank returns here, one line is enough
+        print(summary_line(result))
     return 0
