@@ -44,7 +44,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     accumulate: int = 1
     precision: str = "auto"  # auto: bf16-mixed where the hardware has it, else 32-true
-    compile: bool = False
+    compile: bool | str = False  # false | true (= layers) | layers | model (training/parallel.py)
     activation_checkpointing: bool = False
     seed: int = 0
     val_every: int = 100  # steps between validations (and best-checkpoint selection)
@@ -118,6 +118,10 @@ class RunConfig:
             raise ConfigError(f"train.lr must be positive, not {t.lr}.")
         if not 0 <= t.warmup_ratio < 1 or not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError("train.warmup_ratio must lie in [0, 1) and train.min_lr_ratio in [0, 1].")
+        if t.compile not in (False, True, "layers", "model"):
+            raise ConfigError(
+                f"train.compile '{t.compile}' is unknown; choose false, true (= layers), layers or model."
+            )
         if t.strategy not in ("auto", "ddp", "fsdp"):
             raise ConfigError(f"train.strategy '{t.strategy}' is unknown; choose auto, ddp or fsdp.")
         if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):

@@ -124,3 +124,14 @@ def test_schedules_and_ratio():
     assert lay == "8+8x{1/16,1/8,1/4,1/2}+8"
     p = parse_layout(lay)
     assert p.prelude == p.coda and p.n_layers == 24
+
+
+@pytest.mark.parametrize("value", ["layer", 3, "everything"])
+def test_unknown_compile_scope_is_one_sentence(value):
+    from recursive_lightning.config import RunConfig
+
+    with pytest.raises(ConfigError) as e:
+        RunConfig.from_dict({"model": {"preset": "cpu-tiny"}, "train": {"compile": value}})
+    assert "train.compile" in str(e.value) and "\n" not in str(e.value)
+    for ok in (False, True, "layers", "model"):
+        assert RunConfig.from_dict({"model": {"preset": "cpu-tiny"}, "train": {"compile": ok}}).train.compile == ok

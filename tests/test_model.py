@@ -205,9 +205,11 @@ def test_mesh_read_equals_the_materialised_buffer():
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="torch.compile on the CPU needs a C++ compiler")
-def test_compiled_layers_train_like_eager():
-    """``train.compile`` (training/parallel.compile_model) on a multi-resolution MeSH model: the core is
-    compiled once and called at two sequence lengths; loss and every gradient equal eager mode."""
+@pytest.mark.parametrize("scope", ["layers", "model"])
+def test_compiled_model_trains_like_eager(scope):
+    """``train.compile`` (training/parallel.compile_model) on a multi-resolution MeSH model: per layer (the core
+    compiled once and called at two sequence lengths) or the whole forward (routers, S_down / S_up and the
+    MeSH reads fused); loss and every gradient equal eager mode."""
     from recursive_lightning.training.parallel import compile_model
 
     torch.manual_seed(0)
@@ -216,7 +218,7 @@ def test_compiled_layers_train_like_eager():
     )
     eager = RecursiveLM(cfg)
     compiled = copy.deepcopy(eager)
-    compile_model(compiled)
+    compile_model(compiled, scope)
     idx, tgt = torch.randint(0, 97, (2, 48)), torch.randint(0, 97, (2, 48))
     eager.loss(idx, tgt).backward()
     loss = compiled.loss(idx, tgt)
