@@ -53,6 +53,7 @@ from bench_mesh_overhead import (  # noqa: E402
 from recursive_lightning.model.accounting import describe  # noqa: E402
 from recursive_lightning.model.config import preset  # noqa: E402
 from recursive_lightning.model.model import RecursiveLM  # noqa: E402
+from recursive_lightning.training.parallel import compile_model  # noqa: E402
 
 
 def build(args: argparse.Namespace, kind: str) -> RecursiveLM:
@@ -60,6 +61,8 @@ def build(args: argparse.Namespace, kind: str) -> RecursiveLM:
     torch.manual_seed(0)
     layout = args.looped if kind == "looped" else args.spiral
     model = RecursiveLM(preset(args.preset, layout=layout, topology=args.topology, **parse_sets(args.set)))
+    if args.compile:
+        compile_model(model, args.compile)  # train.compile: both models compiled the same way
     return model.train()
 
 
@@ -192,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         default=4,
         help="start fresh worker processes every this many rounds: a process keeps its own speed (where its "
         "memory landed) for its lifetime, so one pair of processes would compare two draws of that",
+    )
+    p.add_argument(
+        "--compile",
+        choices=("layers", "model"),
+        help="compile both models as train.compile does (each worker compiles once: use a large --respawn)",
     )
     p.add_argument("--breakdown", action="store_true", help="time every component alone")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of the SpiralFormer model")
