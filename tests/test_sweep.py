@@ -308,3 +308,43 @@ def test_a_failing_grid_point_is_retried_then_reported(tmp_path, data_cache):
     assert "## Failed trials" in report and "model.vocab_size" in report
     _, (parent,), _ = child_runs(run_dir)
     assert parent.info.status == "FAILED"
+
+
+_CLAIMER = """
+import sys, time
+from recursive_lightning.sweep.runner import _claim, _storage
+import optuna
+url, start = sys.argv[1], float(sys.argv[2])
+storage = _storage(url, 0)
+study = optuna.load_study(study_name="claims", storage=storage)
+while time.time() < start:
+    time.sleep(0.001)
+got = []
+while (trial_id := _claim(study, storage, url)) is not None:
+    got.append(trial_id)
+print(" ".join(map(str, got)))
+"""
+
+
+def test_concurrent_workers_never_claim_the_same_trial(tmp_path):
+    """SQLite ignores Optuna's SELECT ... FOR UPDATE, so its WAITING -> RUNNING check-and-set alone lets two
+    local workers claim one grid point and train it twice into one directory (seen in CI: a checkpoint's
+    temporary file renamed away by the other process). Four processes racing for 40 trials: each trial is
+    claimed exactly once."""
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study = optuna.create_study(study_name="claims", storage=url)
+    for i in range(40):
+        study.enqueue_trial({"x": i})
+    start = time.time() + 8  # every process imports first, then all claim at once
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CLAIMER, url, str(start)], env=ENV, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(4)
+    ]
+    claimed = []
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0
+        claimed += [int(x) for x in out.split()]
+    assert len(claimed) == 40 and len(set(claimed)) == 40, sorted(claimed)

@@ -12,6 +12,8 @@ failed and retried by Optuna's ``RetryFailedTrialCallback``; a trial that raises
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -21,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -170,12 +173,34 @@ class _Heartbeat:
         self._stop.set()
 
 
-def _claim(study, storage) -> int | None:
+@contextlib.contextmanager
+def _claim_lock(storage_url: str) -> Iterator[None]:
+    """Serialise claims of the workers that share one SQLite study.
+
+    Optuna checks WAITING before setting RUNNING under ``SELECT ... FOR UPDATE``, which SQLite ignores, and
+    pysqlite runs that SELECT outside the write transaction: two processes both read WAITING and both claim
+    the trial (then train it twice into one directory). A file lock beside the database makes the check and
+    the set one step. Server databases (PostgreSQL, MySQL; several machines) lock the row themselves."""
+    path = storage_url.removeprefix("sqlite:///") if storage_url.startswith("sqlite:///") else ""
+    if not path or path == ":memory:":
+        yield
+        return
+    with open(f"{path}.claim-lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _claim(study, storage, storage_url: str) -> int | None:
+    """Move one WAITING trial to RUNNING and return its id (None when none is waiting)."""
     from optuna.trial import TrialState
 
-    for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-        if storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
-            return t._trial_id
+    with _claim_lock(storage_url):
+        for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            if storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                return t._trial_id
     return None
 
 
@@ -369,7 +394,7 @@ def worker(
     while max_trials is None or done < max_trials:
         fail_stale_trials(study)
         if spec.search is None:
-            trial_id = _claim(study, storage)
+            trial_id = _claim(study, storage, storage_url)
             if trial_id is None:
                 break
         else:
@@ -378,7 +403,7 @@ def worker(
                     deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING, TrialState.PRUNED)
                 )
             )
-            trial_id = _claim(study, storage)
+            trial_id = _claim(study, storage, storage_url)
             if trial_id is None:
                 if n >= int(spec.search["n_trials"]):
                     break
@@ -485,7 +510,7 @@ def _spawn_workers(n: int, sweep_file: Path, run_dir: Path, storage: str, tracki
         for p in procs:
             p.send_signal(signal.SIGINT)
         raise
-    return max(codes)
+    return next((c for c in codes if c), 0)  # a worker killed by a signal has a negative code
 
 
 def main(argv: list[str]) -> int:
@@ -542,10 +567,11 @@ def main(argv: list[str]) -> int:
             raise ConfigError(
                 f"--attach: no study named '{spec.name}' in {storage}; start the sweep without --attach first."
             ) from None
+    crashed = 0
     try:
         if workers > 1 and not args.worker:
             prepare_data(spec)  # tokenise once here rather than racing in every worker
-            _spawn_workers(workers, sweep_file, run_dir, storage, tracking)
+            crashed = _spawn_workers(workers, sweep_file, run_dir, storage, tracking)
         else:
             worker(spec, run_dir, storage, tracking, max_trials=args.max_trials)
     except KeyboardInterrupt:
@@ -564,4 +590,12 @@ def main(argv: list[str]) -> int:
     if status == "FAILED":
         print(f"[sweep {spec.name}] some grid points failed after their retries; see the report", flush=True)
     print(f"compare the runs: {ui_command(tracking)}")
+    if crashed:
+        print(
+            f"[sweep {spec.name}] a worker process exited with code {crashed}; re-run the same command to "
+            "resume its trial",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     return 0
