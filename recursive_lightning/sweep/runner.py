@@ -1,7 +1,7 @@
 """``python -m recursive_lightning sweep``: an Optuna study per sweep file, one MLflow child run per trial.
 
-Grid points are enqueued once as WAITING trials; each worker claims one atomically (Optuna's
-WAITING -> RUNNING transition), trains it with :func:`recursive_lightning.training.run.train` into
+Grid points are enqueued once as WAITING trials; each worker claims one (Optuna's WAITING -> RUNNING
+transition, made atomic for SQLite studies by a file lock, see ``_claim_lock``), trains it with :func:`recursive_lightning.training.run.train` into
 ``<run-dir>/trials/<point>/`` and tells the study. Re-running the command resumes: finished trials
 are skipped, a trial whose local worker died is put back to WAITING and resumes from its last
 checkpoint into the same MLflow child run; a trial whose remote worker stopped sending heartbeats is
