@@ -28,12 +28,21 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 class Rotary(nn.Module):
-    """GPT-NeoX rotary embedding on the first ``rotary_pct`` of each head's dims (rotate-half form)."""
+    """GPT-NeoX rotary embedding on the first ``rotary_pct`` of each head's dims (rotate-half form).
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``table``: also keep cos/sin of positions 0 .. max_seq_len-1 (a non-persistent buffer, float32 values, the
+    module's dtype after ``.to()``), so the common forward slices them instead of recomputing: one
+    view instead of ~8 kernels per call site, which matters where kernel launches bound the step."""
+
+    def __init__(self, cfg: ModelConfig, table: bool = False) -> None:
         super().__init__()
         self.dim = int(cfg.head_dim * cfg.rotary_pct)
         self.base = cfg.rotary_base
+        self.table = table
+        if table:
+            cos, sin = self.cos_sin(torch.arange(cfg.max_seq_len), torch.float32)
+            self.register_buffer("cos_table", cos, persistent=False)
+            self.register_buffer("sin_table", sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of the rotary angles at integer ``positions`` of shape (l,) or (b, l): (..., l, dim)."""
@@ -45,12 +54,20 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def cos_sin_range(
+        self, start: int, length: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of positions start .. start+length-1: from the table where it reaches, else computed."""
+        if self.table and start + length <= self.cos_table.shape[0] and self.cos_table.device == device:
+            cos, sin = self.cos_table[start : start + length], self.sin_table[start : start + length]
+            return cos.to(dtype), sin.to(dtype)  # no-op when the table has the activations' dtype
+        return self.cos_sin(torch.arange(start, start + length, device=device), dtype)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: (b, h, l, hd); cos/sin: (l, dim), or (b, l, dim) for per-row positions."""
+        """x: (b, l, h, hd); cos/sin: (l, dim), or (b, l, dim) for per-row positions."""
         if self.dim == 0:
             return x
-        if cos.dim() == 3:
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
         rot, rest = x[..., : self.dim], x[..., self.dim :]
         x1, x2 = rot.chunk(2, dim=-1)
         rotated = torch.cat((-x2, x1), dim=-1)
@@ -95,12 +112,10 @@ class Attention(nn.Module):
         """Causal self-attention; ``mask`` (b, l, l), True = may attend, replaces the causal mask (packed
         sequences, see ``evaluation/prefix_sharing.py``); ``kv`` prepends the keys/values of earlier calls
         and keeps these (decoding, ``model/decoding.py``)."""
-        hd = self.head_dim
-        q, k, v = self.qkv(x).split([self.n_heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
-        q = rearrange(q, "b l (h d) -> b h l d", d=hd)
-        k = rearrange(k, "b l (h d) -> b h l d", d=hd)
-        v = rearrange(v, "b l (h d) -> b h l d", d=hd)
-        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+        h, kvh = self.n_heads, self.kv_heads
+        qkv = rearrange(self.qkv(x), "b l (h d) -> b l h d", d=self.head_dim)
+        qk = self.rotary(qkv[:, :, : h + kvh], cos, sin)  # queries and keys rotated together
+        q, k, v = (t.transpose(1, 2) for t in (qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + kvh :]))
         sees_all = False  # a single new query after cached positions attends to every key
         if kv is not None:
             past = kv.length
@@ -190,7 +205,7 @@ class Stack(nn.Module):
     def __init__(self, cfg: ModelConfig, n_layers: int) -> None:
         super().__init__()
         self.layers = nn.ModuleList(Block(cfg) for _ in range(n_layers))
-        self.rotary = Rotary(cfg)
+        self.rotary = Rotary(cfg, table=True)
 
     def forward(
         self,
@@ -202,8 +217,9 @@ class Stack(nn.Module):
         """``kv``: one cache per layer; positions then continue after what the cache holds."""
         if positions is None:
             start = kv[0].length if kv else 0
-            positions = torch.arange(start, start + x.shape[1], device=x.device)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+            cos, sin = self.rotary.cos_sin_range(start, x.shape[1], x.device, x.dtype)
+        else:
+            cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, kv[i] if kv is not None else None)
         return x
