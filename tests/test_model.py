@@ -226,3 +226,16 @@ def test_compiled_model_trains_like_eager(scope):
     torch.testing.assert_close(loss, eager.loss(idx, tgt))
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("start,length", [(0, 64), (17, 30), (100, 28), (120, 20), (200, 5)])
+def test_rotary_table_equals_computed_angles(start, length):
+    """A stack's cos/sin table (positions < max_seq_len) gives exactly the computed angles; past its end the
+    angles are computed."""
+    from recursive_lightning.model.block import Rotary
+
+    rot = Rotary(ModelConfig(vocab_size=97, d_model=64, n_heads=4, max_seq_len=128), table=True)
+    for dtype in (torch.float32, torch.float64):
+        got = rot.cos_sin_range(start, length, torch.device("cpu"), dtype)
+        want = rot.cos_sin(torch.arange(start, start + length), dtype)
+        assert all(torch.equal(g, w) and g.dtype == dtype for g, w in zip(got, want))
