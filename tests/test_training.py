@@ -156,6 +156,21 @@ def test_cli_errors_are_one_sentence(tmp_path):
             ],
             "nope.txt",
         ),
+        (  # torch.compile's C++ backend fails on FSDP2-wrapped layers: refused before any work
+            [
+                "--config",
+                str(ROOT / "experiments/cpu/looped-mesh.yaml"),
+                "--train.strategy",
+                "fsdp",
+                "--train.compile",
+                "true",
+                "--train.accelerator",
+                "cpu",
+                "--run-dir",
+                str(tmp_path / "c"),
+            ],
+            "train.compile with train.strategy fsdp",
+        ),
     ]:
         p = _cli(args)
         out, _ = p.communicate(timeout=300)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from recursive_lightning.config import TrainConfig
+from recursive_lightning.errors import ConfigError
 from recursive_lightning.model.model import RecursiveLM
 
 
@@ -56,6 +57,17 @@ def compile_model(model: RecursiveLM, scope: str = "layers") -> None:
     for stack in [model.prelude, *model.cores, model.coda]:
         for layer in stack.layers:
             layer.compile()
+
+
+def check_supported(cfg: TrainConfig) -> None:
+    """Refuse, before any work, combinations that are known to fail on this machine's kind."""
+    on_cpu = cfg.accelerator == "cpu" or (cfg.accelerator == "auto" and not torch.cuda.is_available())
+    if cfg.compile and cfg.strategy == "fsdp" and on_cpu:
+        # torch 2.13's C++ code generator emits a duplicate declaration for FSDP2-wrapped compiled layers
+        raise ConfigError(
+            "train.compile with train.strategy fsdp fails on the CPU (torch.compile's C++ code generator "
+            "rejects the FSDP2-wrapped layers); set train.compile false there, or train on GPUs."
+        )
 
 
 def resolve_precision(cfg: TrainConfig, accelerator: str) -> str:

@@ -130,6 +130,7 @@ def train(
     from recursive_lightning.training.module import RecursiveLMModule
 
     t0 = time.time()
+    parallel.check_supported(cfg.train)
     run_dir = Path(run_dir).resolve()
     ckpt_dir = run_dir / "checkpoints"
     saved_cfg = run_dir / "config.yaml"
