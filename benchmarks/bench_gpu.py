@@ -159,11 +159,12 @@ def main(argv: list[str] | None = None) -> int:
                 "looped base": (looped, "base"),
             }
             variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
+            fl = {v: flops(name, layout, topo, seq, batch) for v, (layout, topo) in variants.items()}
             for tag in modes:
-                fns, fl = {}, {}
-                for v, (layout, topo) in variants.items():
-                    fns[v] = step_fn(build(name, layout, topo, seq, tag), batch, seq)
-                    fl[v] = flops(name, layout, topo, seq, batch)
+                fns = {
+                    v: step_fn(build(name, layout, topo, seq, tag), batch, seq)
+                    for v, (layout, topo) in variants.items()
+                }
                 times = interleaved(fns, args.reps, args.warmup + (3 if tag != "eager" else 0))
                 med = {k: statistics.median(t) for k, t in times.items()}
                 busy = {v: gpu_busy(fns[v]) if args.busy else float("nan") for v in variants}

@@ -16,12 +16,14 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_mesh_overhead import interleaved, set_threads  # noqa: E402
 
 from recursive_lightning.model.config import preset  # noqa: E402
 from recursive_lightning.model.model import RecursiveLM  # noqa: E402
@@ -68,16 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--reps", type=int, default=40)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    set_threads(1)
     fns = {k: step_fn(v, args.preset, args.batch, args.seq_len) for k, v in MODELS.items()}
     calls = {k: op_calls(fn) for k, fn in fns.items()}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(args.reps + 3):  # the models take turns; CPU time of this process, 1 thread
-        for k, fn in fns.items() if r % 2 == 0 else reversed(fns.items()):
-            t = time.process_time()
-            fn()
-            if r >= 3:
-                times[k].append(time.process_time() - t)
+    times = interleaved(fns, args.reps, warmup=3, clock="cpu")  # the models take turns; CPU time
     print(f"{args.preset}, {args.batch} x {args.seq_len} tokens, 1 thread, torch {torch.__version__}\n")
     print("| model | ATen calls per fwd+bwd (no views) | CPU ms per step (median) |")
     print("| --- | ---: | ---: |")

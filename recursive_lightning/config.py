@@ -32,6 +32,9 @@ class DataConfig:
     num_workers: int = 0
 
 
+COMPILE_SCOPES = ("layers", "model")  # train.compile values besides false / true (= layers)
+
+
 @dataclass
 class TrainConfig:
     max_steps: int = 300
@@ -118,7 +121,7 @@ class RunConfig:
             raise ConfigError(f"train.lr must be positive, not {t.lr}.")
         if not 0 <= t.warmup_ratio < 1 or not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError("train.warmup_ratio must lie in [0, 1) and train.min_lr_ratio in [0, 1].")
-        if t.compile not in (False, True, "layers", "model"):
+        if t.compile not in (False, True, *COMPILE_SCOPES):
             raise ConfigError(
                 f"train.compile '{t.compile}' is unknown; choose false, true (= layers), layers or model."
             )

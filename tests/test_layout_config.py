@@ -134,4 +134,7 @@ def test_unknown_compile_scope_is_one_sentence(value):
         RunConfig.from_dict({"model": {"preset": "cpu-tiny"}, "train": {"compile": value}})
     assert "train.compile" in str(e.value) and "\n" not in str(e.value)
     for ok in (False, True, "layers", "model"):
-        assert RunConfig.from_dict({"model": {"preset": "cpu-tiny"}, "train": {"compile": ok}}).train.compile == ok
+        assert (
+            RunConfig.from_dict({"model": {"preset": "cpu-tiny"}, "train": {"compile": ok}}).train.compile
+            == ok
+        )

@@ -69,7 +69,7 @@ class RecursiveLMModule(L.LightningModule):
         if t.activation_checkpointing:
             parallel.apply_activation_checkpointing(self.model)
         if t.compile:
-            parallel.compile_model(self.model, "layers" if t.compile is True else t.compile)
+            parallel.compile_model(self.model, t.compile)
         mesh = getattr(self, "device_mesh", None)
         if mesh is not None:
             dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh

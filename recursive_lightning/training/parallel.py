@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from recursive_lightning.config import TrainConfig
+from recursive_lightning.config import COMPILE_SCOPES, TrainConfig
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.model.model import RecursiveLM
 
@@ -36,17 +36,15 @@ def apply_fsdp(model: RecursiveLM, device_mesh, mixed_precision: str | None = No
     fully_shard(model, **kwargs)
 
 
-COMPILE_SCOPES = ("layers", "model")
-
-
-def compile_model(model: RecursiveLM, scope: str = "layers") -> None:
-    """``torch.compile`` the model in place.
+def compile_model(model: RecursiveLM, scope: bool | str = "layers") -> None:
+    """``torch.compile`` the model in place (``scope``: a ``train.compile`` value; ``True`` means ``layers``).
 
     ``layers``: every transformer layer on its own (the shared core's layers once, reused by every loop step
     and resolution; composes with FSDP2's per-layer wrapping). ``model``: the whole forward, so that the
     work between the layers (MeSH routers and buffer reads, S_down / S_up, the shift, embeddings and head)
     is fused too; the loop over steps is unrolled into one graph (on an H100, 160M SpiralFormer-B: 1.38x eager's
     tokens/s, layers 1.01x; see benchmarks/bench_gpu.py)."""
+    scope = "layers" if scope is True else scope
     if scope not in COMPILE_SCOPES:
         raise ValueError(
             f"train.compile must be one of false, true, {', '.join(COMPILE_SCOPES)}; got {scope!r}"
