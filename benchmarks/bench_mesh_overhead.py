@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from recursive_lightning.model.accounting import describe  # noqa: E402
 from recursive_lightning.model.config import preset  # noqa: E402
 from recursive_lightning.model.model import RecursiveLM  # noqa: E402
+from recursive_lightning.training.host import keep_freed_memory  # noqa: E402
 
 
 def parse_sets(items: list[str]) -> dict:
@@ -74,9 +75,9 @@ def fwd_bwd(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> None:
 ROUNDS = {"run": 0, "kept": 0}  # of the last interleaved() call, for the report
 
 
-def _serve(build: Callable[[], Callable[[], None]], threads: int, conn) -> None:
+def _serve(build: Callable[[], Callable[[], None]], threads: int, keep_memory: bool, conn) -> None:
     """Worker loop of :class:`InProcess`: build the workload once, then time one call per request."""
-    set_threads(threads)
+    set_threads(threads, keep_memory)
     fn = build()
     conn.send("ready")
     while conn.recv() == "run":
@@ -94,10 +95,12 @@ class InProcess:
     ``build`` must be picklable (a module-level function, or a ``functools.partial`` of one); it returns the
     function to time. The parent only waits on a pipe while the worker runs."""
 
-    def __init__(self, build: Callable[[], Callable[[], None]], threads: int) -> None:
+    def __init__(
+        self, build: Callable[[], Callable[[], None]], threads: int, keep_memory: bool = True
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(build, threads, child), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(build, threads, keep_memory, child), daemon=True)
         self.proc.start()
         if self.conn.recv() != "ready":
             raise RuntimeError("benchmark worker failed to start")
@@ -262,9 +265,17 @@ def add_common_args(p: argparse.ArgumentParser, seq_len: int, batch: int) -> Non
         help="wall: wall-clock (default); cpu: process CPU time, robust on a busy shared machine (use --threads 1)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="leave glibc's malloc as it is (default: keep freed memory, as `train` does; training/host.py)",
+    )
 
 
-def set_threads(threads: int) -> None:
+def set_threads(threads: int, keep_memory: bool = True) -> None:
+    """Threads, and host memory kept as `train` keeps it (``train.keep_host_memory``)."""
+    if keep_memory:
+        keep_freed_memory()
     torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
@@ -280,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bf16", action="store_true", help="run under torch.autocast('cpu', bfloat16)")
     args = p.parse_args(argv)
 
-    set_threads(args.threads)
+    set_threads(args.threads, not args.system_malloc)
     variants = ["base", "mesh"]
     cfgk = {"preset": args.preset, "layout": args.layout, **parse_sets(args.set)}
     lay = model_cfg(cfgk, "base").parsed_layout

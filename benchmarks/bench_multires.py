@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="torch.profiler table of the SpiralFormer model")
     args = p.parse_args(argv)
 
-    set_threads(args.threads)
+    set_threads(args.threads, not args.system_malloc)
     layouts = {"looped": args.looped, "spiral": args.spiral}
     models = (
         {v: build(args, v) for v in layouts} if args.one_process or args.breakdown or args.profile else {}
@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     print("# SpiralFormer-B vs LoopedFormer wall-clock (forward + backward)\n")
     print(
         f"machine  {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}, clock {args.clock}, load average {os.getloadavg()[0]:.2f} at start"
+        f"threads {torch.get_num_threads()}, clock {args.clock}, malloc {'system' if args.system_malloc else 'kept'}, "
+        f"load average {os.getloadavg()[0]:.2f} at start"
     )
     print(
         f"model    preset {args.preset}, topology {args.topology}, batch {args.batch} x seq "
@@ -234,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         times, kept, run, per_pair = {k: [] for k in layouts}, 0, 0, []
         for start in range(0, args.reps, args.respawn):
-            fns = {k: InProcess(functools.partial(workload, args, k), args.threads) for k in layouts}
+            fns = {
+                k: InProcess(functools.partial(workload, args, k), args.threads, not args.system_malloc)
+                for k in layouts
+            }
             part = interleaved(
                 fns,
                 min(args.respawn, args.reps - start),

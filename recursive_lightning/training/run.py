@@ -95,6 +95,7 @@ def _check_same_config(saved: RunConfig, cfg: RunConfig, run_dir: Path) -> None:
         if k.startswith("train.") and k in (
             "train.max_steps",
             "train.progress",
+            "train.keep_host_memory",
             "train.devices",
             "train.accelerator",
         ):
@@ -127,10 +128,13 @@ def train(
     from recursive_lightning.model.accounting import describe
     from recursive_lightning.training import parallel
     from recursive_lightning.training.checkpoint import AtomicCheckpointIO, latest_good, read_checkpoint
+    from recursive_lightning.training.host import keep_freed_memory
     from recursive_lightning.training.module import RecursiveLMModule
 
     t0 = time.time()
     parallel.check_supported(cfg.train)
+    if cfg.train.keep_host_memory:
+        keep_freed_memory()
     run_dir = Path(run_dir).resolve()
     ckpt_dir = run_dir / "checkpoints"
     saved_cfg = run_dir / "config.yaml"

@@ -1,0 +1,43 @@
+"""Host memory for CPU training: keep freed memory in the process instead of returning it every step.
+
+A training step allocates and frees the same large tensors every time: the (tokens x vocab) logits and their
+gradient, the (vocab x d) embedding and head gradients (each ~150-200 MB at Pythia-160M, 1024 tokens).
+glibc's malloc serves anything above 32 MB with a fresh ``mmap`` and returns it with ``munmap`` on free, so
+every step page-faults those tensors in again, and on a virtual machine a fault is expensive (on this
+project's Firecracker VMs `aten::fill_` of the fresh gradients took 160-270 ms of a 4.0 s Pythia-160M step).
+
+``keep_freed_memory`` tells glibc (``mallopt``) to serve every allocation from its heap and never trim it, so
+the second step reuses the first step's pages: the 160M step fell from 4.0 to 3.6 s, and its time stopped
+depending on the machine's memory state. The process keeps its peak footprint until it exits (what
+jemalloc/tcmalloc, which the PyTorch CPU tuning guide recommends, do too). Only glibc on Linux has these
+knobs; elsewhere nothing changes. ``train.keep_host_memory: false`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import sys
+
+M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's <malloc.h>
+M_MMAP_MAX = -4
+_NEVER_TRIM = 2**31 - 1  # mallopt takes an int: trim only above 2 GiB of free heap top
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Serve every allocation from glibc's heap and keep freed memory for reuse; True where that was set.
+
+    Idempotent; call it before the first training step (allocations already made keep their mapping)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt, version = libc.mallopt, libc.gnu_get_libc_version
+    except (OSError, AttributeError):  # not glibc (e.g. musl): no mallopt knobs to set
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    version.restype = ctypes.c_char_p
+    # mallopt returns 1 on success; both must hold, else large blocks would still be unmapped
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, _NEVER_TRIM))
