@@ -30,15 +30,18 @@ def _reference(logits: torch.Tensor, targets: torch.Tensor, upstream: float):
     scale=st.floats(0.1, 30.0),
     upstream=st.floats(-3.0, 3.0),
     seed=st.integers(0, 2**16),
+    overwrite=st.booleans(),
 )
-def test_blocks_equal_reference_float64(n, vocab, rows, scale, upstream, seed):
-    """Any block size, any logit scale (peaked or flat softmax), any upstream gradient: equal to 1e-12."""
+def test_blocks_equal_reference_float64(n, vocab, rows, scale, upstream, seed, overwrite):
+    """Any block size, any logit scale (peaked or flat softmax), any upstream gradient, the gradient in fresh
+    memory or written over the logits: equal to 1e-12."""
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(n, vocab, generator=g, dtype=torch.float64) * scale).requires_grad_()
     targets = torch.randint(0, vocab, (n,), generator=g)
-    loss = _CrossEntropy.apply(logits, targets, rows)
+    ref_loss, ref_grad = _reference(logits.detach().clone(), targets, upstream)
+    loss = _CrossEntropy.apply(logits, targets, rows, overwrite)
     (grad,) = torch.autograd.grad(loss * upstream, logits)
-    ref_loss, ref_grad = _reference(logits, targets, upstream)
+    assert (grad.data_ptr() == logits.data_ptr()) == overwrite  # no (N, V) allocation when overwriting
     assert loss.dtype == torch.float64
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-12)

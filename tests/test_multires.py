@@ -99,25 +99,44 @@ def test_chunk_maps_and_dropped_positions():
     assert rho.tolist() == [2, 3, 0, 1, 2, 3, 0, 1, 2, 3]
 
 
-def test_operators_match_equations():
-    """Mean pooling (Eq. 16), broadcast (Eq. 20), shift (Eq. 22) against a direct per-position loop."""
-    cfg = ModelConfig.from_dict(
-        {**BASE, "layout": "1+1x{1/4}+1", "downscale": "mean", "upscale": "broadcast"}
-    )
-    g, w, s, lam = 4, 1, 3, 2.0
+@pytest.mark.parametrize(
+    "downscale, upscale", [("mean", "broadcast"), ("self_aggregation", "allocation")]
+)
+@pytest.mark.parametrize(
+    "g, w, s, length", [(4, 1, 3, 14), (4, 2, 3, 9), (8, 4, 7, 30), (2, 0, 1, 7), (4, 1, 5, 13), (4, 3, 4, 3)]
+)
+def test_operators_match_equations(downscale, upscale, g, w, s, length):
+    """S_down (Eqs. 16-18), S_up (Eqs. 19-21) and the shift (Eq. 22) against a direct per-position loop, over
+    offsets, the overlap (s = g - 1) and parallel (s >= g) regimes and lengths that leave a trailing chunk."""
+    cfg = ModelConfig.from_dict({**BASE, "layout": "1+1x{1/4}+1", "downscale": downscale, "upscale": upscale})
+    lam = 2.0
+    torch.manual_seed(0)
     step = ResolutionStep(cfg, g, w, s, lam).double()
-    h = torch.randn(1, 14, 16, dtype=torch.double)
+    h = torch.randn(1, length, 16, dtype=torch.double)
     z = step.down(h)
-    pi, _ = chunk_maps(14, g, w)
-    n = (14 + w) // g
-    ref_z = torch.stack([h[0, (pi == j)].sum(0) / g for j in range(n)])
+    pi, rho = chunk_maps(length, g, w)
+    n = (length + w) // g
+    ref_z = []
+    for j in range(n):
+        members = h[0, pi == j]
+        if step.scorer is None:
+            ref_z.append(members.sum(0) / g)  # Eq. 16: padding counts as zero
+        else:
+            alpha = step.scorer(members).squeeze(-1).softmax(0)  # Eq. 17 over the chunk's real positions
+            ref_z.append((alpha[:, None] * members).sum(0))  # Eq. 18
+    ref_z = torch.stack(ref_z)
     torch.testing.assert_close(z[0], ref_z)
-    u = step.up(z, 14)
-    ref_u = torch.zeros(14, 16, dtype=torch.double)
-    for i in range(14):
-        src = i - s
+    u = step.up(z, length)
+    ref_u = torch.zeros(length, 16, dtype=torch.double)
+    for i in range(length):
+        src = i - s  # Eq. 22
         if src >= 0 and pi[src] >= 0:
-            ref_u[i] = lam / g * ref_z[pi[src]]
+            j = pi[src]
+            if step.allocator is None:
+                ref_u[i] = lam / g * ref_z[j]  # Eq. 20
+            else:
+                beta = step.allocator(ref_z[j]).softmax(-1)  # Eq. 21
+                ref_u[i] = lam * beta[rho[src]] * ref_z[j]  # Eq. 19
     torch.testing.assert_close(u[0], ref_u)
 
 

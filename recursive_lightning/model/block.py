@@ -14,6 +14,7 @@ from einops import rearrange
 from torch import nn
 
 from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.shared_grad import Linear
 
 try:  # flash-attn is optional; used only for CUDA half-precision tensors
     from flash_attn import flash_attn_func
@@ -96,8 +97,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.qkv = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.bias)
+        self.proj = Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.rotary = Rotary(cfg)
         self.capture: list[torch.Tensor] | None = None  # set to a list to record attention maps (probes)
 
@@ -166,8 +167,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gated = cfg.mlp == "swiglu"
-        self.up = nn.Linear(cfg.d_model, cfg.hidden * (2 if self.gated else 1), bias=cfg.bias)
-        self.down = nn.Linear(cfg.hidden, cfg.d_model, bias=cfg.bias)
+        self.up = Linear(cfg.d_model, cfg.hidden * (2 if self.gated else 1), bias=cfg.bias)
+        self.down = Linear(cfg.hidden, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:

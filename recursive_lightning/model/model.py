@@ -24,6 +24,7 @@ from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.model.decoding import DecodeCache, decode
 from recursive_lightning.model.loss import cross_entropy
 from recursive_lightning.model.resolution import ResolutionStep
+from recursive_lightning.model.shared_grad import accumulate_weight_grads
 from recursive_lightning.model.topology import Combination, MeSH, build_topology
 
 
@@ -64,6 +65,9 @@ class RecursiveLM(nn.Module):
             for g, w, s, lam in zip(lay.chunk, cfg.offsets(), cfg.shifts(), cfg.gains())
         )
         self.emb_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
+        # sum a looped core's weight gradients in one buffer (shared_grad.py); training/parallel.py turns it
+        # off where compile, FSDP2 or activation checkpointing handle each use themselves
+        self.shared_grads_in_place = True
         self.reset_parameters()
 
     # ------------------------------------------------------------------ init (MeSH App. B)
@@ -132,18 +136,20 @@ class RecursiveLM(nn.Module):
         h, carry = self.topology.start(h_emb, h_pre)
         if trace is not None:
             trace.states.append(("h(0)", h))
-        for t, (step, core_id) in enumerate(zip(self.steps, self.layout.core_index)):
-            core, site = self.cores[core_id], stack_args(f"step{t}")
-            u = step(
-                h,
-                functools.partial(core, **site) if site else core,
-                cache.steps[t] if cache is not None else None,
-            )
-            if trace is not None:
-                trace.blocks.append((f"core {t + 1}", h, u))
-            h, carry = self.topology.step(t, h, u, carry)
-            if trace is not None:
-                trace.states.append((f"h({t + 1})", h))
+        looped = [c for i, c in enumerate(self.cores) if self.layout.core_index.count(i) > 1]
+        with accumulate_weight_grads(looped, self.shared_grads_in_place):
+            for t, (step, core_id) in enumerate(zip(self.steps, self.layout.core_index)):
+                core, site = self.cores[core_id], stack_args(f"step{t}")
+                u = step(
+                    h,
+                    functools.partial(core, **site) if site else core,
+                    cache.steps[t] if cache is not None else None,
+                )
+                if trace is not None:
+                    trace.blocks.append((f"core {t + 1}", h, u))
+                h, carry = self.topology.step(t, h, u, carry)
+                if trace is not None:
+                    trace.states.append((f"h({t + 1})", h))
         h = self.topology.finish(h, carry)
         out = self.coda(h, **stack_args("coda"))
         if cache is not None:
@@ -158,7 +164,7 @@ class RecursiveLM(nn.Module):
         return self.head(self.hidden(idx, trace))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(self(idx), targets)
+        return cross_entropy(self(idx), targets, overwrite_logits=True)  # the logits never leave here
 
     @torch.no_grad()
     def traced(self, idx: torch.Tensor, attention: bool | set[str] = False) -> tuple[torch.Tensor, Trace]:

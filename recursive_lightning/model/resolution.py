@@ -65,33 +65,36 @@ class ResolutionStep(nn.Module):
         """(b, L, d) -> (b, L_t, d), Eqs. 16-18 (``offset`` overrides ω: decoding down-scales a later stretch)."""
         g, w = self.g, self.offset if offset is None else offset
         n = (h.shape[1] + w) // g  # L_t: every complete chunk of the ω-offset partition (Eq. 13-14)
-        chunks = rearrange(F.pad(h, (0, 0, w, 0))[:, : n * g], "b (n g) d -> b n g d", g=g)
+        # left-pad by ω and crop the incomplete trailing chunk in one F.pad (a negative pad crops)
+        pad = (w, n * g - w - h.shape[1])
+        chunks = rearrange(F.pad(h, (0, 0, *pad)), "b (n g) d -> b n g d", g=g)
         if self.scorer is None:
             return chunks.sum(2) / g  # Eq. 16 (left padding contributes zero)
-        score = F.pad(self.scorer(h).squeeze(-1).float(), (w, 0), value=float("-inf"))[:, : n * g]
+        score = F.pad(self.scorer(h).squeeze(-1).float(), pad, value=float("-inf"))
         alpha = rearrange(score, "b (n g) -> b n g", g=g).softmax(-1).to(h.dtype)  # Eq. 17
         if self.record is not None:
             self.record.append({"alpha": alpha.detach()})
-        return (alpha.unsqueeze(-1) * chunks).sum(
-            2
-        )  # Eq. 18 (multiply + sum: faster than a bmm of 1 x g blocks)
+        return (alpha.unsqueeze(-1) * chunks).sum(2)  # Eq. 18 (multiply + sum: faster than a bmm of 1 x g)
 
     def up(self, z: torch.Tensor, length: int) -> torch.Tensor:
         """(b, L_t, d) -> shifted token-level update u~ of shape (b, L, d), Eqs. 19-22."""
         g, w, s = self.g, self.offset, self.shift
         n = z.shape[1]
+        if s - w >= length:
+            return z.new_zeros(z.shape[0], length, z.shape[2])  # every source lies before position 0
         if self.allocator is None:
-            u = (self.gain / g) * z.unsqueeze(2).expand(-1, -1, g, -1)  # Eq. 20
+            coef = z.new_full((n * g,), self.gain / g)  # Eq. 20
         else:
             beta = self.allocation(z)  # Eq. 21
             if self.record is not None:
                 self.record.append({"beta": beta.detach()})
-            u = self.gain * beta.unsqueeze(-1) * z.unsqueeze(2)  # Eq. 19
-        u = rearrange(u, "b n g d -> b (n g) d")  # row k is position k - ω (rows k < ω are padding)
-        # shift right by s (Eq. 22): position p lands on p + s; keep 0..L-1 and zero-fill the rest
-        u = u[:, w : w + max(0, min(n * g - w, length - s))]
-        front = min(s, length)
-        return F.pad(u, (0, 0, front, length - front - u.shape[1]))
+            coef = self.gain * beta.flatten(1)  # Eq. 19
+        # row k = q + ω of the chunked layout holds source position q; rows k < ω are padding: zero weight
+        coef = F.pad(coef[..., w:], (w, 0)).unflatten(-1, (n, g))
+        u = rearrange(coef.unsqueeze(-1) * z.unsqueeze(2), "b n g d -> b (n g) d")
+        # shift right by s (Eq. 22): position p reads row p - s + ω; one F.pad zero-fills the first rows and
+        # crops or zero-fills the end (a negative pad crops)
+        return F.pad(u, (0, 0, s - w, length - n * g - s + w))
 
     def forward(
         self,

@@ -12,6 +12,7 @@ One interface for every topology (SpiralFormer Eq. 4, U(u~, h, H; t)):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from recursive_lightning.model.config import TOPOLOGY_TERMS, ModelConfig
@@ -112,8 +113,11 @@ class MeSH(Topology):
         self.record: dict[str, list[torch.Tensor]] | None = None  # router weights of the last forward
 
     def _route(self, idx: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w_write = self.write[idx](h).float().softmax(-1).to(h.dtype)  # (b, l, B), Eq. 3
-        w_read = self.read[idx](h).float().softmax(-1).to(h.dtype)
+        write, read = self.write[idx], self.read[idx]
+        # both routers in one matmul over h (two Linear(d, B) parameters as before), softmax over slots (Eq. 3)
+        logits = F.linear(h, torch.cat([write.weight, read.weight]), torch.cat([write.bias, read.bias]))
+        weights = logits.float().unflatten(-1, (2, self.slots)).softmax(-1).to(h.dtype)
+        w_write, w_read = weights.unbind(-2)  # (b, l, B) each
         if self.record is not None:
             self.record["write"].append(w_write.detach())
             self.record["read"].append(w_read.detach())

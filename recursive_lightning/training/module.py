@@ -80,15 +80,17 @@ class RecursiveLMModule(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
-    def _loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _loss(
+        self, batch: torch.Tensor, training: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch = batch.long()
         x, y = batch[:, :-1], batch[:, 1:]
         logits = self.model(x)
-        loss = cross_entropy(logits, y)
+        loss = cross_entropy(logits, y, overwrite_logits=training)  # training reads no logits after backward
         return loss, logits, y
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss, _, y = self._loss(batch)
+        loss, _, y = self._loss(batch, training=True)
         tokens = y.numel() * self.trainer.world_size
         now = time.perf_counter()
         step = self.global_step + 1

@@ -16,6 +16,7 @@ from recursive_lightning.model.model import RecursiveLM
 def apply_activation_checkpointing(model: RecursiveLM) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    model.shared_grads_in_place = False  # recomputation replays forward uses (model/shared_grad.py)
     for stack in [model.prelude, *model.cores, model.coda]:
         for i, layer in enumerate(stack.layers):
             stack.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
@@ -27,6 +28,7 @@ def apply_fsdp(model: RecursiveLM, device_mesh, mixed_precision: str | None = No
     mp = None
     if mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model.shared_grads_in_place = False  # FSDP2 hooks every use of a layer itself (model/shared_grad.py)
     kwargs = {"mesh": device_mesh}
     if mp is not None:
         kwargs["mp_policy"] = mp
@@ -49,6 +51,9 @@ def compile_model(model: RecursiveLM, scope: bool | str = "layers") -> None:
         raise ValueError(
             f"train.compile must be one of false, true, {', '.join(COMPILE_SCOPES)}; got {scope!r}"
         )
+    model.shared_grads_in_place = (
+        False  # compiled graphs keep no Python state across uses (model/shared_grad.py)
+    )
     if scope == "model":
         model.compile()
         return
