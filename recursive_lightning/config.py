@@ -58,9 +58,8 @@ class TrainConfig:
     num_nodes: int = 1
     strategy: str = "auto"  # auto | ddp | fsdp (FSDP2 via ModelParallelStrategy)
     progress: bool = True
-    keep_host_memory: bool = (
-        True  # glibc: reuse freed memory instead of page-faulting it in every step (training/host.py)
-    )
+    # glibc: reuse freed memory instead of page-faulting it in again every step (training/host.py)
+    keep_host_memory: bool = True
 
 
 @dataclass

@@ -68,6 +68,7 @@ class RecursiveLM(nn.Module):
         # sum a looped core's weight gradients in one buffer (shared_grad.py); training/parallel.py turns it
         # off where compile, FSDP2 or activation checkpointing handle each use themselves
         self.shared_grads_in_place = True
+        self.looped_cores = [i for i in range(len(self.cores)) if lay.core_index.count(i) > 1]
         self.reset_parameters()
 
     # ------------------------------------------------------------------ init (MeSH App. B)
@@ -136,7 +137,7 @@ class RecursiveLM(nn.Module):
         h, carry = self.topology.start(h_emb, h_pre)
         if trace is not None:
             trace.states.append(("h(0)", h))
-        looped = [c for i, c in enumerate(self.cores) if self.layout.core_index.count(i) > 1]
+        looped = [self.cores[i] for i in self.looped_cores]
         with accumulate_weight_grads(looped, self.shared_grads_in_place):
             for t, (step, core_id) in enumerate(zip(self.steps, self.layout.core_index)):
                 core, site = self.cores[core_id], stack_args(f"step{t}")

@@ -7,8 +7,8 @@ every step page-faults those tensors in again, and on a virtual machine a fault 
 project's Firecracker VMs `aten::fill_` of the fresh gradients took 160-270 ms of a 4.0 s Pythia-160M step).
 
 ``keep_freed_memory`` tells glibc (``mallopt``) to serve every allocation from its heap and never trim it, so
-the second step reuses the first step's pages: the 160M step fell from 4.0 to 3.6 s, and its time stopped
-depending on the machine's memory state. The process keeps its peak footprint until it exits (what
+the later steps reuse the first steps' pages: the 160M SpiralFormer-B AdamW step fell from 4.18 to 3.23 s
+(``benchmarks/bench_host_memory.py``), and its time stopped depending on the machine's memory state. The process keeps its peak footprint until it exits (what
 jemalloc/tcmalloc, which the PyTorch CPU tuning guide recommends, do too). Only glibc on Linux has these
 knobs; elsewhere nothing changes. ``train.keep_host_memory: false`` turns it off.
 """
@@ -34,10 +34,10 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt, version = libc.mallopt, libc.gnu_get_libc_version
+        libc.gnu_get_libc_version  # noqa: B018 - only glibc has it (and these mallopt parameters)
+        mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc (e.g. musl): no mallopt knobs to set
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    version.restype = ctypes.c_char_p
     # mallopt returns 1 on success; both must hold, else large blocks would still be unmapped
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, _NEVER_TRIM))
