@@ -99,20 +99,19 @@ def test_chunk_maps_and_dropped_positions():
     assert rho.tolist() == [2, 3, 0, 1, 2, 3, 0, 1, 2, 3]
 
 
-@pytest.mark.parametrize(
-    "downscale, upscale", [("mean", "broadcast"), ("self_aggregation", "allocation")]
-)
+@pytest.mark.parametrize("downscale, upscale", [("mean", "broadcast"), ("self_aggregation", "allocation")])
 @pytest.mark.parametrize(
     "g, w, s, length", [(4, 1, 3, 14), (4, 2, 3, 9), (8, 4, 7, 30), (2, 0, 1, 7), (4, 1, 5, 13), (4, 3, 4, 3)]
 )
 def test_operators_match_equations(downscale, upscale, g, w, s, length):
     """S_down (Eqs. 16-18), S_up (Eqs. 19-21) and the shift (Eq. 22) against a direct per-position loop, over
-    offsets, the overlap (s = g - 1) and parallel (s >= g) regimes and lengths that leave a trailing chunk."""
+    offsets, the overlap (s = g - 1) and parallel (s >= g) regimes and lengths that leave a trailing chunk;
+    their gradients (to the states and the scorer/router weights) against autograd through that loop."""
     cfg = ModelConfig.from_dict({**BASE, "layout": "1+1x{1/4}+1", "downscale": downscale, "upscale": upscale})
     lam = 2.0
     torch.manual_seed(0)
     step = ResolutionStep(cfg, g, w, s, lam).double()
-    h = torch.randn(1, length, 16, dtype=torch.double)
+    h = torch.randn(1, length, 16, dtype=torch.double, requires_grad=True)
     z = step.down(h)
     pi, rho = chunk_maps(length, g, w)
     n = (length + w) // g
@@ -138,6 +137,17 @@ def test_operators_match_equations(downscale, upscale, g, w, s, length):
                 beta = step.allocator(ref_z[j]).softmax(-1)  # Eq. 21
                 ref_u[i] = lam * beta[rho[src]] * ref_z[j]  # Eq. 19
     torch.testing.assert_close(u[0], ref_u)
+
+    cotangents = torch.randn_like(z), torch.randn_like(u)
+    params = [h, *step.parameters()]
+    grads = torch.autograd.grad(
+        (z * cotangents[0]).sum() + (u * cotangents[1]).sum(), params, materialize_grads=True
+    )
+    ref = torch.autograd.grad(
+        (ref_z * cotangents[0][0]).sum() + (ref_u * cotangents[1][0]).sum(), params, materialize_grads=True
+    )
+    for got, want in zip(grads, ref, strict=True):  # α and β are softmaxed in float32
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_self_aggregation_and_allocation_are_normalised():

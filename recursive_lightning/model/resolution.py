@@ -9,12 +9,14 @@ Chunks use the offset maps π(i) = floor((i + ω) / g), ρ(i) = (i + ω) - g π(
 is left-padded by ω so chunk 0 holds the first g - ω tokens, and the incomplete trailing chunk is
 dropped (Eq. 14). We keep L_t = floor((L + ω) / g) chunks: Eq. 13's floor(L / g) when ω = 0, and with
 ω > 0 it also keeps the last *complete* chunk, so a position's output never depends on how many tokens
-follow it (training-time forward == token-by-token decoding). Positions that receive no update get zero. Everything is reshapes and one pad;
-no Python loop over chunks or tokens.
+follow it (training-time forward == token-by-token decoding). Positions that receive no update get zero.
+S_down and S_up are views of the sequence (``_ChunkSum``, ``_ChunkSpread`` below), no Python loop over chunks
+or tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from recursive_lightning.model.config import ModelConfig
 
@@ -63,38 +66,35 @@ class ResolutionStep(nn.Module):
 
     def down(self, h: torch.Tensor, offset: int | None = None) -> torch.Tensor:
         """(b, L, d) -> (b, L_t, d), Eqs. 16-18 (``offset`` overrides ω: decoding down-scales a later stretch)."""
-        g, w = self.g, self.offset if offset is None else offset
-        n = (h.shape[1] + w) // g  # L_t: every complete chunk of the ω-offset partition (Eq. 13-14)
-        # left-pad by ω and crop the incomplete trailing chunk in one F.pad (a negative pad crops)
-        pad = (w, n * g - w - h.shape[1])
-        chunks = rearrange(F.pad(h, (0, 0, *pad)), "b (n g) d -> b n g d", g=g)
+        g, w, length = self.g, self.offset if offset is None else offset, h.shape[1]
+        n = (length + w) // g  # L_t: every complete chunk of the ω-offset partition (Eq. 13-14)
+        end = n * g - w  # positions from here on form the incomplete trailing chunk: dropped (Eq. 14)
         if self.scorer is None:
-            return chunks.sum(2) / g  # Eq. 16 (left padding contributes zero)
-        score = F.pad(self.scorer(h).squeeze(-1).float(), pad, value=float("-inf"))
-        alpha = rearrange(score, "b (n g) -> b n g", g=g).softmax(-1).to(h.dtype)  # Eq. 17
+            return _ChunkSum.apply(h, None, 1 / g, 0, end, g, w, n)  # Eq. 16 (left padding counts as zero)
+        # Eq. 17: softmax within each chunk over the left-padded, cropped layout (padding scores -inf)
+        score = F.pad(self.scorer(h).squeeze(-1).float(), (w, end - length), value=float("-inf"))
+        alpha = rearrange(score, "b (n g) -> b n g", g=g).softmax(-1).to(h.dtype)
         if self.record is not None:
             self.record.append({"alpha": alpha.detach()})
-        return (alpha.unsqueeze(-1) * chunks).sum(2)  # Eq. 18 (multiply + sum: faster than a bmm of 1 x g)
+        weight = F.pad(alpha.flatten(1), (-w, length - end))  # α of each position p at row p + ω
+        return _ChunkSum.apply(h, weight, 1.0, 0, end, g, w, n)  # Eq. 18
 
     def up(self, z: torch.Tensor, length: int) -> torch.Tensor:
         """(b, L_t, d) -> shifted token-level update u~ of shape (b, L, d), Eqs. 19-22."""
         g, w, s = self.g, self.offset, self.shift
         n = z.shape[1]
-        if s - w >= length:
+        if s >= length:
             return z.new_zeros(z.shape[0], length, z.shape[2])  # every source lies before position 0
+        # shift right by s (Eq. 22): position p >= s receives row p - s + ω of the chunked layout, up to the
+        # last chunk's last row or the sequence's end; rows k < ω of chunk 0 are padding and reach no position
+        end = min(length, s - w + n * g)
         if self.allocator is None:
-            coef = z.new_full((n * g,), self.gain / g)  # Eq. 20
-        else:
-            beta = self.allocation(z)  # Eq. 21
-            if self.record is not None:
-                self.record.append({"beta": beta.detach()})
-            coef = self.gain * beta.flatten(1)  # Eq. 19
-        # row k = q + ω of the chunked layout holds source position q; rows k < ω are padding: zero weight
-        coef = F.pad(coef[..., w:], (w, 0)).unflatten(-1, (n, g))
-        u = rearrange(coef.unsqueeze(-1) * z.unsqueeze(2), "b n g d -> b (n g) d")
-        # shift right by s (Eq. 22): position p reads row p - s + ω; one F.pad zero-fills the first rows and
-        # crops or zero-fills the end (a negative pad crops)
-        return F.pad(u, (0, 0, s - w, length - n * g - s + w))
+            return _ChunkSpread.apply(z, None, self.gain / g, s, end, g, w, length)  # Eq. 20
+        beta = self.allocation(z)  # Eq. 21
+        if self.record is not None:
+            self.record.append({"beta": beta.detach()})
+        weight = F.pad(self.gain * beta.flatten(1), (s - w, length - n * g - s + w))  # λ β at each position
+        return _ChunkSpread.apply(z, weight, 1.0, s, end, g, w, length)  # Eq. 19
 
     def forward(
         self,
@@ -159,3 +159,126 @@ class StepCache:
     seen: int = 0
     pending: torch.Tensor | None = None  # (b, positions of the incomplete chunk seen so far, d)
     z_hat: torch.Tensor | None = None  # (b, complete chunks, d)
+
+
+# ---------------------------------------------------------------------------------------------- chunk maps
+# S_down and S_up are adjoint linear maps between positions and chunks, each with per-position weights:
+#     chunk_sum:    z[j] = sum_{p in chunk j} a[p] x[p]        (Eqs. 16/18: a = 1/g or α)
+#     chunk_spread: u[p] = a[p] z[chunk(p)]                    (Eqs. 19/20: a = λ/g or λβ)
+# over the positions p in [start, end), position p in chunk (p - start + ω) // g (Eq. 12; start = 0 for
+# S_down, s for S_up and its shift, Eq. 22). Each is a few views of the sequence, split where chunk 0 starts
+# part-way (offset ω) and where the sequence ends mid-chunk, so neither pads nor copies the (b, L, d) states:
+# the backward of one is the other (plus a per-position inner product for learned weights), one pass each.
+
+
+def _segments(start: int, end: int, g: int, offset: int) -> list[tuple[int, int, int, int]]:
+    """(first position, first chunk, chunks, positions per chunk) of the runs that tile [start, end)."""
+    out, p, j = [], start, 0
+    if offset:  # chunk 0 holds g - ω positions (its first ω rows are padding)
+        k = min(g - offset, end - p)
+        out.append((p, 0, 1, k))
+        p, j = p + k, 1
+    full = (end - p) // g
+    if full:
+        out.append((p, j, full, g))
+        p, j = p + full * g, j + full
+    if p < end:  # the sequence ends mid-chunk (S_up: the shift pushes the last chunk past L)
+        out.append((p, j, 1, end - p))
+    return out
+
+
+def _views(x: torch.Tensor, seg: tuple[int, int, int, int]) -> torch.Tensor:
+    p, _, c, k = seg
+    return x[:, p : p + c * k].unflatten(1, (c, k))  # (b, c, k, ...)
+
+
+def _sum(x: torch.Tensor, a: torch.Tensor | None, scale: float, segs: list, n: int) -> torch.Tensor:
+    """(b, n, d): the weighted sum over each chunk's positions (zero for chunks with none)."""
+    parts = []
+    for seg in segs:
+        # (1 x k) @ (k x d) per chunk: a GEMM reads x once and writes no (b, c, k, d) product
+        w = x.new_full((1, seg[3]), scale) if a is None else _views(a, seg).unsqueeze(-2)
+        parts.append((w @ _views(x, seg)).squeeze(-2))
+    covered = segs[-1][1] + segs[-1][2]
+    if covered < n:  # chunks whose positions all lie at or past L
+        parts.append(x.new_zeros(x.shape[0], n - covered, x.shape[-1]))
+    return torch.cat(parts, 1)
+
+
+def _spread(
+    z: torch.Tensor, a: torch.Tensor | None, scale: float, segs: list, start: int, end: int, length: int
+) -> torch.Tensor:
+    """(b, L, d): each position in [start, end) gets its chunk's row, weighted; zero elsewhere."""
+    u = z.new_empty(z.shape[0], length, z.shape[-1])
+    u[:, :start].zero_()
+    u[:, end:].zero_()
+    for seg in segs:
+        _, j, c, k = seg
+        src = z[:, j : j + c].unsqueeze(2)
+        if a is None:
+            _views(u, seg).copy_((src * scale).expand(-1, -1, k, -1))
+        else:
+            torch.mul(src, _views(a, seg).unsqueeze(-1), out=_views(u, seg))
+    return u
+
+
+def _inner(x: torch.Tensor, z: torch.Tensor, segs: list, start: int, end: int, length: int) -> torch.Tensor:
+    """(b, L): <x[p], z[chunk(p)]> over [start, end), zero elsewhere (the gradient of per-position weights)."""
+    parts = [
+        (_views(x, seg) * z[:, seg[1] : seg[1] + seg[2]].unsqueeze(2)).sum(-1).flatten(1) for seg in segs
+    ]
+    return F.pad(torch.cat(parts, 1), (start, length - end))
+
+
+def _no_autocast(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Run in the states' dtype (autocast would turn the GEMMs of ``_sum`` to half precision)."""
+    device = t.device.type
+    return (
+        torch.autocast(device, enabled=False)
+        if torch.amp.is_autocast_available(device)
+        else contextlib.nullcontext()
+    )
+
+
+class _ChunkSum(torch.autograd.Function):
+    """S_down's sum (Eqs. 16/18); its backward spreads the gradient back (one pass, no scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, x, a, scale, start, end, g, offset, n):
+        segs = _segments(start, end, g, offset)
+        ctx.save_for_backward(x if a is not None and a.requires_grad else None, a)
+        ctx.meta = scale, segs, start, end, x.shape[1]
+        with _no_autocast(x):
+            return _sum(x, a, scale, segs, n)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, a = ctx.saved_tensors
+        scale, segs, start, end, length = ctx.meta
+        with _no_autocast(grad):
+            grad_x = _spread(grad, a, scale, segs, start, end, length) if ctx.needs_input_grad[0] else None
+            grad_a = _inner(x, grad, segs, start, end, length) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_a, None, None, None, None, None, None
+
+
+class _ChunkSpread(torch.autograd.Function):
+    """S_up's broadcast with the shift (Eqs. 19/20, 22); its backward sums the gradient over each chunk."""
+
+    @staticmethod
+    def forward(ctx, z, a, scale, start, end, g, offset, length):
+        segs = _segments(start, end, g, offset)
+        ctx.save_for_backward(z if a is not None and a.requires_grad else None, a)
+        ctx.meta = scale, segs, start, end, z.shape[1]
+        with _no_autocast(z):
+            return _spread(z, a, scale, segs, start, end, length)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        z, a = ctx.saved_tensors
+        scale, segs, start, end, n = ctx.meta
+        with _no_autocast(grad):
+            grad_z = _sum(grad, a, scale, segs, n) if ctx.needs_input_grad[0] else None
+            grad_a = _inner(grad, z, segs, start, end, grad.shape[1]) if ctx.needs_input_grad[1] else None
+        return grad_z, grad_a, None, None, None, None, None, None
