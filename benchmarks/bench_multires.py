@@ -1,13 +1,14 @@
 """Wall-clock of SpiralFormer-B against LoopedFormer with the same layer allocation (SpiralFormer Table 1).
 
-    python benchmarks/bench_multires.py                      # cpu-base, 2+4x{1/8,1/4,1/2,1}+2 vs 2+4x{1,1}+2, mesh
-    python benchmarks/bench_multires.py --breakdown          # + where the time goes, component by component
-    python benchmarks/bench_multires.py --preset pythia-160m --batch 1 --reps 30   # the paper's smallest size
+    python benchmarks/bench_multires.py --reps 16 --min-util 0.95   # pythia-160m, 2+4x{1/8,1/4,1/2,1}+2 vs 2+4x{1,1}+2, 2 x 1024
+    python benchmarks/bench_multires.py --breakdown --one-process   # + where the time goes, component by component
+    python benchmarks/bench_multires.py --preset cpu-base --reps 20 # the same allocation at d=256
 
 Table 1 compares, at every Pythia size, LoopedFormer ``P+Nx{1,1}+P`` with SpiralFormer-B
 ``P+Nx{1/8,1/4,1/2,1}+P`` (same prelude/core/coda, same parameters; e.g. 160M: 2+4x{1,1}+2 at 1.65e12
 vs 2+4x{1/8,1/4,1/2,1}+2 at 1.48e12 FLOPs). The 12-layer ``cpu-base`` preset mirrors the 160M
-allocation. Both use the MeSH topology by default (Table 1's unstarred rows).
+allocation. Both use the MeSH topology by default (Table 1's unstarred rows). The default is the paper's
+smallest size, Pythia-160M, at 2 x 1024 tokens.
 
 Each model trains in a process of its own, as a training run would (``--one-process``: both in this
 one, sharing its heap; see ``bench_mesh_overhead.InProcess`` for why that biases the comparison); one
@@ -181,7 +182,7 @@ def profile(model: RecursiveLM, idx: torch.Tensor, tgt: torch.Tensor, rows: int 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="cpu-base")
+    p.add_argument("--preset", default="pythia-160m")
     p.add_argument("--spiral", default="2+4x{1/8,1/4,1/2,1}+2", help="SpiralFormer-B layout")
     p.add_argument("--looped", default="2+4x{1,1}+2", help="LoopedFormer layout with the same allocation")
     p.add_argument("--topology", default="mesh", help="topology of both models (Table 1: mesh)")
