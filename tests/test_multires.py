@@ -150,6 +150,16 @@ def test_operators_match_equations(downscale, upscale, g, w, s, length):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("downscale, upscale", [("mean", "broadcast"), ("self_aggregation", "allocation")])
+def test_operators_without_a_complete_chunk(downscale, upscale):
+    """Fewer than g - ω positions: S_down yields no chunk, and S_up of no chunk is a zero update."""
+    cfg = ModelConfig.from_dict({**BASE, "layout": "1+1x{1/4}+1", "downscale": downscale, "upscale": upscale})
+    step = ResolutionStep(cfg, 4, 2, 3, 2.0)
+    assert step.down(torch.randn(2, 1, 16)).shape == (2, 0, 16)
+    u = step.up(torch.randn(2, 0, 16), 5)
+    assert u.shape == (2, 5, 16) and not u.any()
+
+
 def test_self_aggregation_and_allocation_are_normalised():
     cfg = ModelConfig.from_dict({**BASE, "layout": "1+1x{1/4}+1"})
     step = ResolutionStep(cfg, 4, 2, 3, 2.0).double()

@@ -69,6 +69,8 @@ class ResolutionStep(nn.Module):
         g, w, length = self.g, self.offset if offset is None else offset, h.shape[1]
         n = (length + w) // g  # L_t: every complete chunk of the ω-offset partition (Eq. 13-14)
         end = n * g - w  # positions from here on form the incomplete trailing chunk: dropped (Eq. 14)
+        if n == 0:
+            return h.new_zeros(h.shape[0], 0, h.shape[2])  # fewer than g - ω positions: no complete chunk
         if self.scorer is None:
             return _ChunkSum.apply(h, None, 1 / g, 0, end, g, w, n)  # Eq. 16 (left padding counts as zero)
         # Eq. 17: softmax within each chunk over the left-padded, cropped layout (padding scores -inf)
@@ -174,6 +176,8 @@ class StepCache:
 def _segments(start: int, end: int, g: int, offset: int) -> list[tuple[int, int, int, int]]:
     """(first position, first chunk, chunks, positions per chunk) of the runs that tile [start, end)."""
     out, p, j = [], start, 0
+    if end <= start:  # no complete chunk (S_down of fewer than g - ω positions)
+        return out
     if offset:  # chunk 0 holds g - ω positions (its first ω rows are padding)
         k = min(g - offset, end - p)
         out.append((p, 0, 1, k))
@@ -199,8 +203,8 @@ def _sum(x: torch.Tensor, a: torch.Tensor | None, scale: float, segs: list, n: i
         # (1 x k) @ (k x d) per chunk: a GEMM reads x once and writes no (b, c, k, d) product
         w = x.new_full((1, seg[3]), scale) if a is None else _views(a, seg).unsqueeze(-2)
         parts.append((w @ _views(x, seg)).squeeze(-2))
-    covered = segs[-1][1] + segs[-1][2]
-    if covered < n:  # chunks whose positions all lie at or past L
+    covered = segs[-1][1] + segs[-1][2] if segs else 0
+    if covered < n or not parts:  # chunks whose positions all lie at or past L (or no chunk at all)
         parts.append(x.new_zeros(x.shape[0], n - covered, x.shape[-1]))
     return torch.cat(parts, 1)
 
