@@ -10,7 +10,7 @@ is left-padded by ω so chunk 0 holds the first g - ω tokens, and the incomplet
 dropped (Eq. 14). We keep L_t = floor((L + ω) / g) chunks: Eq. 13's floor(L / g) when ω = 0, and with
 ω > 0 it also keeps the last *complete* chunk, so a position's output never depends on how many tokens
 follow it (training-time forward == token-by-token decoding). Positions that receive no update get zero.
-S_down and S_up are views of the sequence (``_ChunkSum``, ``_ChunkSpread`` below), no Python loop over chunks
+S_down and S_up are views of the sequence (``_ChunkMap`` below), no Python loop over chunks
 or tokens.
 """
 
@@ -72,14 +72,16 @@ class ResolutionStep(nn.Module):
         if n == 0:
             return h.new_zeros(h.shape[0], 0, h.shape[2])  # fewer than g - ω positions: no complete chunk
         if self.scorer is None:
-            return _ChunkSum.apply(h, None, 1 / g, 0, end, g, w, n)  # Eq. 16 (left padding counts as zero)
+            return _ChunkMap.apply(
+                h, None, 1 / g, 0, end, g, w, n, False
+            )  # Eq. 16 (left padding counts as zero)
         # Eq. 17: softmax within each chunk over the left-padded, cropped layout (padding scores -inf)
         score = F.pad(self.scorer(h).squeeze(-1).float(), (w, end - length), value=float("-inf"))
         alpha = rearrange(score, "b (n g) -> b n g", g=g).softmax(-1).to(h.dtype)
         if self.record is not None:
             self.record.append({"alpha": alpha.detach()})
         weight = F.pad(alpha.flatten(1), (-w, length - end))  # α of each position p at row p + ω
-        return _ChunkSum.apply(h, weight, 1.0, 0, end, g, w, n)  # Eq. 18
+        return _ChunkMap.apply(h, weight, 1.0, 0, end, g, w, n, False)  # Eq. 18
 
     def up(self, z: torch.Tensor, length: int) -> torch.Tensor:
         """(b, L_t, d) -> shifted token-level update u~ of shape (b, L, d), Eqs. 19-22."""
@@ -91,12 +93,12 @@ class ResolutionStep(nn.Module):
         # last chunk's last row or the sequence's end; rows k < ω of chunk 0 are padding and reach no position
         end = min(length, s - w + n * g)
         if self.allocator is None:
-            return _ChunkSpread.apply(z, None, self.gain / g, s, end, g, w, length)  # Eq. 20
+            return _ChunkMap.apply(z, None, self.gain / g, s, end, g, w, length, True)  # Eq. 20
         beta = self.allocation(z)  # Eq. 21
         if self.record is not None:
             self.record.append({"beta": beta.detach()})
         weight = F.pad(self.gain * beta.flatten(1), (s - w, length - n * g - s + w))  # λ β at each position
-        return _ChunkSpread.apply(z, weight, 1.0, s, end, g, w, length)  # Eq. 19
+        return _ChunkMap.apply(z, weight, 1.0, s, end, g, w, length, True)  # Eq. 19
 
     def forward(
         self,
@@ -226,12 +228,12 @@ def _spread(
     return u
 
 
-def _inner(x: torch.Tensor, z: torch.Tensor, segs: list, start: int, end: int, length: int) -> torch.Tensor:
+def _inner(x: torch.Tensor, z: torch.Tensor, segs: list, start: int, end: int) -> torch.Tensor:
     """(b, L): <x[p], z[chunk(p)]> over [start, end), zero elsewhere (the gradient of per-position weights)."""
     parts = [
         (_views(x, seg) * z[:, seg[1] : seg[1] + seg[2]].unsqueeze(2)).sum(-1).flatten(1) for seg in segs
     ]
-    return F.pad(torch.cat(parts, 1), (start, length - end))
+    return F.pad(torch.cat(parts, 1), (start, x.shape[1] - end))
 
 
 def _no_autocast(t: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -244,45 +246,34 @@ def _no_autocast(t: torch.Tensor) -> contextlib.AbstractContextManager:
     )
 
 
-class _ChunkSum(torch.autograd.Function):
-    """S_down's sum (Eqs. 16/18); its backward spreads the gradient back (one pass, no scatter-add)."""
+class _ChunkMap(torch.autograd.Function):
+    """S_down's weighted sum over chunks (Eqs. 16/18) or, with ``spread``, S_up's weighted broadcast with the
+    shift (Eqs. 19/20, 22). The two are adjoint, so the backward of each is the other (one pass, no
+    scatter-add), plus <positions, chunks> at each position for learned weights."""
 
     @staticmethod
-    def forward(ctx, x, a, scale, start, end, g, offset, n):
+    def forward(ctx, x, a, scale, start, end, g, offset, size, spread):
+        """``size``: the output's chunks (sum) or positions (spread)."""
         segs = _segments(start, end, g, offset)
         ctx.save_for_backward(x if a is not None and a.requires_grad else None, a)
-        ctx.meta = scale, segs, start, end, x.shape[1]
+        ctx.meta = scale, segs, start, end, x.shape[1], spread
         with _no_autocast(x):
-            return _sum(x, a, scale, segs, n)
+            return _spread(x, a, scale, segs, start, end, size) if spread else _sum(x, a, scale, segs, size)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         x, a = ctx.saved_tensors
-        scale, segs, start, end, length = ctx.meta
+        scale, segs, start, end, size, spread = ctx.meta  # size: the input's chunks or positions
+        grad_x = grad_a = None
         with _no_autocast(grad):
-            grad_x = _spread(grad, a, scale, segs, start, end, length) if ctx.needs_input_grad[0] else None
-            grad_a = _inner(x, grad, segs, start, end, length) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_a, None, None, None, None, None, None
-
-
-class _ChunkSpread(torch.autograd.Function):
-    """S_up's broadcast with the shift (Eqs. 19/20, 22); its backward sums the gradient over each chunk."""
-
-    @staticmethod
-    def forward(ctx, z, a, scale, start, end, g, offset, length):
-        segs = _segments(start, end, g, offset)
-        ctx.save_for_backward(z if a is not None and a.requires_grad else None, a)
-        ctx.meta = scale, segs, start, end, z.shape[1]
-        with _no_autocast(z):
-            return _spread(z, a, scale, segs, start, end, length)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        z, a = ctx.saved_tensors
-        scale, segs, start, end, n = ctx.meta
-        with _no_autocast(grad):
-            grad_z = _sum(grad, a, scale, segs, n) if ctx.needs_input_grad[0] else None
-            grad_a = _inner(grad, z, segs, start, end, grad.shape[1]) if ctx.needs_input_grad[1] else None
-        return grad_z, grad_a, None, None, None, None, None, None
+            if ctx.needs_input_grad[0]:
+                grad_x = (
+                    _sum(grad, a, scale, segs, size)
+                    if spread
+                    else _spread(grad, a, scale, segs, start, end, size)
+                )
+            if ctx.needs_input_grad[1]:
+                positions, chunks = (grad, x) if spread else (x, grad)
+                grad_a = _inner(positions, chunks, segs, start, end)
+        return grad_x, grad_a, None, None, None, None, None, None, None

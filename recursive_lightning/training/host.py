@@ -8,8 +8,9 @@ project's Firecracker VMs `aten::fill_` of the fresh gradients took 160-270 ms o
 
 ``keep_freed_memory`` tells glibc (``mallopt``) to serve every allocation from its heap and never trim it, so
 the later steps reuse the first steps' pages: the 160M SpiralFormer-B AdamW step fell from 4.18 to 3.23 s
-(``benchmarks/bench_host_memory.py``), and its time stopped depending on the machine's memory state. The process keeps its peak footprint until it exits (what
-jemalloc/tcmalloc, which the PyTorch CPU tuning guide recommends, do too). Only glibc on Linux has these
+(``benchmarks/bench_host_memory.py``), and its time stopped depending on the machine's memory state. The
+process keeps its peak footprint until it exits (what jemalloc/tcmalloc, which the PyTorch CPU tuning guide
+recommends, do too). Only glibc on Linux has these
 knobs; elsewhere nothing changes. ``train.keep_host_memory: false`` turns it off.
 """
 
