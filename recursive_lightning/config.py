@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -99,6 +100,12 @@ class RunConfig:
         name = data.get("name", "run")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"name must be a non-empty string, not {name!r}.")
+        for section in ("model", "data", "train"):
+            if data.get(section) is not None and not isinstance(data[section], dict):
+                raise ConfigError(
+                    f"the '{section}' section must be a mapping of fields (e.g. {section}: {{...}}), "
+                    f"not {data[section]!r}."
+                )
         return cls(
             name=name,
             model=ModelConfig.from_dict(data.get("model") or {}),
@@ -118,6 +125,12 @@ class RunConfig:
         if d.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len {d.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}; raise model.max_seq_len or lower data.seq_len."
+            )
+        m = self.model
+        if m.arch == "mela" and d.seq_len % m.tokens_per_chunk:
+            raise ConfigError(
+                f"data.seq_len {d.seq_len} must be a multiple of P*C = {m.tokens_per_chunk} (model.patch_size "
+                f"{m.patch_size} x model.chunk_size {m.chunk_size}) for a Mela model, so every chunk is complete."
             )
         if t.lr <= 0:
             raise ConfigError(f"train.lr must be positive, not {t.lr}.")
@@ -164,14 +177,19 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return int(value)
         raise ConfigError(f"{where} must be an integer, not {value!r}.")
     if tp is float:
+        number = None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where} must be a number, not {value!r}.")
+        if number is None:
+            raise ConfigError(f"{where} must be a number, not {value!r}.")
+        if not math.isfinite(number):
+            raise ConfigError(f"{where} must be a finite number, not {value!r}.")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

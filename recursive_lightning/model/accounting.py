@@ -53,6 +53,8 @@ def _attention_macs(cfg: ModelConfig, seq_len: int) -> int:
 
 def describe(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) -> dict[str, Any]:
     """Parameter counts and forward FLOPs of one ``batch_size x seq_len`` sequence, in seconds at any size."""
+    if cfg.arch == "mela":
+        return describe_mela(cfg, seq_len, batch_size)
     with torch.device("meta"):
         model = RecursiveLM(cfg)
     params = count_parameters(model)
@@ -85,7 +87,156 @@ def describe(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) -> dict
     return out
 
 
+# Mela Table 1: (memory %, language %) of each size; the rest is embedding + output
+MELA_TABLE1_SHARES = {"mela-400m": (27.45, 65.75), "mela-800m": (28.78, 66.35), "mela-1.2b": (18.19, 76.97)}
+
+
+def _mela_parameters(model: torch.nn.Module) -> dict[str, int]:
+    from recursive_lightning.model.hierarchical_memory import GatedAttention
+    from recursive_lightning.model.neural_memory import NeuralMemory
+
+    hmm = model.hmm
+    attention = sum(_numel(m) for m in hmm.modules() if isinstance(m, GatedAttention))
+    gates = sum(_numel(m.gate) for m in hmm.modules() if isinstance(m, GatedAttention))
+    memories = [m for m in hmm.modules() if isinstance(m, NeuralMemory)]
+    initial = sum(_numel(m.init_weights) for m in memories)
+    fusions = _numel(hmm.fusions) + _numel(hmm.l_module.fuse) + _numel(hmm.h_module.fuse)
+    norms = sum(_numel(m) for m in hmm.modules() if isinstance(m, torch.nn.RMSNorm))
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.embed.weight.numel() + (0 if model.cfg.tie_embeddings else model.head.weight.numel())
+    memory = _numel(hmm) + model.memory_init.numel()
+    return {
+        "params_total": total,
+        "params_non_embedding": total - embedding,
+        "params_embedding": embedding,
+        "params_router": 0,
+        "params_combination": 0,
+        "params_resolution": 0,
+        "params_memory": memory,
+        "params_language": total - embedding - memory,
+        "params_patchify": _numel(hmm.patchify),
+        "params_hmm_attention": attention - gates,
+        "params_hmm_gates": gates,
+        "params_hmm_norms": norms,
+        "params_memory_projections": sum(_numel(m) for m in memories) - initial,
+        "params_initial_memories": initial,
+        "params_fusions": fusions,
+        "params_memory_tokens": model.memory_init.numel(),
+    }
+
+
+def _ns_flops(cfg: ModelConfig) -> int:
+    """FLOPs of one Newton-Schulz-k over one memory state (every tensor, every head): per step on an m x n
+    matrix (m <= n) A = XX^T (m^2 n MACs), A @ A (m^3), (bA + cA^2) @ X (m^2 n)."""
+    hd = cfg.hmm_width // cfg.memory_heads
+    dims = [hd] + [cfg.memory_expansion * hd] * (cfg.memory_depth - 1) + [hd]
+    macs = 0
+    for a, b in zip(dims[:-1], dims[1:]):
+        m, n = min(a, b), max(a, b)
+        macs += 2 * m * m * n + m**3
+    return 2 * cfg.ns_steps * macs * cfg.memory_heads
+
+
+def describe_mela(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) -> dict[str, Any]:
+    """``describe`` for ``arch: mela``: parameters by part with Table 1's shares, the sequence geometry
+    (N_p, N_c, decoder length), HLR's block applications and the forward FLOPs by part."""
+    from recursive_lightning.model.mela import MelaLM
+
+    with torch.device("meta"):
+        model = MelaLM(cfg)
+    params = _mela_parameters(model)
+    idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(idx)
+    by_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    flops = counter.get_total_flops()
+
+    def under(*names: str) -> int:
+        return sum(by_module.get(f"MelaLM.{n}", 0) for n in names)
+
+    hmm_names = [n for n, _ in model.hmm.named_modules() if n]
+    attention = sum(by_module.get(f"MelaLM.hmm.{n}", 0) for n in hmm_names if n.endswith(".attn"))
+    memory_all = sum(by_module.get(f"MelaLM.hmm.{n}", 0) for n in hmm_names if n.endswith(".memory"))
+    projections = sum(
+        by_module.get(f"MelaLM.hmm.{n}", 0)
+        for n in hmm_names
+        if n.rsplit(".", 1)[-1] in ("qkv", "out", "theta", "eta", "alpha") and ".memory." in n
+    )
+    PC, C, P = cfg.tokens_per_chunk, cfg.chunk_size, cfg.patch_size
+    n_chunks = -(-seq_len // PC)
+    hmm_chunks = n_chunks - 1  # the last chunk's memory is read by no text position
+    apps = len(model.hmm.applications)
+    with_grad = apps // cfg.h_cycles
+    ns = (
+        _ns_flops(cfg) * apps * hmm_chunks * batch_size
+        if cfg.neural_memory and cfg.memory_update == "newton_schulz"
+        else 0
+    )
+    decoder = flops - under("hmm")  # decoder layers, final norm, head
+    attn_macs = len(model.layers) * n_chunks * 2 * (C + PC) ** 2 * cfg.d_model * batch_size
+    state = [m.init_weights for m in model.hmm.modules() if hasattr(m, "init_weights")]
+    per_app = {id(m): sum(p.numel() for p in m) for m in state}
+    momentum = 2 if cfg.memory_update != "plain" else 1
+    memory_state = (
+        momentum
+        * sum(
+            per_app[
+                id(
+                    model.hmm.l_module.blocks[j].memory.init_weights
+                    if k == "l"
+                    else model.hmm.h_module.blocks[j].memory.init_weights
+                )
+            ]
+            for k, j in model.hmm.applications
+        )
+        if cfg.neural_memory
+        else 0
+    )
+    kv = len(model.layers) * 2 * (C + PC) * cfg.kv_heads * cfg.head_dim
+    out: dict[str, Any] = {
+        "arch": "mela",
+        "layout": cfg.layout,
+        "kind": "mela",
+        "topology": cfg.topology,
+        "d_model": cfg.d_model,
+        "hmm_d_model": cfg.hmm_width,
+        "n_loop": 0,
+        "n_compute_layers": len(model.layers),
+        "buffer": None,
+        **params,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "patch_size": P,
+        "chunk_size": C,
+        "n_patches": seq_len // P,  # N_p = floor(N / P)
+        "n_chunks": n_chunks,  # N_c = N_p / C = decoder chunks of P*C tokens
+        "decoder_length": seq_len + n_chunks * C,  # N (P+1) / P when P*C divides N
+        "hmm_chunks_computed": hmm_chunks,
+        "block_applications": apps,
+        "block_applications_with_grad": with_grad,
+        "flops_forward": flops,
+        "flops_attention": 2 * attn_macs,
+        "flops_forward_fvcore": (flops - 2 * attn_macs) // 2,
+        "flops_decoder": decoder,
+        "flops_hmm_attention": attention,
+        "flops_memory_projections": projections,
+        "flops_newton_schulz": ns,
+        "flops_memory_inner_loop": memory_all - projections - ns,
+        "flops_hmm_other": under("hmm") - attention - memory_all,
+        "flops_convention": CONVENTION,
+        "decode_state_elements": batch_size
+        * (memory_state + kv + C * cfg.d_model * cfg.h_cycles + PC * cfg.d_model),
+    }
+    if cfg.preset in MELA_TABLE1_SHARES:
+        out["table1_memory_pct"], out["table1_language_pct"] = MELA_TABLE1_SHARES[cfg.preset]
+    return out
+
+
 def format_description(d: dict[str, Any]) -> str:
+    if d.get("arch") == "mela":
+        return format_mela(d)
+
     def m(x: int) -> str:
         return f"{x:,} ({x / 1e6:.1f}M)"
 
@@ -109,4 +260,49 @@ def format_description(d: dict[str, Any]) -> str:
     ]
     if "flops_mesh_eq8" in d:
         lines.append(f"MeSH Eq. 8 extra  {d['flops_mesh_eq8'] / 1e9:.3f} GFLOPs (fvcore units)")
+    return "\n".join(lines)
+
+
+def format_mela(d: dict[str, Any]) -> str:
+    total = d["params_total"]
+
+    def m(x: int) -> str:
+        return f"{x:>15,} ({x / 1e6:8.2f}M, {100 * x / total:5.2f}%)"
+
+    def f(x: int) -> str:
+        return f"{x / 1e9:12,.2f} GFLOPs ({100 * x / d['flops_forward']:5.1f}%)"
+
+    table = ""
+    if "table1_memory_pct" in d:
+        table = f"   Table 1: memory {d['table1_memory_pct']}%, language {d['table1_language_pct']}%"
+    lines = [
+        f"Mela              decoder of {d['n_compute_layers']} layers (d={d['d_model']}), HMM d={d['hmm_d_model']}",
+        f"params total      {m(total)}",
+        f"  memory          {m(d['params_memory'])}{table}",
+        f"  language        {m(d['params_language'])}",
+        f"  embedding       {m(d['params_embedding'])}",
+        "  memory by part:",
+        f"    patchify              {m(d['params_patchify'])}",
+        f"    HMM attention         {m(d['params_hmm_attention'])}",
+        f"    HMM gates             {m(d['params_hmm_gates'])}",
+        f"    HMM norms             {m(d['params_hmm_norms'])}",
+        f"    memory projections    {m(d['params_memory_projections'])}",
+        f"    initial memories M_0  {m(d['params_initial_memories'])}",
+        f"    fusions               {m(d['params_fusions'])}",
+        f"    chunk-0 memory tokens {m(d['params_memory_tokens'])}",
+        f"sequence          {d['seq_len']} tokens -> N_p={d['n_patches']} patches (P={d['patch_size']}), "
+        f"N_c={d['n_chunks']} chunks (C={d['chunk_size']}), decoder length {d['decoder_length']}",
+        f"HLR               {d['block_applications']} memory-block applications per forward, "
+        f"{d['block_applications_with_grad']} with gradients; HMM over {d['hmm_chunks_computed']} chunks "
+        "(the last chunk's memory is read by no token)",
+        f"forward FLOPs     {d['flops_forward'] / 1e12:.4f}e12 for {d['batch_size']}x{d['seq_len']} tokens, by part:",
+        f"  decoder         {f(d['flops_decoder'])}",
+        f"  HMM attention   {f(d['flops_hmm_attention'])}",
+        f"  memory proj.    {f(d['flops_memory_projections'])}",
+        f"  inner loop      {f(d['flops_memory_inner_loop'])}",
+        f"  Newton-Schulz   {f(d['flops_newton_schulz'])}",
+        f"  HMM other       {f(d['flops_hmm_other'])}",
+        f"                  convention: {d['flops_convention']}",
+        f"decoding state    {d['decode_state_elements']:,} elements, constant in the sequence length",
+    ]
     return "\n".join(lines)

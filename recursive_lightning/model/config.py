@@ -43,6 +43,92 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Transformer++ (LLaMA: RMSNorm, SwiGLU, full rotary, GQA, no biases) and Mela (arch: mela), Mela Table 1.
+# Decoder depth, heads and memory shape are not in the table: our fit, see MELA_FIT below.
+LLAMA = {
+    "norm": "rmsnorm",
+    "mlp": "swiglu",
+    "rotary_pct": 1.0,
+    "bias": False,
+    "parallel_residual": False,
+    "scale_embeddings": False,
+    "tie_embeddings": True,
+    "rotary_base": 10000.0,
+}
+MELA_SIZES = {
+    # name: (H-module layers, L-module layers, HMM hidden, decoder hidden, decoder layers, heads, kv heads)
+    "400m": (8, 4, 768, 768, 38, 12, 4),
+    "800m": (8, 8, 1024, 1024, 46, 16, 4),
+    "1.2b": (8, 8, 1024, 1536, 38, 24, 8),
+}
+PRESETS.update(
+    {
+        f"mela-{k}": {
+            **LLAMA,
+            "arch": "mela",
+            "h_layers": h,
+            "l_layers": lo,
+            "hmm_d_model": dh,
+            "hmm_heads": dh // 64,
+            "d_model": d,
+            "n_layers_hint": n,
+            "n_heads": nh,
+            "n_kv_heads": kv,
+            "vocab_size": 32000,
+            "max_seq_len": 4096,
+        }
+        for k, (h, lo, dh, d, n, nh, kv) in MELA_SIZES.items()
+    }
+)
+# Transformer++ matched to each Mela size: the same decoder, deeper to take the memory's parameters
+TRANSFORMERPP_LAYERS = {"400m": 54, "800m": 66, "1.2b": 48}
+PRESETS.update(
+    {
+        f"transformerpp-{k}": {
+            **LLAMA,
+            "d_model": d,
+            "n_layers_hint": TRANSFORMERPP_LAYERS[k],
+            "n_heads": nh,
+            "n_kv_heads": kv,
+            "vocab_size": 32000,
+            "max_seq_len": 4096,
+        }
+        for k, (_, _, _, d, _, nh, kv) in MELA_SIZES.items()
+    }
+)
+# CPU sizes: train in minutes here (P=8, C=8: a 64-token chunk, 8 memory tokens)
+PRESETS["cpu-mela"] = {
+    **LLAMA,
+    "arch": "mela",
+    "d_model": 128,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "n_layers_hint": 4,
+    "vocab_size": 4096,
+    "max_seq_len": 1024,
+    "h_layers": 2,
+    "l_layers": 1,
+    "h_cycles": 2,
+    "l_cycles": 2,
+    "patch_size": 8,
+    "chunk_size": 8,
+    "memory_heads": 4,
+    "memory_expansion": 2,
+}
+PRESETS["cpu-transformerpp"] = {
+    **LLAMA,
+    "d_model": 128,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "n_layers_hint": 9,
+    "vocab_size": 4096,
+    "max_seq_len": 1024,
+}
+
+ARCHES = ("recursive", "mela")
+MEMORY_UPDATES = ("plain", "momentum", "forgetting", "newton_schulz")  # Eq. 1, Eqs. 2-3, Eqs. 4-5, Eqs. 10-11
+FUSIONS = ("mlp", "weighted_sum", "none")  # Sec. 3.3 / Table 4
+
 TOPOLOGY_TERMS = ("residual", "anchor", "anchor_emb")
 TOPOLOGIES = (
     "base",
@@ -109,6 +195,31 @@ class ModelConfig:
     shift: Any = "overlap"  # overlap (g-1) | parallel (g) | int | list per step
     gain: Any = "sqrt"  # sqrt (sqrt(g)) | float
     allow_noncausal: bool = False  # permit s <= g-2 (Prop. 1) only to demonstrate the leak
+    # --- model family ---
+    # recursive: RecursiveLM (vanilla incl. Transformer++, looped, multi-resolution); mela: MelaLM, whose
+    # layout is the decoder depth (a plain integer)
+    arch: str = "recursive"
+    # --- Mela (arch: mela; Mela Secs. 2-4, Table 1) ---
+    patch_size: int = 32  # P: tokens per patch (1-D convolution, kernel = stride = P)
+    chunk_size: int = 64  # C: patches per memory update = memory tokens per decoder chunk of P*C tokens
+    h_cycles: int = 4  # H: high-level cycles of HLR (the first H-1 without gradients)
+    l_cycles: int = 4  # L: L-module refinements per H cycle
+    h_layers: int = 8  # memory blocks of the H-module
+    l_layers: int = 4  # memory blocks of the L-module
+    hmm_d_model: int | None = None  # HMM hidden size (default d_model)
+    hmm_heads: int | None = None  # gated-attention heads in the HMM (default n_heads)
+    memory_heads: int = 4  # neural-memory heads (each an independent memory MLP on d/heads dims)
+    memory_depth: int = 2  # layers of the memory MLP N(.; M)
+    memory_expansion: int = 2  # hidden width of the memory MLP, in multiples of its head dim
+    memory_update: str = (
+        "newton_schulz"  # plain (Eq. 1) | momentum (2-3) | forgetting (4-5) | newton_schulz (10-11)
+    )
+    ns_steps: int = 5  # k of Newton-Schulz-k (Eq. 10)
+    hmm_attention: bool = True  # gated attention in every memory block (Table 4 "attention in memory module")
+    hmm_gate: bool = True  # its sigmoid output gate (Qiu et al. 2025; Table 4 "gating")
+    neural_memory: bool = True  # the neural memory in every memory block (Table 4)
+    fusion: str = "mlp"  # dual-memory fusion (Sec. 3.3): mlp | weighted_sum | none (h only)
+    memstack: bool = True  # z(1..H-1) added at the memory rows of the first H-1 decoder layers (Eq. 13)
     n_layers_hint: int | None = field(default=None, repr=False)  # the preset's depth (default layout)
 
     # ------------------------------------------------------------------ derived
@@ -170,9 +281,25 @@ class ModelConfig:
             )
         return [int(v) for v in values]
 
+    @property
+    def hmm_width(self) -> int:
+        return self.hmm_d_model or self.d_model
+
+    @property
+    def hmm_n_heads(self) -> int:
+        return self.hmm_heads or self.n_heads
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        """P * C: text tokens of one decoder chunk (Mela Sec. 4.1)."""
+        return self.patch_size * self.chunk_size
+
     # ------------------------------------------------------------------ validation
     def validate(self) -> ModelConfig:
+        _choice("arch", self.arch, ARCHES)
         lay = self.parsed_layout
+        if self.arch == "mela":
+            self._validate_mela()
         self.topology = normalize_topology(self.topology)
         _choice("topology", self.topology, TOPOLOGIES)
         _choice("mlp", self.mlp, ("gelu", "swiglu"))
@@ -223,6 +350,53 @@ class ModelConfig:
                     f"Proposition 1 needs s >= g-1 = {g - 1}; use shift 'overlap' (g-1) or 'parallel' (g)."
                 )
         return self
+
+    def _validate_mela(self) -> None:
+        lay = self.parsed_layout
+        if lay.kind != "vanilla":
+            raise ConfigError(
+                f"model.layout '{self.layout}' is recurrent, but a Mela decoder is a plain stack: give its depth "
+                "as an integer (e.g. 24)."
+            )
+        if self.topology != "base":
+            raise ConfigError(
+                f"model.topology '{self.topology}' does not apply to model.arch mela; leave it base."
+            )
+        _choice("memory_update", self.memory_update, MEMORY_UPDATES)
+        _choice("fusion", self.fusion, FUSIONS)
+        for name in (
+            "patch_size",
+            "chunk_size",
+            "h_cycles",
+            "l_cycles",
+            "h_layers",
+            "l_layers",
+            "memory_heads",
+            "memory_depth",
+            "memory_expansion",
+            "ns_steps",
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"model.{name} must be a positive integer, not {v!r}.")
+        if self.hmm_width % self.hmm_n_heads:
+            raise ConfigError(
+                f"model.hmm_d_model {self.hmm_width} must be divisible by model.hmm_heads {self.hmm_n_heads}."
+            )
+        if self.hmm_width % self.memory_heads:
+            raise ConfigError(
+                f"model.hmm_d_model {self.hmm_width} must be divisible by model.memory_heads {self.memory_heads}."
+            )
+        if not (self.hmm_attention or self.neural_memory):
+            raise ConfigError(
+                "model.hmm_attention and model.neural_memory are both false: a memory block needs at least one."
+            )
+        if self.memstack and lay.n_layers < self.h_cycles - 1:
+            raise ConfigError(
+                f"model.layout '{self.layout}' gives the decoder {lay.n_layers} layers, but MemStack adds z(1..H-1) to "
+                f"the first H-1 = {self.h_cycles - 1} (Eq. 13); use at least {self.h_cycles - 1} layers, fewer "
+                "h_cycles, or memstack false."
+            )
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod

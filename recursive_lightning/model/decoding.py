@@ -79,18 +79,19 @@ def decode(
     prefilled again at every step (rotary positions and chunk boundaries restart with the window). Without
     the cache (or for a model with a non-causal shift, which cannot be cached) every step recomputes the
     window."""
-    limit = min(window or model.cfg.max_seq_len, model.cfg.max_seq_len)
+    limits = [w for w in (window, model.window) if w]  # Mela has no window of its own (window None)
+    limit = min(limits) if limits else None
     use_cache = use_cache and model.cacheable
-    cache = DecodeCache.empty(model) if use_cache else None
-    h = model.hidden(idx[:, -limit:], cache=cache)
+    cache = model.new_cache() if use_cache else None
+    h = model.hidden(idx[:, -limit:] if limit else idx, cache=cache)
     for i in range(max_new_tokens):
         nxt = pick(model.head(h[:, -1]), temperature, top_k, generator)
         yield nxt
         if i == max_new_tokens - 1:
             return
         idx = torch.cat([idx, nxt[:, None]], dim=1)
-        if use_cache and cache.length < limit:
+        if use_cache and (limit is None or cache.length < limit):
             h = model.hidden(nxt[:, None], cache=cache)
         else:
-            cache = DecodeCache.empty(model) if use_cache else None
-            h = model.hidden(idx[:, -limit:], cache=cache)
+            cache = model.new_cache() if use_cache else None
+            h = model.hidden(idx[:, -limit:] if limit else idx, cache=cache)

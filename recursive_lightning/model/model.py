@@ -233,6 +233,18 @@ class RecursiveLM(nn.Module):
         return idx
 
     @property
+    def window(self) -> int:
+        """Positions a decoding step can see (rotary and chunk boundaries are trained up to here)."""
+        return self.cfg.max_seq_len
+
+    def new_cache(self) -> DecodeCache:
+        return DecodeCache.empty(self)
+
+    def layer_lists(self) -> list[nn.ModuleList]:
+        """The wrapping units of FSDP2 / activation checkpointing / per-layer compile."""
+        return [s.layers for s in (self.prelude, *self.cores, self.coda)]
+
+    @property
     def cacheable(self) -> bool:
         """Cached decoding needs every multi-resolution step causal (s >= g - 1, Prop. 1)."""
         return all(step.causal for step in self.steps)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import UserError
-from recursive_lightning.model.model import RecursiveLM
+from recursive_lightning.model.build import build_model
 
 
 class CheckpointError(UserError):
@@ -127,7 +128,7 @@ def latest_good(ckpt_dir: str | os.PathLike) -> Path | None:
 
 @dataclass
 class Loaded:
-    model: RecursiveLM
+    model: torch.nn.Module  # RecursiveLM or MelaLM
     run: RunConfig
     tokenizer: Any  # tokenizers.Tokenizer
     mlflow_run_id: str | None
@@ -143,6 +144,13 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
         found = latest_good(path / "checkpoints") or latest_good(path)
         if found is None:
             raise CheckpointError(f"no readable checkpoint under '{path}'; train first or pass a .ckpt file.")
+        newest = (candidates(path / "checkpoints") or candidates(path))[0]
+        if newest != found:  # say so: the results will be an older step's
+            print(
+                f"warning: '{newest}' is damaged or truncated; using the newest good checkpoint '{found}' instead.",
+                file=sys.stderr,
+                flush=True,
+            )
         path = found
     ckpt = read_checkpoint(path)
     extra = ckpt.get("recursive_lightning")
@@ -151,7 +159,7 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
             f"'{path}' was not written by recursive_lightning (no config/tokenizer inside)."
         )
     run = RunConfig.from_dict(extra["run"])
-    model = RecursiveLM(run.model)
+    model = build_model(run.model)
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     state = {
         k.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""): v for k, v in state.items()
@@ -168,7 +176,7 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
 
 def save_model_checkpoint(
     path: str | os.PathLike,
-    model: RecursiveLM,
+    model: torch.nn.Module,
     run: RunConfig,
     tokenizer: Any = None,
     global_step: int = 0,

@@ -11,8 +11,8 @@ from torchmetrics.text import Perplexity
 
 from recursive_lightning.config import RunConfig
 from recursive_lightning.model.accounting import describe
+from recursive_lightning.model.build import build_model
 from recursive_lightning.model.loss import cross_entropy
-from recursive_lightning.model.model import RecursiveLM
 from recursive_lightning.training import parallel
 from recursive_lightning.training.optim import build_optimizer
 
@@ -44,7 +44,7 @@ class RecursiveLMModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters({"run": run, "val_names": list(val_names)})
         self.run_cfg = RunConfig.from_dict(run)
-        self.model = RecursiveLM(self.run_cfg.model)
+        self.model = build_model(self.run_cfg.model)
         self.val_names = tuple(val_names)
         self.val_ppl = torch.nn.ModuleList(Perplexity() for _ in val_names)
         self.tokenizer_json = tokenizer_json  # stored in every checkpoint: it is self-contained

@@ -10,19 +10,18 @@ import torch
 
 from recursive_lightning.config import COMPILE_SCOPES, TrainConfig
 from recursive_lightning.errors import ConfigError
-from recursive_lightning.model.model import RecursiveLM
 
 
-def apply_activation_checkpointing(model: RecursiveLM) -> None:
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     model.shared_grads_in_place = False  # recomputation replays forward uses (model/shared_grad.py)
-    for stack in [model.prelude, *model.cores, model.coda]:
-        for i, layer in enumerate(stack.layers):
-            stack.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    for layers in model.layer_lists():
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
 
 
-def apply_fsdp(model: RecursiveLM, device_mesh, mixed_precision: str | None = None) -> None:
+def apply_fsdp(model: torch.nn.Module, device_mesh, mixed_precision: str | None = None) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = None
@@ -32,13 +31,13 @@ def apply_fsdp(model: RecursiveLM, device_mesh, mixed_precision: str | None = No
     kwargs = {"mesh": device_mesh}
     if mp is not None:
         kwargs["mp_policy"] = mp
-    for stack in [model.prelude, *model.cores, model.coda]:
-        for layer in stack.layers:
+    for layers in model.layer_lists():
+        for layer in layers:
             fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
 
 
-def compile_model(model: RecursiveLM, scope: bool | str = "layers") -> None:
+def compile_model(model: torch.nn.Module, scope: bool | str = "layers") -> None:
     """``torch.compile`` the model in place (``scope``: a ``train.compile`` value; ``True`` means ``layers``).
 
     ``layers``: every transformer layer on its own (the shared core's layers once, reused by every loop step
@@ -57,8 +56,8 @@ def compile_model(model: RecursiveLM, scope: bool | str = "layers") -> None:
     if scope == "model":
         model.compile()
         return
-    for stack in [model.prelude, *model.cores, model.coda]:
-        for layer in stack.layers:
+    for layers in model.layer_lists():
+        for layer in layers:
             layer.compile()
 
 

@@ -1,0 +1,18 @@
+"""One builder for every model family: ``model.arch`` picks the class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from recursive_lightning.model.config import ModelConfig
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """``RecursiveLM`` (vanilla / Transformer++, looped, multi-resolution) or ``MelaLM`` (``arch: mela``)."""
+    if cfg.arch == "mela":
+        from recursive_lightning.model.mela import MelaLM
+
+        return MelaLM(cfg)
+    from recursive_lightning.model.model import RecursiveLM
+
+    return RecursiveLM(cfg)

@@ -1,0 +1,199 @@
+"""Mela's Hierarchical Memory Module (HMM, Sec. 3): patchify, L- and H-modules, HLR, dual-memory fusion.
+
+    x_p       = Conv1d_{kernel=stride=P}(x)                       (Sec. 3.1; N_p = floor(N / P))
+    l = h     = x_p
+    for i in 1..H:                                               (HLR, Sec. 3.2; cycles < H without gradients)
+        repeat L times:  l = f_L(Fuse_L[l; h; x_p])
+        h = f_H(Fuse_H[h; l])
+        z(i) = Fusion_i(l, h)                                    (Eq. 12; every cycle with MemStack, else only H)
+
+A module f_L / f_H is a stack of memory blocks, each
+    x = x + GatedAttn(RMSNorm(x));  x = x + NeuralMemory(RMSNorm(x))      (Sec. 3.1, Fig. 1b)
+
+Readings of ours: x_p is fed to the L-module's input fusion at every step as in HRM (z_L <- f_L(z_L + z_H
++ x)); without it, detaching l and h before the last cycle would leave the patchify layer and the
+embeddings without any gradient from the memory. The gated attention is causal and local to one chunk
+of C patches (rotary positions 0..C-1), so that a patch sees no later patch and a chunk's memory tokens
+can be computed when the chunk completes (decoding); the residual around each sub-layer and the absence
+of an FFN are our reading of Fig. 1b; input fusions are 2-layer GELU MLPs like the output fusion.
+
+Every memory block application (H * (L * l_layers + h_layers) per forward) scans the chunks with its own
+state, starting from its block's learned M_0; ``forward`` takes and returns these states so that decoding
+can feed one chunk at a time (``mela.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from recursive_lightning.model.block import Rotary
+from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.neural_memory import MemoryState, NeuralMemory
+
+
+class GatedAttention(nn.Module):
+    """Causal attention within each chunk of C patches with a sigmoid output gate (Qiu et al. 2025:
+    Y' = SDPA(Q, K, V) * sigmoid(X W_g), elementwise, before the output projection)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, self.heads, self.chunk = cfg.hmm_width, cfg.hmm_n_heads, cfg.chunk_size
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.gate = nn.Linear(d, d, bias=False) if cfg.hmm_gate else None
+        self.proj = nn.Linear(d, d, bias=False)
+        rot_cfg = dataclasses.replace(cfg, d_model=d, n_heads=self.heads, max_seq_len=cfg.chunk_size)
+        self.rotary = Rotary(rot_cfg, table=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        xc = rearrange(x, "b (c n) d -> (b c) n d", n=self.chunk)  # chunks never see each other
+        q, k, v = rearrange(self.qkv(xc), "bc n (three h d) -> three bc n h d", three=3, h=self.heads)
+        cos, sin = self.rotary.cos_sin_range(0, self.chunk, x.device, x.dtype)
+        q, k = (self.rotary(t, cos, sin).transpose(1, 2) for t in (q, k))
+        y = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
+        y = rearrange(y, "bc h n d -> bc n (h d)")
+        if self.gate is not None:
+            y = y * torch.sigmoid(self.gate(xc))
+        return rearrange(self.proj(y), "(b c) n d -> b (c n) d", b=b)
+
+
+class MemoryBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.hmm_width
+        self.norm1 = nn.RMSNorm(d, eps=cfg.norm_eps) if cfg.hmm_attention else None
+        self.attn = GatedAttention(cfg) if cfg.hmm_attention else None
+        self.norm2 = nn.RMSNorm(d, eps=cfg.norm_eps) if cfg.neural_memory else None
+        self.memory = (
+            NeuralMemory(
+                d,
+                cfg.memory_heads,
+                cfg.memory_depth,
+                cfg.memory_expansion,
+                cfg.chunk_size,
+                cfg.memory_update,
+                cfg.ns_steps,
+            )
+            if cfg.neural_memory
+            else None
+        )
+
+    def forward(
+        self, x: torch.Tensor, state: MemoryState | None = None
+    ) -> tuple[torch.Tensor, MemoryState | None]:
+        if self.attn is not None:
+            x = x + self.attn(self.norm1(x))
+        if self.memory is not None:
+            y, state = self.memory(self.norm2(x), state)
+            x = x + y
+        return x, state
+
+
+def fusion_mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(d_in, d_hidden, bias=False), nn.GELU(), nn.Linear(d_hidden, d_out, bias=False)
+    )
+
+
+class MemoryModule(nn.Module):
+    """The L- or H-module: an input fusion MLP over its concatenated inputs, then memory blocks."""
+
+    def __init__(self, cfg: ModelConfig, n_layers: int, n_inputs: int) -> None:
+        super().__init__()
+        d = cfg.hmm_width
+        self.fuse = fusion_mlp(n_inputs * d, d, d)
+        self.blocks = nn.ModuleList(MemoryBlock(cfg) for _ in range(n_layers))
+
+    def forward(self, inputs: list[torch.Tensor], states: list) -> tuple[torch.Tensor, list]:
+        x = self.fuse(torch.cat(inputs, dim=-1))
+        new = []
+        for block, state in zip(self.blocks, states):
+            x, state = block(x, state)
+            new.append(state)
+        return x, new
+
+
+class DualMemoryFusion(nn.Module):
+    """z = Fusion(l, h) (Sec. 3.3, Eq. 12), projected to the decoder width: a 2-layer MLP over [h; l], a
+    learned per-channel weighted sum (w_h * h + w_l * l) [reading: per channel], or h only ("none")."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, d_out, self.kind = cfg.hmm_width, cfg.d_model, cfg.fusion
+        if self.kind == "mlp":
+            self.mlp = fusion_mlp(2 * d, d, d_out)
+            return
+        if self.kind == "weighted_sum":
+            self.w_h = nn.Parameter(torch.full((d,), 0.5))
+            self.w_l = nn.Parameter(torch.full((d,), 0.5))
+        self.proj = nn.Linear(d, d_out, bias=False) if d != d_out else None
+
+    def forward(self, l_state: torch.Tensor, h_state: torch.Tensor) -> torch.Tensor:
+        if self.kind == "mlp":
+            return self.mlp(torch.cat([h_state, l_state], dim=-1))
+        z = self.w_h * h_state + self.w_l * l_state if self.kind == "weighted_sum" else h_state
+        return z if self.proj is None else self.proj(z)
+
+
+class HierarchicalMemory(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patchify = nn.Conv1d(
+            cfg.d_model, cfg.hmm_width, kernel_size=cfg.patch_size, stride=cfg.patch_size
+        )
+        self.l_module = MemoryModule(cfg, cfg.l_layers, n_inputs=3)  # [l; h; x_p]
+        self.h_module = MemoryModule(cfg, cfg.h_layers, n_inputs=2)  # [h; l]
+        # MemStack: one fusion per cycle (Eq. 12); without it only the last cycle's
+        self.fusions = nn.ModuleList(
+            DualMemoryFusion(cfg) for _ in range(cfg.h_cycles if cfg.memstack else 1)
+        )
+        self.record: list[bool] | None = None  # tests: whether each block application carried gradients
+
+    @property
+    def applications(self) -> list[tuple[str, int]]:
+        """(module, block index) of every memory block application of one forward, in execution order."""
+        cfg, out = self.cfg, []
+        for _ in range(cfg.h_cycles):
+            out += [("l", j) for _ in range(cfg.l_cycles) for j in range(cfg.l_layers)]
+            out += [("h", j) for j in range(cfg.h_layers)]
+        return out
+
+    def forward(self, x: torch.Tensor, states: list | None = None) -> tuple[list[torch.Tensor], list]:
+        """x: token embeddings (b, N, d) with N a multiple of P*C. Returns z(1..H) (only z(H) without
+        MemStack), each (b, N/P, d_model), and the memory states after the last chunk (one per block
+        application)."""
+        cfg = self.cfg
+        x_p = self.patchify(x.transpose(1, 2)).transpose(1, 2)  # (b, N_p, d_hmm)
+        states = list(states) if states is not None else [None] * len(self.applications)
+        new_states: list = []
+        l_state = h_state = x_p
+        zs = []
+        for i in range(cfg.h_cycles):
+            last = i == cfg.h_cycles - 1
+            with torch.set_grad_enabled(
+                torch.is_grad_enabled() and last
+            ):  # HLR: H-1 cycles without gradients
+                for _ in range(cfg.l_cycles):
+                    l_state, st = self.l_module(
+                        [l_state, h_state, x_p], states[len(new_states) : len(new_states) + cfg.l_layers]
+                    )
+                    new_states += st
+                    self._note(l_state)
+                h_state, st = self.h_module(
+                    [h_state, l_state], states[len(new_states) : len(new_states) + cfg.h_layers]
+                )
+                new_states += st
+                self._note(h_state)
+            if cfg.memstack or last:
+                zs.append(self.fusions[i if cfg.memstack else 0](l_state, h_state))
+        return zs, new_states
+
+    def _note(self, x: torch.Tensor) -> None:
+        if self.record is not None:
+            self.record.append(x.requires_grad)

@@ -1,0 +1,177 @@
+"""Mela's neural memory: an MLP whose weights M are updated at test time, once per chunk of C patches.
+
+    k, v = W_k x, W_v x                                   (Eq. 7)
+    l(M; x) = ||N(k; M) - v||^2                           (Eq. 8, associative loss)
+    y     = N(q; M_{t-1}),  q = W_q x                     (Eq. 9, retrieval before the chunk's update)
+    S_t   = eta_t S_{t-1} - sum_{i in chunk t} theta_i grad l(M_{t-1}; x_i)     (Eq. 11)
+    M_t   = alpha_t M_{t-1} + NewtonSchulz-k(S_t)         (Eq. 10)
+
+``t`` counts chunks: every position of chunk t is scored against M_{t-1}, the state before the chunk, and
+their per-position-weighted gradients sum to the chunk's surprise. The simpler forms of Sec. 2.1 are
+``memory_update`` values: ``plain`` (Eq. 1: M_t = M_{t-1} - theta grad), ``momentum`` (Eqs. 2-3),
+``forgetting`` (Eqs. 4-5), ``newton_schulz`` (Eqs. 10-11, every Mela size).
+
+The memory is ``memory_heads`` independent MLPs of ``memory_depth`` bias-free layers (GELU between them)
+on d/heads dims; one state per (sequence, head). The gradient of Eq. 8 is written out as the MLP's
+backward (batched matmuls over batch and heads, no Python loop over positions; the loop is over chunks,
+which Eq. 10 makes sequential) and stays differentiable, so the outer parameters (projections, theta /
+eta / alpha heads, the initial memory M_0) learn through every inner update.
+
+Readings of ours (the paper is silent): q and k are L2-normalised per head (as in Titans); theta, eta and
+alpha are sigmoids of linear maps of the normed input, theta per position, eta and alpha per chunk from
+its mean; the retrieved heads are concatenated and projected by W_o; the memory MLP has no biases, so
+Newton-Schulz applies to every memory tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+# Muon's quintic coefficients (Jordan et al. 2024), Newton-Schulz-5 in Eq. 10
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Approximate orthogonalisation of the last two dims (Muon): X <- aX + (bA + cA^2)X, A = XX^T."""
+    a, b, c = NS_COEFFICIENTS
+    x = g / (g.norm(dim=(-2, -1), keepdim=True) + eps)
+    tall = g.shape[-2] > g.shape[-1]
+    if tall:
+        x = x.transpose(-2, -1)
+    for _ in range(steps):
+        A = x @ x.transpose(-2, -1)
+        x = a * x + (b * A + c * A @ A) @ x
+    return x.transpose(-2, -1) if tall else x
+
+
+def gelu_grad(z: torch.Tensor) -> torch.Tensor:
+    """d GELU(z) / dz for the exact (erf) GELU: Phi(z) + z phi(z)."""
+    return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+
+
+def mlp_forward(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """N(x; M) for x (..., n, d_in), weights (..., d_i, d_{i+1}); also the pre-activations."""
+    pre = []
+    for i, w in enumerate(weights):
+        z = x @ w
+        pre.append(z)
+        x = F.gelu(z) if i < len(weights) - 1 else z
+    return x, pre
+
+
+def surprise(
+    k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor, weights: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """sum_i theta_i grad_M ||N(k_i; M) - v_i||^2 (Eq. 8) for one chunk: k, v (..., C, d), theta (..., C)."""
+    y, pre = mlp_forward(k, weights)
+    delta = 2 * theta.unsqueeze(-1) * (y - v)  # d l / d y, weighted per position
+    grads: list[torch.Tensor] = [None] * len(weights)  # type: ignore[list-item]
+    for i in range(len(weights) - 1, -1, -1):
+        inp = k if i == 0 else F.gelu(pre[i - 1])
+        grads[i] = inp.transpose(-2, -1) @ delta
+        if i:
+            delta = (delta @ weights[i].transpose(-2, -1)) * gelu_grad(pre[i - 1])
+    return grads
+
+
+@dataclass
+class MemoryState:
+    """One neural memory's state between chunks: the weights M_t and the surprise S_t, per (batch, head)."""
+
+    weights: list[torch.Tensor]
+    momentum: list[torch.Tensor] | None
+
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.weights + (self.momentum or []))
+
+
+class NeuralMemory(nn.Module):
+    """One neural memory sub-layer of a memory block: x (b, n, d) -> retrieved y (b, n, d)."""
+
+    def __init__(
+        self,
+        d: int,
+        heads: int,
+        depth: int,
+        expansion: int,
+        chunk_size: int,
+        update: str = "newton_schulz",
+        ns_steps: int = 5,
+    ) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.chunk_size = heads, d // heads, chunk_size
+        self.update, self.ns_steps = update, ns_steps
+        self.qkv = nn.Linear(d, 3 * d, bias=False)  # W_q, W_k, W_v (Eqs. 7, 9)
+        self.out = nn.Linear(d, d, bias=False)  # W_o over the concatenated heads [reading]
+        self.theta = nn.Linear(d, heads)  # per-position learning rate theta_i
+        self.eta = nn.Linear(d, heads) if update != "plain" else None  # surprise decay eta_t (Eq. 3)
+        self.alpha = nn.Linear(d, heads) if update in ("forgetting", "newton_schulz") else None  # Eq. 4
+        dims = [self.head_dim] + [expansion * self.head_dim] * (depth - 1) + [self.head_dim]
+        self.init_weights = nn.ParameterList(  # M_0, learned; each block application scans from it
+            nn.Parameter(torch.empty(heads, i, o)) for i, o in zip(dims[:-1], dims[1:])
+        )
+        self.record: list[dict[str, torch.Tensor]] | None = None  # probes: per-chunk update statistics
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for w in self.init_weights:
+            nn.init.normal_(w, std=1 / math.sqrt(w.shape[-2]))
+
+    def initial_state(self, batch: int) -> MemoryState:
+        weights = [w.unsqueeze(0).expand(batch, *w.shape) for w in self.init_weights]
+        momentum = [torch.zeros_like(w) for w in weights] if self.eta is not None else None
+        return MemoryState(weights, momentum)
+
+    def forward(self, x: torch.Tensor, state: MemoryState | None = None) -> tuple[torch.Tensor, MemoryState]:
+        """x (b, n, d) with n a multiple of C; returns y and the state after the last chunk."""
+        b, n, _ = x.shape
+        C = self.chunk_size
+        if n % C:
+            raise ValueError(f"neural memory input of {n} patches is not a multiple of chunk_size {C}")
+        state = state or self.initial_state(b)
+        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)  # [reading], as in Titans
+        theta = rearrange(torch.sigmoid(self.theta(x)), "b n h -> b h n")
+        pooled = x.view(b, n // C, C, -1).mean(2)  # one eta_t, alpha_t per chunk
+        eta = rearrange(torch.sigmoid(self.eta(pooled)), "b c h -> b h c") if self.eta is not None else None
+        alpha = (
+            rearrange(torch.sigmoid(self.alpha(pooled)), "b c h -> b h c") if self.alpha is not None else None
+        )
+        weights, momentum = list(state.weights), state.momentum and list(state.momentum)
+        ys = []
+        for t in range(n // C):
+            s = slice(t * C, (t + 1) * C)
+            ys.append(mlp_forward(q[:, :, s], weights)[0])  # Eq. 9: read M_{t-1}
+            grads = surprise(k[:, :, s], v[:, :, s], theta[:, :, s], weights)
+            for i, g in enumerate(grads):
+                if momentum is not None:  # Eqs. 3, 5, 11: S_t = eta_t S_{t-1} - theta grad
+                    step = eta[:, :, t, None, None] * momentum[i] - g
+                    momentum[i] = step
+                else:  # Eq. 1
+                    step = -g
+                if self.update == "newton_schulz":
+                    step = newton_schulz(step, self.ns_steps)
+                if self.record is not None:
+                    self._record(t, i, g, step, theta[:, :, s], eta, alpha)
+                decay = alpha[:, :, t, None, None] if alpha is not None else 1.0
+                weights[i] = decay * weights[i] + step  # Eqs. 2, 4, 10
+        y = rearrange(torch.cat(ys, dim=2), "b h n d -> b n (h d)")
+        return self.out(y), MemoryState(weights, momentum)
+
+    def _record(self, t, i, grad, step, theta, eta, alpha) -> None:
+        row = {
+            "chunk": t,
+            "tensor": i,
+            "surprise_norm": grad.norm(dim=(-2, -1)).mean().item(),
+            "theta": theta.mean().item(),
+            "eta": eta[:, :, t].mean().item() if eta is not None else float("nan"),
+            "alpha": alpha[:, :, t].mean().item() if alpha is not None else 1.0,
+            "update_singular_values": torch.linalg.svdvals(step.float()).mean(dim=(0, 1)).cpu(),
+        }
+        self.record.append(row)

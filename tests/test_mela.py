@@ -1,0 +1,331 @@
+"""Mela (arch: mela): the neural memory against a per-position loop of Eqs. 1-11, Newton-Schulz, HLR,
+MemStack, causality, cached decoding, parameter formulas and describe."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from recursive_lightning.config import RunConfig
+from recursive_lightning.errors import ConfigError
+from recursive_lightning.model.accounting import describe
+from recursive_lightning.model.build import build_model
+from recursive_lightning.model.config import ModelConfig, preset
+from recursive_lightning.model.neural_memory import NeuralMemory, mlp_forward, newton_schulz
+
+UPDATES = ("plain", "momentum", "forgetting", "newton_schulz")
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(
+        preset="cpu-mela",
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        hmm_heads=2,
+        vocab_size=97,
+        layout="3",
+        patch_size=2,
+        chunk_size=3,
+        h_cycles=3,
+        l_cycles=2,
+        h_layers=2,
+        l_layers=1,
+        memory_heads=2,
+    )
+    return ModelConfig.from_dict({**base, **kw})
+
+
+# ---------------------------------------------------------------- neural memory (Eqs. 1-11)
+def reference_memory(mem: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
+    """Per-position loop: every position's gradient by autograd against M_{t-1}, summed over the chunk."""
+    b, n, d = x.shape
+    C, H, hd = mem.chunk_size, mem.heads, mem.head_dim
+    q, k, v = mem.qkv(x).split(d, dim=-1)
+    q = torch.nn.functional.normalize(q.view(b, n, H, hd), dim=-1)
+    k = torch.nn.functional.normalize(k.view(b, n, H, hd), dim=-1)
+    v = v.view(b, n, H, hd)
+    theta = torch.sigmoid(mem.theta(x))
+    out = torch.zeros(b, n, H, hd, dtype=x.dtype)
+    for bi in range(b):
+        for h in range(H):
+            M = [w[h].detach().clone() for w in mem.init_weights]
+            S = [torch.zeros_like(w) for w in M]
+            for t in range(n // C):
+                chunk = x[bi, t * C : (t + 1) * C].mean(0)
+                eta = torch.sigmoid(mem.eta(chunk))[h] if mem.eta is not None else 0.0
+                alpha = torch.sigmoid(mem.alpha(chunk))[h] if mem.alpha is not None else 1.0
+                grads = [torch.zeros_like(w) for w in M]
+                for i in range(t * C, (t + 1) * C):
+                    out[bi, i, h] = mlp_forward(q[bi, i, h][None], M)[0][0]  # Eq. 9, M_{t-1}
+                    with torch.enable_grad():
+                        Ms = [w.clone().requires_grad_(True) for w in M]
+                        loss = ((mlp_forward(k[bi, i, h][None], Ms)[0][0] - v[bi, i, h]) ** 2).sum()  # Eq. 8
+                        per_position = torch.autograd.grad(loss, Ms)
+                    for g, gi in zip(grads, per_position):
+                        g += theta[bi, i, h] * gi
+                for j in range(len(M)):
+                    S[j] = (eta * S[j] if mem.eta is not None else 0) - grads[j]  # Eq. 11
+                    step = newton_schulz(S[j], mem.ns_steps) if mem.update == "newton_schulz" else S[j]
+                    M[j] = alpha * M[j] + step  # Eq. 10
+    return mem.out(out.reshape(b, n, d))
+
+
+@pytest.mark.parametrize("update", UPDATES)
+@pytest.mark.parametrize("chunk,depth", [(1, 2), (3, 2), (4, 1)])
+def test_memory_matches_per_position_loop(update, chunk, depth):
+    torch.manual_seed(0)
+    mem = NeuralMemory(8, heads=2, depth=depth, expansion=2, chunk_size=chunk, update=update).double()
+    for p in mem.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(2, 3 * chunk if chunk > 1 else 4, 8, dtype=torch.float64)
+    with torch.no_grad():
+        got, _ = mem(x)
+        want = reference_memory(mem, x)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_simpler_forms_reduce():
+    """Eqs. 2-3 with eta = 0 are Eq. 1; Eqs. 4-5 with alpha = 1 are Eqs. 2-3."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    plain = NeuralMemory(8, 2, 2, 2, 3, update="plain").double()
+    momentum = NeuralMemory(8, 2, 2, 2, 3, update="momentum").double()
+    forgetting = NeuralMemory(8, 2, 2, 2, 3, update="forgetting").double()
+    momentum.load_state_dict(plain.state_dict(), strict=False)  # keeps its own eta head
+    forgetting.load_state_dict(momentum.state_dict(), strict=False)  # keeps its own alpha head
+    with torch.no_grad():
+        assert not torch.allclose(momentum(x)[0], plain(x)[0])  # a real eta matters
+        forgetting.alpha.bias.fill_(60.0)
+        forgetting.alpha.weight.zero_()  # alpha = sigmoid(60) = 1 in float64
+        torch.testing.assert_close(forgetting(x)[0], momentum(x)[0], rtol=1e-12, atol=1e-12)
+        momentum.eta.weight.zero_()
+        momentum.eta.bias.fill_(-800.0)  # eta = 0
+        torch.testing.assert_close(momentum(x)[0], plain(x)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_newton_schulz_properties():
+    torch.manual_seed(2)
+    g = torch.randn(6, 16, 48, dtype=torch.float64)
+    o = newton_schulz(g, 5)
+    s = torch.linalg.svdvals(o)
+    assert s.min() > 0.6 and s.max() < 1.25  # Muon's quintic: near 1, not exactly
+    torch.testing.assert_close(newton_schulz(g.transpose(-2, -1), 5), o.transpose(-2, -1))
+    torch.testing.assert_close(newton_schulz(3.7 * g, 5), o)  # scale-free (Frobenius normalisation)
+
+
+def test_gradcheck_through_two_chunks():
+    torch.manual_seed(3)
+    mem = NeuralMemory(4, heads=1, depth=2, expansion=2, chunk_size=2, update="newton_schulz").double()
+    x = torch.randn(1, 4, 4, dtype=torch.float64, requires_grad=True)
+    names = [n for n, _ in mem.named_parameters()]
+    params = tuple(p.detach().clone().requires_grad_(True) for p in mem.parameters())
+
+    def f(x, *ps):
+        return torch.func.functional_call(mem, dict(zip(names, ps)), (x,))[0]
+
+    assert torch.autograd.gradcheck(f, (x, *params), eps=1e-6, atol=1e-5)
+
+
+def test_outer_parameters_learn_through_inner_updates():
+    cfg = tiny()
+    model = build_model(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 4 * cfg.tokens_per_chunk + 1))  # eta_t first matters at t = 2
+    model.loss(idx[:, :-1], idx[:, 1:]).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum()]
+    assert missing == []
+
+
+# ---------------------------------------------------------------- the model
+SWITCHES = [
+    {},
+    {"fusion": "weighted_sum", "memory_update": "forgetting"},
+    {"fusion": "none", "memstack": False, "hmm_gate": False, "hmm_d_model": 16},
+    {"hmm_attention": False, "memory_update": "plain"},
+    {"neural_memory": False},
+]
+
+
+@pytest.mark.parametrize("switches", SWITCHES)
+def test_causal_inside_and_across_chunks(switches):
+    torch.manual_seed(4)
+    cfg = tiny(**switches)
+    model = build_model(cfg).double().eval()
+    PC = cfg.tokens_per_chunk
+    idx = torch.randint(0, cfg.vocab_size, (1, 4 * PC))
+    with torch.no_grad():
+        base = model(idx)
+        for p in (0, 2, PC - 1, PC, PC + 3, 2 * PC + 1, 3 * PC):
+            other = idx.clone()
+            other[0, p] = (other[0, p] + 1) % cfg.vocab_size
+            out = model(other)
+            assert torch.equal(out[:, :p], base[:, :p]), f"token {p} changed an earlier logit"
+            assert not torch.allclose(out[:, p:], base[:, p:])
+    # the memory is the only channel between chunks: chunk 2 hears of chunk 0 through the neural memory
+    # only (the HMM's attention is local to a chunk, so without a neural memory it looks one chunk back)
+    with torch.no_grad():
+        other = idx.clone()
+        other[0, 0] += 1
+        assert torch.allclose(model(other)[:, 2 * PC :], base[:, 2 * PC :]) != cfg.neural_memory
+
+
+def test_hlr_only_last_cycle_has_gradients():
+    cfg = tiny()
+    model = build_model(cfg)
+    model.hmm.record = []
+    idx = torch.randint(0, cfg.vocab_size, (1, 2 * cfg.tokens_per_chunk))
+    model.loss(idx[:, :-1], idx[:, 1:]).backward()
+    steps = cfg.l_cycles + 1  # module outputs per cycle
+    assert model.hmm.record == [False] * steps * (cfg.h_cycles - 1) + [True] * steps
+    assert model.hmm.patchify.weight.grad.abs().sum() > 0
+    model.hmm.record = []
+    with torch.no_grad():
+        model(idx)
+    assert model.hmm.record == [False] * steps * cfg.h_cycles
+
+
+def test_memstack_adds_z_at_memory_rows_only():
+    torch.manual_seed(5)
+    cfg = tiny()
+    model = build_model(cfg).double().eval()
+    C, PC, d = cfg.chunk_size, cfg.tokens_per_chunk, cfg.d_model
+    idx = torch.randint(0, cfg.vocab_size, (2, 3 * PC))
+    seen: dict[str, list] = {"out": [], "in": []}
+    hooks = [layer.register_forward_hook(lambda m, a, o: seen["out"].append(o)) for layer in model.layers]
+    hooks += [layer.register_forward_pre_hook(lambda m, a: seen["in"].append(a[0])) for layer in model.layers]
+    with torch.no_grad():
+        model(idx)
+        x = model.embed(idx)
+        memory, *stack = model.memory_rows(x, 3)
+    for h in hooks:
+        h.remove()
+    assert len(stack) == cfg.h_cycles - 1
+    for a in range(len(model.layers) - 1):
+        added = (seen["in"][a + 1] - seen["out"][a]).view(2, 3, C + PC, d)
+        want = stack[a] if a < len(stack) else torch.zeros_like(memory)
+        torch.testing.assert_close(added[:, :, :C], want, rtol=0, atol=1e-12)
+        assert torch.equal(added[:, :, C:], torch.zeros_like(added[:, :, C:]))
+    torch.testing.assert_close(seen["in"][0].view(2, 3, C + PC, d)[:, :, :C], memory)
+    assert torch.equal(stack[0][:, 0], torch.zeros_like(stack[0][:, 0]))  # nothing at chunk 0
+
+
+def test_cached_decoding_equals_full_forward_with_constant_state():
+    torch.manual_seed(6)
+    cfg = tiny()
+    model = build_model(cfg).double().eval()
+    PC = cfg.tokens_per_chunk
+    idx = torch.randint(0, cfg.vocab_size, (2, 16 * PC + 3))
+    with torch.no_grad():
+        full = model.hidden(idx)
+        cache = model.new_cache()
+        outs = [model.hidden(idx[:, :5], cache=cache)]
+        sizes = {}
+        for i in range(5, idx.shape[1]):
+            outs.append(model.hidden(idx[:, i : i + 1], cache=cache))
+            if cache.text_len == 0:
+                sizes[cache.chunks] = cache.numel()
+        torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-9, atol=1e-9)
+    assert sizes[1] == sizes[4] == sizes[16]
+    out = model.generate(idx[:, :7], 2 * PC)
+    assert out.shape == (2, 7 + 2 * PC)
+    assert torch.equal(out, model.generate(idx[:, :7], 2 * PC, use_cache=False))
+
+
+# ---------------------------------------------------------------- parameters, describe, configs
+def n_params(cfg: ModelConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(cfg).parameters())
+
+
+def test_switches_change_parameters_by_their_formula():
+    cfg = tiny()
+    d, blocks, nh, H = cfg.hmm_width, cfg.h_layers + cfg.l_layers, cfg.memory_heads, cfg.h_cycles
+    hd = d // nh
+    memory_init = nh * 2 * (2 * hd * hd)  # depth 2, expansion 2: (hd x 2hd) + (2hd x hd) per head
+    fusion_mlp = 2 * d * d + d * cfg.d_model
+    full = n_params(cfg)
+    assert full - n_params(tiny(hmm_gate=False)) == blocks * d * d
+    assert full - n_params(tiny(hmm_attention=False)) == blocks * (5 * d * d + d)
+    assert full - n_params(tiny(neural_memory=False)) == blocks * (
+        4 * d * d + 3 * (d * nh + nh) + memory_init + d
+    )
+    assert full - n_params(tiny(memory_update="forgetting")) == 0
+    assert full - n_params(tiny(memory_update="momentum")) == blocks * (d * nh + nh)
+    assert full - n_params(tiny(memory_update="plain")) == 2 * blocks * (d * nh + nh)
+    assert full - n_params(tiny(memstack=False)) == (H - 1) * fusion_mlp
+    assert full - n_params(tiny(fusion="none")) == H * fusion_mlp  # d_hmm == d_model: no projection
+    assert full - n_params(tiny(fusion="weighted_sum")) == H * (fusion_mlp - 2 * d)
+    narrow = tiny(hmm_d_model=16, fusion="none")
+    assert n_params(narrow) - n_params(tiny(hmm_d_model=16, fusion="weighted_sum")) == -H * 2 * 16
+
+
+@pytest.mark.parametrize("name", ["cpu-mela", "mela-400m"])
+def test_describe_sums_the_built_model(name):
+    cfg = preset(name)
+    d = describe(cfg, seq_len=cfg.tokens_per_chunk * 2)
+    assert d["params_total"] == n_params(cfg)
+    parts = (
+        "patchify",
+        "hmm_attention",
+        "hmm_gates",
+        "hmm_norms",
+        "memory_projections",
+        "initial_memories",
+        "fusions",
+        "memory_tokens",
+    )
+    assert sum(d[f"params_{p}"] for p in parts) == d["params_memory"]
+    assert d["params_memory"] + d["params_language"] + d["params_embedding"] == d["params_total"]
+    flops = (
+        "decoder",
+        "hmm_attention",
+        "memory_projections",
+        "newton_schulz",
+        "memory_inner_loop",
+        "hmm_other",
+    )
+    assert sum(d[f"flops_{p}"] for p in flops) == d["flops_forward"]
+    assert min(d[f"flops_{p}"] for p in flops) >= 0
+
+
+def test_mela_400m_geometry_and_table1_shares():
+    d = describe(preset("mela-400m"), seq_len=4096)
+    assert (d["n_patches"], d["n_chunks"], d["decoder_length"]) == (128, 2, 4224)  # Sec. 4.1
+    assert d["block_applications"] == 4 * (4 * 4 + 8) and d["block_applications_with_grad"] == 24
+    for name, (mem, lang) in {
+        "mela-400m": (27.45, 65.75),
+        "mela-800m": (28.78, 66.35),
+        "mela-1.2b": (18.19, 76.97),
+    }.items():
+        d = describe(preset(name), seq_len=4096)
+        assert abs(100 * d["params_memory"] / d["params_total"] - mem) < 1.5, name
+        assert abs(100 * d["params_language"] / d["params_total"] - lang) < 1.5, name
+        tpp = n_params(preset(name.replace("mela", "transformerpp")))
+        assert abs(tpp / d["params_total"] - 1) < 0.02, name  # Transformer++ matched in size
+
+
+def test_bad_mela_configs_get_one_sentence():
+    with pytest.raises(ConfigError, match=r"data.seq_len 100 .* multiple of P\*C"):
+        RunConfig.from_dict({"model": {"preset": "cpu-mela"}, "data": {"seq_len": 100}})
+    with pytest.raises(ConfigError, match="first H-1 = 3"):
+        tiny(layout="2", h_cycles=4)
+    with pytest.raises(ConfigError, match="model.fusion 'concat' is unknown"):
+        tiny(fusion="concat")
+    with pytest.raises(ConfigError, match="model.memory_update"):
+        tiny(memory_update="adam")
+    with pytest.raises(ConfigError, match="decoder is a plain stack"):
+        tiny(layout="1+2R2+1")
+    with pytest.raises(ConfigError, match="both false"):
+        tiny(hmm_attention=False, neural_memory=False)
+
+
+def test_float32_matches_float64():
+    torch.manual_seed(7)
+    cfg = tiny()
+    model = build_model(cfg).eval()
+    high = copy.deepcopy(model).double()
+    idx = torch.randint(0, cfg.vocab_size, (2, 3 * cfg.tokens_per_chunk))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).double(), high(idx), rtol=1e-3, atol=1e-3)
