@@ -41,6 +41,7 @@ class TrainConfig:
     max_steps: int = 300
     lr: float = 1e-3  # peak learning rate
     warmup_ratio: float = 0.01  # MeSH App. B: 1% warm-up
+    warmup_steps: int | None = None  # a warm-up in steps instead (Mela Sec. 5.1: 500); overrides warmup_ratio
     min_lr_ratio: float = 0.1  # cosine decay to 10% of the peak
     weight_decay: float = 0.01
     beta1: float = 0.9
@@ -134,6 +135,10 @@ class RunConfig:
             )
         if t.lr <= 0:
             raise ConfigError(f"train.lr must be positive, not {t.lr}.")
+        if t.warmup_steps is not None and not 0 <= t.warmup_steps < t.max_steps:
+            raise ConfigError(
+                f"train.warmup_steps {t.warmup_steps} must lie in [0, train.max_steps) = [0, {t.max_steps})."
+            )
         if not 0 <= t.warmup_ratio < 1 or not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError("train.warmup_ratio must lie in [0, 1) and train.min_lr_ratio in [0, 1].")
         if t.compile not in (False, True, *COMPILE_SCOPES):

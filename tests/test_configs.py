@@ -73,3 +73,24 @@ def test_bad_sweep_files(tmp_path, body, needle):
     with pytest.raises(ConfigError) as e:
         load_sweep(p)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_warmup_in_steps_overrides_the_ratio():
+    """Mela Sec. 5.1: 500 warm-up steps, cosine to 10 % (train.warmup_steps)."""
+    import math
+
+    import pytest
+
+    from recursive_lightning.config import RunConfig
+    from recursive_lightning.errors import ConfigError
+    from recursive_lightning.training.optim import cosine_with_warmup
+
+    assert [cosine_with_warmup(s, 2000, 0.01, 0.1, warmup_steps=500) for s in (0, 249, 499)] == [
+        1 / 500,
+        0.5,
+        1.0,
+    ]
+    assert math.isclose(cosine_with_warmup(1999, 2000, 0.01, 0.1, warmup_steps=500), 0.1, rel_tol=1e-5)
+    assert cosine_with_warmup(19, 2000, 0.01, 0.1) == 1.0  # the ratio: 1 % of 2000 = 20 steps
+    with pytest.raises(ConfigError, match=r"train.warmup_steps 300 must lie in \[0, train.max_steps\)"):
+        RunConfig.from_dict({"train": {"max_steps": 300, "warmup_steps": 300}})

@@ -20,9 +20,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def cosine_with_warmup(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
-    """Multiplier of the peak LR: linear warm-up over warmup_ratio * total, cosine to min_ratio at total."""
-    warmup = max(1, round(warmup_ratio * total)) if warmup_ratio > 0 else 0
+def cosine_with_warmup(
+    step: int, total: int, warmup_ratio: float, min_ratio: float, warmup_steps: int | None = None
+) -> float:
+    """Multiplier of the peak LR: linear warm-up over ``warmup_steps`` (Mela: 500) or else warmup_ratio * total
+    (MeSH: 1%), cosine to min_ratio at total."""
+    if warmup_steps is not None:
+        warmup = warmup_steps
+    else:
+        warmup = max(1, round(warmup_ratio * total)) if warmup_ratio > 0 else 0
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -40,6 +46,7 @@ def build_optimizer(
         fused=False,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: cosine_with_warmup(s, cfg.max_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
+        opt,
+        lambda s: cosine_with_warmup(s, cfg.max_steps, cfg.warmup_ratio, cfg.min_lr_ratio, cfg.warmup_steps),
     )
     return opt, sched
