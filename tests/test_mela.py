@@ -329,3 +329,74 @@ def test_float32_matches_float64():
     idx = torch.randint(0, cfg.vocab_size, (2, 3 * cfg.tokens_per_chunk))
     with torch.no_grad():
         torch.testing.assert_close(model(idx).double(), high(idx), rtol=1e-3, atol=1e-3)
+
+
+# ---------------------------------------------------------------- training: kill and resume
+KILL_AT = """
+import os, signal, sys
+import lightning as L, yaml
+from recursive_lightning.config import RunConfig
+from recursive_lightning.training.run import train
+
+class Kill(L.Callback):  # SIGKILL itself right after step 6 (its checkpoint, at 4, is on disk)
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 6:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+train(RunConfig.from_dict(yaml.safe_load(open(sys.argv[1]))), sys.argv[2], callbacks=[Kill()])
+"""
+
+
+def test_mela_kill_and_resume_gives_identical_losses(tmp_path, tiny_run):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    cfg = tiny_run(
+        preset="cpu-mela",
+        layout="2",
+        topology="base",
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        hmm_heads=2,
+        patch_size=2,
+        chunk_size=4,
+        h_cycles=2,
+        l_cycles=2,
+        h_layers=1,
+        l_layers=1,
+    )
+    cfg["train"]["max_steps"] = 10
+    (tmp_path / "mela.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
+
+    def losses(run_dir: Path) -> dict[int, float]:
+        run_id = (run_dir / "mlflow_run_id").read_text().strip()
+        client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+        history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.timestamp)
+        return {m.step: m.value for m in history}
+
+    straight = cli(
+        "-m",
+        "recursive_lightning",
+        "train",
+        "--config",
+        str(tmp_path / "mela.yaml"),
+        "--run-dir",
+        str(tmp_path / "straight"),
+    )
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    killed = cli("-c", KILL_AT, str(tmp_path / "mela.yaml"), str(tmp_path / "killed"))
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    resumed = cli("-m", "recursive_lightning", "train", "--run-dir", str(tmp_path / "killed"), "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    a, b = losses(tmp_path / "straight"), losses(tmp_path / "killed")
+    assert sorted(a) == sorted(b) and len(a) == 10
+    assert a == b
