@@ -38,16 +38,38 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """Approximate orthogonalisation of the last two dims (Muon): X <- aX + (bA + cA^2)X, A = XX^T."""
+    """Approximate orthogonalisation of the last two dims (Muon): X <- aX + (bA + cA^2)X, A = XX^T, on the
+    wide orientation (the m x m Gram matrix of the shorter side); each step is three batched GEMMs with the
+    scalings fused in (``baddbmm``), no separate element-wise passes over X."""
     a, b, c = NS_COEFFICIENTS
-    x = g / (g.norm(dim=(-2, -1), keepdim=True) + eps)
-    tall = g.shape[-2] > g.shape[-1]
+    shape = g.shape
+    tall = shape[-2] > shape[-1]
+    x = g.reshape(-1, *shape[-2:])
     if tall:
         x = x.transpose(-2, -1)
+    x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + eps)
     for _ in range(steps):
-        A = x @ x.transpose(-2, -1)
-        x = a * x + (b * A + c * A @ A) @ x
-    return x.transpose(-2, -1) if tall else x
+        A = torch.bmm(x, x.transpose(-2, -1))
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # bA + cA^2
+        x = torch.baddbmm(x, B, x, beta=a)  # aX + BX
+    if tall:
+        x = x.transpose(-2, -1)
+    return x.reshape(shape)
+
+
+def newton_schulz_all(updates: list[torch.Tensor], steps: int = 5) -> list[torch.Tensor]:
+    """Newton-Schulz of every memory tensor, those of one shape once transposed to wide run as one batch
+    (a depth-2 memory's (d, e d) and (e d, d) updates: one call, half the kernel launches)."""
+    wide = [u.transpose(-2, -1) if u.shape[-2] > u.shape[-1] else u for u in updates]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, u in enumerate(wide):
+        groups.setdefault(tuple(u.shape), []).append(i)
+    out: list[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
+    for idx in groups.values():
+        done = newton_schulz(torch.stack([wide[i] for i in idx]), steps)
+        for j, i in enumerate(idx):
+            out[i] = done[j].transpose(-2, -1) if updates[i].shape != wide[i].shape else done[j]
+    return out
 
 
 def gelu_grad(z: torch.Tensor) -> torch.Tensor:
@@ -149,29 +171,30 @@ class NeuralMemory(nn.Module):
             s = slice(t * C, (t + 1) * C)
             ys.append(mlp_forward(q[:, :, s], weights)[0])  # Eq. 9: read M_{t-1}
             grads = surprise(k[:, :, s], v[:, :, s], theta[:, :, s], weights)
-            for i, g in enumerate(grads):
-                if momentum is not None:  # Eqs. 3, 5, 11: S_t = eta_t S_{t-1} - theta grad
-                    step = eta[:, :, t, None, None] * momentum[i] - g
-                    momentum[i] = step
-                else:  # Eq. 1
-                    step = -g
-                if self.update == "newton_schulz":
-                    step = newton_schulz(step, self.ns_steps)
-                if self.record is not None:
-                    self._record(t, i, g, step, theta[:, :, s], eta, alpha)
-                decay = alpha[:, :, t, None, None] if alpha is not None else 1.0
-                weights[i] = decay * weights[i] + step  # Eqs. 2, 4, 10
+            if momentum is not None:  # Eqs. 3, 5, 11: S_t = eta_t S_{t-1} - theta grad
+                momentum = [eta[:, :, t, None, None] * m - g for m, g in zip(momentum, grads)]
+                steps = momentum
+            else:  # Eq. 1
+                steps = [-g for g in grads]
+            if self.update == "newton_schulz":
+                steps = newton_schulz_all(steps, self.ns_steps)
+            if self.record is not None:
+                self._record(t, grads, steps, theta[:, :, s], eta, alpha)
+            decay = alpha[:, :, t, None, None] if alpha is not None else 1.0
+            weights = [decay * w + u for w, u in zip(weights, steps)]  # Eqs. 2, 4, 10
         y = rearrange(torch.cat(ys, dim=2), "b h n d -> b n (h d)")
         return self.out(y), MemoryState(weights, momentum)
 
-    def _record(self, t, i, grad, step, theta, eta, alpha) -> None:
-        row = {
-            "chunk": t,
-            "tensor": i,
-            "surprise_norm": grad.norm(dim=(-2, -1)).mean().item(),
-            "theta": theta.mean().item(),
-            "eta": eta[:, :, t].mean().item() if eta is not None else float("nan"),
-            "alpha": alpha[:, :, t].mean().item() if alpha is not None else 1.0,
-            "update_singular_values": torch.linalg.svdvals(step.float()).mean(dim=(0, 1)).cpu(),
-        }
-        self.record.append(row)
+    def _record(self, t, grads, steps, theta, eta, alpha) -> None:
+        for i, (grad, step) in enumerate(zip(grads, steps)):
+            self.record.append(
+                {
+                    "chunk": t,
+                    "tensor": i,
+                    "surprise_norm": grad.norm(dim=(-2, -1)).mean().item(),
+                    "theta": theta.mean().item(),
+                    "eta": eta[:, :, t].mean().item() if eta is not None else float("nan"),
+                    "alpha": alpha[:, :, t].mean().item() if alpha is not None else 1.0,
+                    "update_singular_values": torch.linalg.svdvals(step.float()).mean(dim=(0, 1)).cpu(),
+                }
+            )
