@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from recursive_lightning.errors import UserError
+from recursive_lightning.errors import Terminated, UserError
 
 
 def _describe(argv: list[str]) -> int:
@@ -23,8 +23,13 @@ def _describe(argv: list[str]) -> int:
     p.add_argument("--layout", help="e.g. 24, 4+8R2+4, 4+8+8+4, 4+8x{1/8,1/4,1/2,1}+4")
     p.add_argument("--topology", help="base, residual, anchor, anchor_emb, ..., static, dynamic, mesh")
     p.add_argument("--buffer", type=int, help="MeSH buffer slots B (default N_loop + 3)")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=4096,
+        help="tokens per sequence the FLOPs are counted at (default 4096)",
+    )
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args, rest = p.parse_known_args(argv)
     data: dict = {}
@@ -32,7 +37,12 @@ def _describe(argv: list[str]) -> int:
         from recursive_lightning.config import load_yaml
 
         raw = load_yaml(args.config)
-        data = dict(raw.get("model", raw))
+        section = raw.get("model", raw)
+        if not isinstance(section, dict):
+            raise UserError(
+                f"the 'model' section of '{args.config}' must be a mapping of fields, not {section!r}."
+            )
+        data = dict(section)
     for key in ("preset", "layout", "topology", "buffer"):
         if getattr(args, key) is not None:
             data[key] = getattr(args, key)
@@ -61,12 +71,12 @@ def _generate(argv: list[str]) -> int:
     )
     p.add_argument("checkpoint", help="a .ckpt file or a run directory (its newest good checkpoint)")
     p.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
     p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.add_argument("--no-cache", action="store_true", help="recompute the window at every token")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, not {args.max_new_tokens}.")
@@ -137,7 +147,11 @@ commands:
   probe      the papers' diagnostic probes of a checkpoint, as figures and JSON
   generate   continuation of a prompt by a checkpoint (greedy or sampled, cached decoding)
 
-`python -m recursive_lightning <command> --help` for the options of each command."""
+`python -m recursive_lightning <command> --help` for the options of each command.
+
+With no command at all, `python -m recursive_lightning` runs `sweep`: the full default sweep
+(ablations/default.yaml, about 5 minutes on 2 CPU cores) into runs/sweeps/default under the current
+directory; it says so before it starts."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         if not argv:
             # the package's main job: the embedded default sweep
+            print(
+                "no command given: running `sweep`, the default ablation sweep (ablations/default.yaml) into "
+                "runs/sweeps/default; `--help` lists the commands.",
+                file=sys.stderr,
+                flush=True,
+            )
             argv = ["sweep"]
         else:
             print(USAGE)
@@ -163,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Terminated as e:  # SIGTERM (pre-emption): resumable, and not a finished run
+        print(str(e), file=sys.stderr)
+        return e.EXIT_CODE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -10,3 +10,18 @@ class UserError(ValueError):
 
 class ConfigError(UserError):
     """A configuration field has an unknown name, a bad value or a bad combination."""
+
+
+class Terminated(SystemExit):
+    """A run stopped by SIGTERM (a scheduler's pre-emption) at a step boundary; it resumes with --resume.
+
+    The exit status is 143 (128 + SIGTERM), distinct from a finished run (0) and from a user error (2)."""
+
+    EXIT_CODE = 143
+
+    def __init__(self, message: str) -> None:
+        super().__init__(self.EXIT_CODE)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

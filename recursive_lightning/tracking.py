@@ -12,12 +12,69 @@ RUN_ID_FILE = "mlflow_run_id"
 TRACKING_URI_FILE = "mlflow_tracking_uri"  # where that run lives (a sweep's trials log to the sweep's store)
 
 
+def _sqlite_parts(uri: str) -> tuple[str, str] | None:
+    """(path, query) of a ``sqlite:///`` URI; None for other stores and in-memory databases."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path, sep, query = uri[len("sqlite:///") :].partition("?")
+    if not path or path == ":memory:":
+        return None
+    return path, sep + query
+
+
+def absolute_uri(uri: str, base: str | os.PathLike | None = None) -> str:
+    """``uri`` with a relative SQLite path resolved against ``base`` (default: the current directory)."""
+    parts = _sqlite_parts(uri)
+    if parts is None or os.path.isabs(parts[0]):
+        return uri
+    path = os.path.normpath(os.path.join(os.path.abspath(base or os.getcwd()), parts[0]))
+    return f"sqlite:///{path}{parts[1]}"
+
+
+def portable_uri(uri: str, directory: str | os.PathLike) -> str:
+    """The form of ``uri`` to keep in ``directory``: a SQLite database inside the directory, or beside one of
+    its ancestors (a sweep's store, seen from a trial directory), is kept relative to the directory, so that
+    moving or copying the directory (or the sweep around it) takes its tracking store along."""
+    uri = absolute_uri(uri)
+    parts = _sqlite_parts(uri)
+    if parts is None:
+        return uri
+    d = Path(os.path.abspath(directory))
+    db = Path(parts[0])
+    # inside the directory; or the store of a sweep directory around it (a trial directory): the sweep
+    # moves as a whole. A store elsewhere (a shared database passed with --tracking-uri) stays absolute.
+    if d in db.parents or (db.parent in d.parents and _is_sweep_dir(db.parent)):
+        return f"sqlite:///{os.path.relpath(db, d)}{parts[1]}"
+    return uri
+
+
+def _is_sweep_dir(d: Path) -> bool:
+    return (d / "sweep.json").is_file() or (d / "optuna.db").is_file()
+
+
+def record_tracking_uri(run_dir: str | os.PathLike, uri: str) -> None:
+    """Keep ``uri`` in ``run_dir`` (relative where it points inside it, see ``portable_uri``)."""
+    atomic_write_text(Path(run_dir) / TRACKING_URI_FILE, portable_uri(uri, run_dir))
+
+
 def default_tracking_uri(run_dir: str | os.PathLike) -> str:
-    """The tracking store a run directory's MLflow run was created in, else SQLite inside the directory."""
-    recorded = Path(run_dir) / TRACKING_URI_FILE
+    """The tracking store a run directory's MLflow run was created in, else SQLite inside the directory.
+
+    A recorded relative SQLite path is resolved against the directory's current location."""
+    run_dir = Path(run_dir).resolve()
+    recorded = run_dir / TRACKING_URI_FILE
     if recorded.is_file():
-        return recorded.read_text().strip()
-    return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+        uri = absolute_uri(recorded.read_text().strip(), base=run_dir)
+        parts = _sqlite_parts(uri)
+        if parts is not None and not Path(parts[0]).exists():
+            # recorded as an absolute path (before paths were kept relative) by a directory since moved: the
+            # store it took along, in the directory or in the sweep directory around it
+            name = Path(parts[0]).name
+            for d in (run_dir, *(a for a in run_dir.parents if _is_sweep_dir(a))):
+                if (d / name).is_file():
+                    return f"sqlite:///{d / name}{parts[1]}"
+        return uri
+    return f"sqlite:///{run_dir / 'mlflow.db'}"
 
 
 def ui_command(tracking_uri: str) -> str:
@@ -42,11 +99,102 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+ARTIFACT_ROOT_TAG = "recursive_lightning.artifact_root"  # artifact root relative to the SQLite file's folder
+_relocated: set[str] = set()
+
+
+def relocate_artifacts(tracking_uri: str) -> None:
+    """Point the artifact roots of a moved or copied SQLite store back beside it.
+
+    MLflow keeps absolute artifact URIs in the database; an experiment created by ``ensure_experiment`` with
+    its artifacts beside the database carries ``ARTIFACT_ROOT_TAG`` (the root relative to the database's
+    folder), and where that no longer matches the database's location its experiment and runs are rewritten,
+    so a moved directory does not write artifacts to its old path, nor a copy into the original's."""
+    parts = _sqlite_parts(tracking_uri)
+    if parts is None or tracking_uri in _relocated:
+        return
+    _relocated.add(tracking_uri)
+    db = Path(parts[0])
+    if not db.is_file():
+        return
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(db, timeout=60)
+        try:
+            rows = con.execute(
+                "SELECT e.experiment_id, e.artifact_location, t.value FROM experiments e "
+                "JOIN experiment_tags t ON t.experiment_id = e.experiment_id WHERE t.key = ?",
+                (ARTIFACT_ROOT_TAG,),
+            ).fetchall()
+            for exp_id, location, rel in rows:
+                want = (db.parent / rel).as_uri()
+                if location == want:
+                    continue
+                with con:
+                    con.execute(
+                        "UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) "
+                        "WHERE experiment_id = ? AND substr(artifact_uri, 1, ?) = ?",
+                        (want, len(location) + 1, exp_id, len(location), location),
+                    )
+                    con.execute(
+                        "UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (want, exp_id)
+                    )
+        finally:
+            con.close()
+    except sqlite3.Error:  # a fresh (table-less) or read-only database: nothing to do or nothing we can do
+        pass
+
+
+def _can_write(directory: Path) -> bool:
+    """Whether a file can be created in ``directory`` (tried, not guessed from permission bits)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory, prefix=".write-check-"):
+            return True
+    except OSError:
+        return False
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def writable_dir_problem(path: str | os.PathLike) -> str | None:
+    """Why results cannot be written into the folder ``path`` (created if missing), or None if they can."""
+    path = Path(path)
+    base = _nearest_existing(path)
+    if not base.is_dir():
+        return f"'{base}' is a file, not a folder"
+    if not _can_write(base):
+        return (
+            f"'{base}' is read-only"
+            if base == Path(os.path.abspath(path))
+            else (f"'{path}' cannot be created ('{base}' is read-only)")
+        )
+    return None
+
+
+def tracking_store_problem(tracking_uri: str) -> str | None:
+    """Why a SQLite tracking store (and the artifacts beside it) cannot be written, or None."""
+    parts = _sqlite_parts(absolute_uri(tracking_uri))
+    if parts is None:
+        return None
+    db = Path(parts[0])
+    problem = writable_dir_problem(db.parent)
+    if problem is None and db.is_file() and not os.access(db, os.W_OK):
+        problem = f"'{db}' is read-only"
+    return problem
+
+
 def client(tracking_uri: str):
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import mlflow
     from mlflow.tracking import MlflowClient
 
+    relocate_artifacts(tracking_uri)
     mlflow.set_tracking_uri(tracking_uri)
     return MlflowClient(tracking_uri=tracking_uri)
 
@@ -57,11 +205,15 @@ def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | os.Path
     exp = c.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    location = None
+    location, tags = None, None
     if artifact_root is not None and tracking_uri.startswith("sqlite:"):
-        location = Path(artifact_root).resolve().as_uri()
+        root = Path(artifact_root).resolve()
+        location = root.as_uri()
+        parts = _sqlite_parts(tracking_uri)
+        if parts is not None and Path(parts[0]).parent in (root, *root.parents):
+            tags = {ARTIFACT_ROOT_TAG: os.path.relpath(root, Path(parts[0]).parent)}
     try:
-        return c.create_experiment(name, artifact_location=location)
+        return c.create_experiment(name, artifact_location=location, tags=tags)
     except Exception:  # created concurrently by another worker
         exp = c.get_experiment_by_name(name)
         if exp is None:
@@ -106,10 +258,22 @@ def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step:
         c.log_batch(run_id, metrics=items[i : i + 500])
 
 
+def _forget_artifact_repo(run_id: str) -> None:
+    """MLflow caches a run's artifact location by run id alone, across stores: a copied directory's run (the
+    same id in another store) would write into the original's artifacts within one process."""
+    try:
+        from mlflow.tracking._tracking_service import utils
+
+        utils._artifact_repos_cache.pop(run_id, None)
+    except (ImportError, AttributeError):
+        pass
+
+
 def log_artifact_text(
     tracking_uri: str, run_id: str, name: str, text: str, subdir: str | None = None
 ) -> None:
     c = client(tracking_uri)
+    _forget_artifact_repo(run_id)
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / name
         p.write_text(text)
@@ -118,6 +282,7 @@ def log_artifact_text(
 
 def log_artifact(tracking_uri: str, run_id: str, path: str | os.PathLike, subdir: str | None = None) -> None:
     c = client(tracking_uri)
+    _forget_artifact_repo(run_id)
     if Path(path).is_dir():
         c.log_artifacts(run_id, str(path), artifact_path=subdir)
     else:
@@ -130,3 +295,30 @@ def set_terminated(tracking_uri: str, run_id: str, status: str = "FINISHED") -> 
 
 def to_json(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=True, default=str)
+
+
+def check_outputs(
+    command: str, out: str | os.PathLike, out_given: bool, tracking_uri: str | None = None
+) -> None:
+    """Refuse in one sentence, before any work, when ``command`` could not write its results to ``out``
+    (``--out``, or its default inside the run directory) or its MLflow run to ``tracking_uri`` (None: no
+    tracking)."""
+    from recursive_lightning.errors import UserError
+
+    problem = writable_dir_problem(out)
+    if problem is not None:
+        if out_given:
+            raise UserError(
+                f"--out '{out}' cannot take the results of {command}: {problem}; pass a folder you can write to."
+            )
+        raise UserError(
+            f"{command} writes its results to '{out}' in the run directory by default, but {problem}; pass "
+            "--out DIR to write them elsewhere (and --no-mlflow, or --tracking-uri URI, for the MLflow run)."
+        )
+    if tracking_uri is not None:
+        problem = tracking_store_problem(tracking_uri)
+        if problem is not None:
+            raise UserError(
+                f"{command} cannot log to the MLflow store {tracking_uri}: {problem}; pass --no-mlflow, or "
+                "--tracking-uri URI to log elsewhere."
+            )

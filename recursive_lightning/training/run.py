@@ -7,7 +7,10 @@ Run directory layout::
     <run-dir>/mlflow.db            SQLite tracking store (unless --tracking-uri points elsewhere)
     <run-dir>/mlartifacts/         MLflow artifacts of the SQLite store
     <run-dir>/mlflow_run_id        the MLflow run this directory logs to (a resume continues it)
-    <run-dir>/result.json          final metrics, written when training finishes
+    <run-dir>/mlflow_tracking_uri  the store of that run; a SQLite file inside the directory (or the store of
+                                   the sweep around it) is kept relative, so the directory can be moved or copied
+    <run-dir>/result.json          final metrics, written (atomically) when training finishes; a --resume of a
+                                   finished run validates its last checkpoint again and rewrites the same metrics
 """
 
 from __future__ import annotations
@@ -22,19 +25,22 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning.config import RunConfig, load_run_config, load_yaml
-from recursive_lightning.errors import ConfigError
+from recursive_lightning.errors import ConfigError, Terminated
 from recursive_lightning.tracking import (
     RUN_ID_FILE,
-    TRACKING_URI_FILE,
+    absolute_uri,
     atomic_write_text,
+    client,
     create_run,
     default_tracking_uri,
     ensure_experiment,
     log_artifact_text,
     log_params,
+    record_tracking_uri,
     set_terminated,
     to_json,
     ui_command,
+    writable_dir_problem,
 )
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "cpu" / "looped-mesh.yaml"
@@ -89,6 +95,26 @@ def build_datamodule(cfg: RunConfig):
     )
 
 
+def _check_checkpoint_config(ckpt: dict, cfg: RunConfig, path: str) -> None:
+    """A --ckpt-path must come from a run of this config (model and data); else litdata and the optimiser
+    fail deep inside Lightning (e.g. "item_loader state doesn't match")."""
+    extra = ckpt.get("recursive_lightning") or {}
+    if not extra.get("run"):
+        return
+    try:
+        theirs = RunConfig.from_dict(extra["run"]).flat()
+    except ConfigError:
+        return
+    ours = cfg.flat()
+    for k in ours:
+        if (k.startswith("model.") or k.startswith("data.")) and k != "data.num_workers":
+            if k in theirs and theirs[k] != ours[k]:
+                raise ConfigError(
+                    f"--ckpt-path '{path}' was written by a run with {k} {theirs[k]!r}, but this run has "
+                    f"{ours[k]!r}; pass a checkpoint of this run (or train that config instead)."
+                )
+
+
 def _check_same_config(saved: RunConfig, cfg: RunConfig, run_dir: Path) -> None:
     a, b = saved.flat(), cfg.flat()
     for k in a:
@@ -138,8 +164,18 @@ def train(
     run_dir = Path(run_dir).resolve()
     ckpt_dir = run_dir / "checkpoints"
     saved_cfg = run_dir / "config.yaml"
+    problem = writable_dir_problem(run_dir)
+    if problem is not None:
+        raise ConfigError(
+            f"--run-dir '{run_dir}' cannot hold the run: {problem}; choose a folder you can write to."
+        )
     if resume and saved_cfg.exists():
-        _check_same_config(RunConfig.from_dict(load_yaml(saved_cfg)), cfg, run_dir)
+        saved = RunConfig.from_dict(load_yaml(saved_cfg))
+        _check_same_config(saved, cfg, run_dir)
+        if (
+            saved.flat() != cfg.flat()
+        ):  # e.g. a larger --max-steps extends the run: resume uses it from now on
+            atomic_write_text(saved_cfg, cfg.to_yaml())
     if not resume and latest_good(ckpt_dir) is not None:
         raise ConfigError(
             f"--run-dir '{run_dir}' already holds checkpoints; pass --resume to continue it or choose a new --run-dir."
@@ -150,7 +186,8 @@ def train(
 
     resume_from: str | None = ckpt_path
     if resume_from is not None and not Path(resume_from).is_dir():
-        read_checkpoint(resume_from)  # an explicit --ckpt-path: one sentence if it is damaged
+        # an explicit --ckpt-path: one sentence if it is damaged or was written by a different run
+        _check_checkpoint_config(read_checkpoint(resume_from), cfg, resume_from)
     if resume and resume_from is None:
         last = ckpt_dir / "last.ckpt"
         if last.exists() or any(ckpt_dir.glob("step*.ckpt")):
@@ -158,6 +195,12 @@ def train(
             if last.exists() and good != last:
                 read_checkpoint(last)  # raises one sentence naming the damaged file and the good one
             resume_from = str(good) if good else None  # latest_good already checked it reads
+        else:
+            print(
+                f"train --resume: '{run_dir}' holds no checkpoint yet; training from step 0.",
+                file=sys.stderr,
+                flush=True,
+            )
 
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     dm = build_datamodule(cfg)
@@ -171,18 +214,18 @@ def train(
         )
 
     # ---- MLflow: one experiment per config name, one run per run directory
-    tracking_uri = tracking_uri or default_tracking_uri(run_dir)
+    tracking_uri = absolute_uri(tracking_uri) if tracking_uri else default_tracking_uri(run_dir)
     exp_id = ensure_experiment(tracking_uri, experiment or cfg.name, run_dir / "mlartifacts")
     id_file = run_dir / RUN_ID_FILE
     if id_file.exists():
         run_id = id_file.read_text().strip()
+        _check_run_exists(tracking_uri, run_id, run_dir)
+        client(tracking_uri).update_run(run_id, status="RUNNING")  # a resumed (or extended) run runs again
     else:
         run_id = create_run(
             tracking_uri, exp_id, run_name or cfg.name, tags=tags, parent_run_id=parent_run_id
         )
-        atomic_write_text(
-            run_dir / TRACKING_URI_FILE, tracking_uri
-        )  # before the id: eval / resume find the run
+        record_tracking_uri(run_dir, tracking_uri)  # before the id: eval / resume find the run
         atomic_write_text(id_file, run_id)
         stats = describe(cfg.model, seq_len=cfg.data.seq_len)
         params = {**cfg.flat(), **{f"describe.{k}": v for k, v in stats.items() if k != "flops_convention"}}
@@ -196,7 +239,7 @@ def train(
     )  # init must not depend on what data prep consumed
     module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
     module.mlflow_run_id = run_id
-    logger = MLFlowLogger(
+    logger = _logger_class(MLFlowLogger)(
         experiment_name=experiment or cfg.name, tracking_uri=tracking_uri, run_id=run_id, log_model=False
     )
 
@@ -251,19 +294,31 @@ def train(
         enable_model_summary=False,
         use_distributed_sampler=False,
     )
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     status = "FAILED"
     try:
         trainer.fit(module, datamodule=dm, ckpt_path=resume_from, weights_only=False)
+        # a final validation at the last step, unless one just ran there in this process (a resumed finished
+        # run trains no step and validates its last checkpoint again, so its result is never lost)
+        if trainer.global_step % t.val_every != 0 or not _val_metrics(trainer):
+            trainer.validate(module, datamodule=dm, verbose=False)
         status = "FINISHED"
+    except SIGTERMException:  # Lightning stops at the next step (or validation batch) and raises SystemExit()
+        status = "KILLED"
+        raise Terminated(
+            f"train: stopped by SIGTERM at step {trainer.global_step}; the run is resumable from its last "
+            f"checkpoint: --run-dir {run_dir} --resume."
+        ) from None
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
     finally:
         if trainer.is_global_zero and status != "FINISHED":
-            set_terminated(
-                tracking_uri, run_id, status="KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED"
-            )
-    # a final validation at the last step, unless one just ran there
-    if trainer.global_step % t.val_every != 0:
-        trainer.validate(module, datamodule=dm, verbose=False)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+            set_terminated(tracking_uri, run_id, status=status)
+    metrics = _val_metrics(trainer)
+    if not metrics:  # never erase a finished run's recorded result
+        metrics = _previous_metrics(run_dir, trainer.global_step)
     if trainer.is_global_zero:
         from recursive_lightning.tracking import log_metrics
 
@@ -289,6 +344,54 @@ def train(
     return result
 
 
+def _val_metrics(trainer) -> dict[str, float]:
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+
+
+def _previous_metrics(run_dir: Path, steps: int) -> dict[str, float]:
+    try:
+        old = json.loads((run_dir / "result.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return dict(old.get("metrics") or {}) if old.get("steps") == steps else {}
+
+
+def _check_run_exists(tracking_uri: str, run_id: str, run_dir: Path) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client(tracking_uri).get_run(run_id)
+    except MlflowException:
+        raise ConfigError(
+            f"the MLflow run {run_id} of '{run_dir}' is not in {tracking_uri}; pass the store it was logged "
+            "to with --tracking-uri, or train into a new --run-dir."
+        ) from None
+
+
+def _logger_class(base: type) -> type:
+    """MLFlowLogger that logs each hyperparameter once: MLflow refuses to change a param, and a resumed run
+    may change some (a larger train.max_steps extends a finished run). A changed value is recorded as the
+    tag ``resumed/<param>`` (the latest value) and the first value stays the param."""
+
+    class ResumableMLFlowLogger(base):
+        def log_hyperparams(self, params) -> None:
+            from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
+            from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+            if rank_zero_only.rank != 0:
+                return
+            flat = {k: str(v)[:250] for k, v in _flatten_dict(_convert_params(params)).items()}
+            existing = self.experiment.get_run(self.run_id).data.params
+            new = {k: v for k, v in flat.items() if k not in existing}
+            if new:
+                super().log_hyperparams(new)
+            for k, v in flat.items():
+                if k in existing and existing[k] != v:
+                    self.experiment.set_tag(self.run_id, f"resumed/{k}", v)
+
+    return ResumableMLFlowLogger
+
+
 def summary_line(r: TrainResult) -> str:
     ppl = ", ".join(f"{k.removeprefix('val/')}={v:.2f}" for k, v in r.metrics.items() if k.endswith("/ppl"))
     return (
@@ -309,7 +412,11 @@ def main(argv: list[str]) -> int:
         help=f"run YAML (default {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})",
     )
     p.add_argument("--data", help="text file, folder, glob or hf:<dataset> (default: the embedded corpus)")
-    p.add_argument("--max-steps", type=int)
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        help="train.max_steps; with --resume of a finished run, a larger value extends it",
+    )
     p.add_argument(
         "--run-dir", default=None, help="checkpoints, tracking DB and artifacts (default runs/<name>)"
     )
@@ -320,7 +427,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite:///<run-dir>/mlflow.db)")
     p.add_argument("--experiment", help="MLflow experiment name (default: the config's name)")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="train.seed: initialisation and data order (default 0)")
     p.add_argument("--parent-run-id", help="MLflow parent run (sweeps start multi-device trials this way)")
     p.add_argument("--run-name", help="MLflow run name (default: the config's name)")
     p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="MLflow tag of a new run")

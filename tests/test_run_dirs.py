@@ -1,0 +1,297 @@
+"""Run directories and the commands around them (issue 20): a finished run's result survives a resume, a
+finished run can be extended, directories can be moved and copied, outputs are checked before any work,
+SIGTERM exits non-zero, and bad input gets one sentence."""
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from recursive_lightning import cli, tracking
+from recursive_lightning.config import RunConfig, load_run_config
+from recursive_lightning.errors import ConfigError, Terminated, UserError
+from recursive_lightning.tracking import default_tracking_uri, portable_uri
+from recursive_lightning.training.run import train
+
+
+def _run_of(run_dir: Path):
+    uri = default_tracking_uri(run_dir)
+    run_id = (run_dir / "mlflow_run_id").read_text().strip()
+    return MlflowClient(uri).get_run(run_id)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, data_cache):
+    """One finished 12-step run (validation at 6 and 12), copied by the tests that change it."""
+    cfg = {
+        "name": "tiny",
+        "model": {"preset": "cpu-tiny", "layout": "1+2R2+1", "topology": "mesh", "max_seq_len": 128},
+        "data": {
+            "tokenizer": "bpe:4096",
+            "seq_len": 64,
+            "batch_size": 8,
+            "val_batches": 4,
+            "cache_dir": data_cache,
+        },
+        "train": {
+            "max_steps": 12,
+            "lr": 3e-3,
+            "val_every": 6,
+            "checkpoint_every": 4,
+            "progress": False,
+            "seed": 0,
+        },
+    }
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    train(RunConfig.from_dict(cfg), run_dir)
+    return run_dir, cfg
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    p = tmp_path / "ppl.txt"
+    p.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    return p
+
+
+# ------------------------------------------------------------------------------------ item 1 and 4
+def test_resume_of_a_finished_run_keeps_its_result(finished, tmp_path):
+    run_dir = _copy(finished[0], tmp_path / "run")
+    before = json.loads((run_dir / "result.json").read_text())
+    assert before["metrics"]["val/heldout/loss"] > 0
+    r = train(RunConfig.from_dict(finished[1]), run_dir, resume=True)
+    after = json.loads((run_dir / "result.json").read_text())
+    assert r.steps == after["steps"] == 12
+    assert set(after["metrics"]) == set(before["metrics"])  # not {} (it was)
+    for k, v in before["metrics"].items():
+        assert after["metrics"][k] == pytest.approx(v, rel=1e-5), k
+    assert _run_of(run_dir).info.status == "FINISHED"
+
+
+def test_resume_with_a_larger_max_steps_extends_a_finished_run(finished, tmp_path, capsys):
+    from recursive_lightning.training.run import main
+
+    run_dir = _copy(finished[0], tmp_path / "run")
+    assert main(["--run-dir", str(run_dir), "--resume", "--max-steps", "16"]) == 0
+    assert "trained 16 steps" in capsys.readouterr().out
+    run = _run_of(run_dir)
+    assert run.info.status == "FINISHED"  # not FAILED on "Changing param values is not allowed"
+    assert run.data.params["run/train/max_steps"] == "12"  # MLflow params never change ...
+    assert run.data.tags["resumed/run/train/max_steps"] == "16"  # ... the extension is recorded as a tag
+    assert json.loads((run_dir / "result.json").read_text())["steps"] == 16
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"] == 16  # resume uses it
+
+
+# ------------------------------------------------------------------------------------ item 5
+def test_a_moved_run_directory_resumes_and_evaluates_in_place(finished, tmp_path, text_file):
+    from recursive_lightning.evaluation.run import evaluate_checkpoint
+
+    old = _copy(finished[0], tmp_path / "a" / "run")
+    assert (old / "mlflow_tracking_uri").read_text() == "sqlite:///mlflow.db"  # kept relative
+    new = tmp_path / "b" / "run"
+    new.parent.mkdir()
+    old.rename(new)
+    assert default_tracking_uri(new) == f"sqlite:///{new.resolve() / 'mlflow.db'}"
+    cfg = RunConfig.from_dict(finished[1])
+    cfg.train.max_steps = 13
+    train(cfg, new, resume=True)  # was: "Run ... not found" (the old absolute store)
+    res = evaluate_checkpoint(new, ppl_sets={"t": str(text_file)}, tasks=[])
+    assert res["mlflow"]["tracking_uri"] == default_tracking_uri(new) and not res["mlflow"]["created"]
+    assert not (tmp_path / "a" / "run").exists()  # no stray database at the old path
+    run = _run_of(new)
+    assert "eval/ppl/t" in run.data.metrics
+    assert run.info.artifact_uri.startswith((new / "mlartifacts").resolve().as_uri())
+
+
+def test_a_copied_run_directory_logs_into_its_own_store(finished, tmp_path, text_file):
+    from recursive_lightning.evaluation.run import evaluate_checkpoint
+
+    original = _copy(finished[0], tmp_path / "original")
+    copy = _copy(original, tmp_path / "copy")
+    evaluate_checkpoint(copy, ppl_sets={"t": str(text_file)}, tasks=[])
+    assert "eval/ppl/t" in _run_of(copy).data.metrics
+    assert "eval/ppl/t" not in _run_of(original).data.metrics  # the original's store is left alone
+    assert _run_of(copy).info.artifact_uri.startswith((copy / "mlartifacts").resolve().as_uri())
+    assert not list((original / "mlartifacts").rglob("eval-*.json"))
+
+
+def test_tracking_uris_are_kept_relative_where_they_point_inside(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    assert portable_uri(f"sqlite:///{run / 'mlflow.db'}", run) == "sqlite:///mlflow.db"
+    sweep = tmp_path / "sweep"
+    (sweep / "trials" / "k").mkdir(parents=True)
+    (sweep / "sweep.json").write_text("{}")
+    trial = sweep / "trials" / "k"
+    assert portable_uri(f"sqlite:///{sweep / 'mlflow.db'}", trial) == "sqlite:///../../mlflow.db"
+    tracking.record_tracking_uri(trial, f"sqlite:///{sweep / 'mlflow.db'}")
+    moved = tmp_path / "elsewhere"
+    sweep.rename(moved)
+    assert default_tracking_uri(moved / "trials" / "k") == f"sqlite:///{moved.resolve() / 'mlflow.db'}"
+    legacy = tmp_path / "legacy"  # recorded absolute (before this change), then moved: its own store
+    legacy.mkdir()
+    (legacy / "mlflow.db").write_text("")
+    (legacy / "mlflow_tracking_uri").write_text(f"sqlite:///{tmp_path / 'gone' / 'mlflow.db'}")
+    assert default_tracking_uri(legacy) == f"sqlite:///{legacy.resolve() / 'mlflow.db'}"
+    shared = tmp_path / "shared" / "mlflow.db"  # a store outside the directory stays absolute
+    assert portable_uri(f"sqlite:///{shared}", run) == f"sqlite:///{shared}"
+    assert portable_uri("http://mlflow:5000", run) == "http://mlflow:5000"
+    # a relative URI on the command line means the current directory, not the run directory
+    cwd = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        assert tracking.absolute_uri("sqlite:///x.db") == f"sqlite:///{tmp_path / 'x.db'}"
+    finally:
+        os.chdir(cwd)
+
+
+def test_artifact_roots_follow_a_moved_store(tmp_path):
+    d = tmp_path / "a"
+    uri = f"sqlite:///{d / 'mlflow.db'}"
+    exp = tracking.ensure_experiment(uri, "x", d / "mlartifacts")
+    run_id = tracking.create_run(uri, exp, "r")
+    moved = tmp_path / "b"
+    d.rename(moved)
+    new_uri = f"sqlite:///{moved / 'mlflow.db'}"
+    tracking.log_artifact_text(new_uri, run_id, "note.txt", "hi")
+    assert (moved / "mlartifacts").is_dir() and list((moved / "mlartifacts").rglob("note.txt"))
+    assert not d.exists()
+    with sqlite3.connect(moved / "mlflow.db") as con:
+        (loc,) = con.execute("SELECT artifact_location FROM experiments WHERE name = 'x'").fetchone()
+    assert loc == (moved / "mlartifacts").as_uri()
+
+
+# ------------------------------------------------------------------------------------ item 6
+def _read_only(monkeypatch, *dirs: Path) -> None:
+    """Make ``dirs`` read-only for the write check (chmod does not stop root, who runs CI here)."""
+    real = tracking._can_write
+    roots = [d.resolve() for d in dirs]
+
+    def can_write(d: Path) -> bool:
+        d = Path(d).resolve()
+        return not any(d == r or r in d.parents for r in roots) and real(d)
+
+    monkeypatch.setattr(tracking, "_can_write", can_write)
+
+
+# ------------------------------------------------------------------------------------ item 7
+def test_sigterm_stops_train_with_143_and_the_run_resumes(tmp_path, tiny_run, monkeypatch, capsys):
+    from recursive_lightning.training.module import RecursiveLMModule
+
+    def sigterm_at_step_5(self, outputs, batch, batch_idx) -> None:
+        if self.trainer.global_step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler: stop at the step boundary
+
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump(tiny_run()))
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(RecursiveLMModule, "on_train_batch_end", sigterm_at_step_5, raising=False)
+        code = cli.main(["train", "--config", str(cfg_file), "--run-dir", str(run_dir)])
+    assert code == Terminated.EXIT_CODE == 143
+    assert "SIGTERM" in capsys.readouterr().err
+    assert _run_of(run_dir).info.status == "KILLED"
+    assert not (run_dir / "result.json").exists()
+    assert cli.main(["train", "--run-dir", str(run_dir), "--resume"]) == 0
+    assert json.loads((run_dir / "result.json").read_text())["steps"] == 12
+    assert _run_of(run_dir).info.status == "FINISHED"
+
+
+# ------------------------------------------------------------------------------------ item 9
+def test_config_errors_are_one_sentence(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: 5\n")
+    with pytest.raises(ConfigError, match="'model' section must be a mapping"):
+        load_run_config(bad)
+    for value in ("nan", ".nan", "inf", "-.inf"):
+        with pytest.raises(ConfigError, match="train.lr must be a finite number"):
+            load_run_config(None, ["--train.lr", value])
+    with pytest.raises(ConfigError, match="finite"):
+        load_run_config(None, ["--model.rotary_pct", "nan"])
+    assert cli.main(["describe", "--config", str(bad)]) == 2
+    assert "must be a mapping" in capsys.readouterr().err
+
+
+def test_train_refuses_a_run_dir_it_cannot_use(tmp_path, tiny_run, monkeypatch):
+    cfg = RunConfig.from_dict(tiny_run())
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        train(cfg, tmp_path / "file")
+    _read_only(monkeypatch, tmp_path / "ro")
+    (tmp_path / "ro").mkdir()
+    with pytest.raises(ConfigError, match="read-only"):
+        train(cfg, tmp_path / "ro" / "run")
+
+
+def test_ckpt_path_of_another_run_is_refused(finished, tmp_path, tiny_run):
+    other = tiny_run()
+    other["data"]["seq_len"] = 32
+    with pytest.raises(ConfigError, match="data.seq_len"):
+        train(
+            RunConfig.from_dict(other),
+            tmp_path / "run",
+            ckpt_path=str(finished[0] / "checkpoints" / "last.ckpt"),
+        )
+
+
+# ------------------------------------------------------------------------------------ item 10
+def test_bare_command_says_it_runs_the_default_sweep(monkeypatch, capsys):
+    import types
+
+    ran = []
+    stub = types.ModuleType("stub_sweep")
+    stub.main = lambda argv: ran.append(argv) or 0
+    monkeypatch.setitem(__import__("sys").modules, "stub_sweep", stub)
+    monkeypatch.setitem(cli.COMMANDS, "sweep", ("stub_sweep", "main"))
+    assert cli.main([]) == 0 and ran == [[]]
+    assert "running `sweep`" in capsys.readouterr().err
+    assert cli.main(["--help"]) == 0
+    assert "runs `sweep`" in capsys.readouterr().out
+
+
+def test_resume_of_an_empty_directory_says_it_starts_from_scratch(tmp_path, tiny_run, capsys):
+    cfg = tiny_run()
+    cfg["train"].update(max_steps=2, val_every=2, checkpoint_every=2)
+    (tmp_path / "run").mkdir()
+    train(RunConfig.from_dict(cfg), tmp_path / "run", resume=True)
+    assert "holds no checkpoint yet; training from step 0" in capsys.readouterr().err
+
+
+def test_a_damaged_last_checkpoint_is_reported_when_an_older_one_is_used(finished, tmp_path, capsys):
+    from recursive_lightning.training.checkpoint import load_checkpoint
+
+    run_dir = _copy(finished[0], tmp_path / "run")
+    last = run_dir / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    loaded = load_checkpoint(run_dir)
+    assert loaded.path.name == "step=000012.ckpt"
+    err = capsys.readouterr().err
+    assert "last.ckpt' is damaged" in err and "step=000012.ckpt" in err
+
+
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (["describe", "--help"], "tokens per sequence"),
+        (["describe", "--help"], "sequences per forward pass"),
+        (["train", "--help"], "extends it"),
+        (["train", "--help"], "train.seed"),
+        (["generate", "--help"], "tokens to generate"),
+        (["generate", "--help"], "cuda:N (default cpu)"),
+    ],
+)
+def test_options_have_help(argv, text, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert text in " ".join(capsys.readouterr().out.split())
