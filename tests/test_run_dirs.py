@@ -185,6 +185,50 @@ def _read_only(monkeypatch, *dirs: Path) -> None:
     monkeypatch.setattr(tracking, "_can_write", can_write)
 
 
+def test_eval_checks_where_results_go_before_computing(finished, tmp_path, text_file, monkeypatch):
+    from recursive_lightning.evaluation import perplexity as ppl_mod
+    from recursive_lightning.evaluation.run import evaluate_checkpoint
+
+    run_dir = _copy(finished[0], tmp_path / "run")
+    _read_only(monkeypatch, run_dir)
+    calls = []
+    real = ppl_mod.perplexity
+    monkeypatch.setattr(ppl_mod, "perplexity", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with pytest.raises(UserError) as e:
+        evaluate_checkpoint(run_dir, ppl_sets={"t": str(text_file)}, tasks=[])
+    assert "read-only" in str(e.value) and "--out" in str(e.value) and not calls
+    with pytest.raises(UserError, match="MLflow store"):  # the store is in the read-only directory too
+        evaluate_checkpoint(run_dir, ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "out")
+    assert not calls
+    res = evaluate_checkpoint(
+        run_dir, ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "out", mlflow=False
+    )
+    assert Path(res["json_path"]).parent == tmp_path / "out" and calls
+    assert not (run_dir / "eval").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        evaluate_checkpoint(run_dir, ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "file")
+
+
+def test_probe_checks_where_results_go_before_probing(finished, tmp_path, monkeypatch):
+    from recursive_lightning.probes import run as probe_run
+
+    run_dir = _copy(finished[0], tmp_path / "run")
+    _read_only(monkeypatch, run_dir)
+
+    def no_capture(*a, **k):
+        raise AssertionError("probed before checking the outputs")
+
+    monkeypatch.setattr(probe_run, "capture", no_capture)
+    with pytest.raises(UserError, match="read-only.*--out"):
+        probe_run.main([str(run_dir), "--samples", "2", "--no-progress"])
+    with pytest.raises(UserError, match="MLflow store"):
+        probe_run.main([str(run_dir), "--samples", "2", "--no-progress", "--out", str(tmp_path / "o")])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        probe_run.main([str(run_dir), "--no-mlflow", "--out", str(tmp_path / "file")])
+
+
 # ------------------------------------------------------------------------------------ item 7
 def test_sigterm_stops_train_with_143_and_the_run_resumes(tmp_path, tiny_run, monkeypatch, capsys):
     from recursive_lightning.training.module import RecursiveLMModule
@@ -245,6 +289,16 @@ def test_ckpt_path_of_another_run_is_refused(finished, tmp_path, tiny_run):
         )
 
 
+def test_lm_eval_shows_our_errors_as_one_sentence(capsys):
+    from recursive_lightning.evaluation import harness_hook
+
+    seen = []
+    harness_hook._excepthook(UserError, UserError("checkpoint 'x' does not exist."), None)
+    assert capsys.readouterr().err == "error: checkpoint 'x' does not exist.\n"
+    harness_hook._excepthook(KeyError, KeyError("k"), None, lambda *a: seen.append(a[0]))
+    assert seen == [KeyError]  # anything else keeps its traceback
+
+
 # ------------------------------------------------------------------------------------ item 10
 def test_bare_command_says_it_runs_the_default_sweep(monkeypatch, capsys):
     import types
@@ -289,6 +343,8 @@ def test_a_damaged_last_checkpoint_is_reported_when_an_older_one_is_used(finishe
         (["train", "--help"], "train.seed"),
         (["generate", "--help"], "tokens to generate"),
         (["generate", "--help"], "cuda:N (default cpu)"),
+        (["eval", "--help"], "one token stream"),
+        (["eval", "--help"], "sequences per forward pass (default 16)"),
     ],
 )
 def test_options_have_help(argv, text, capsys):

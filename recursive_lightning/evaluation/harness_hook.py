@@ -31,9 +31,37 @@ PTH_LINE = (
 _TARGET = "lm_eval.models"
 
 
+def _is_user_error(exc: BaseException) -> bool:
+    return any(
+        c.__name__ == "UserError" and c.__module__ == "recursive_lightning.errors" for c in type(exc).__mro__
+    )
+
+
+def _excepthook(exc_type, exc, tb, _previous=None) -> None:
+    """lm-eval's CLI catches nothing: our one-sentence errors (a missing checkpoint, a bad model_arg) are
+    printed as that sentence alone instead of a traceback ending in it; anything else as before."""
+    if _is_user_error(exc):
+        print(f"error: {exc}", file=sys.stderr)
+        return
+    (_previous or sys.__excepthook__)(exc_type, exc, tb)
+
+
+def install_excepthook() -> None:
+    if getattr(sys.excepthook, "__name__", "") != "_recursive_lightning_excepthook":
+        previous = sys.excepthook
+
+        def _recursive_lightning_excepthook(exc_type, exc, tb):
+            _excepthook(exc_type, exc, tb, previous)
+
+        sys.excepthook = _recursive_lightning_excepthook
+
+
 def register_models() -> list[str]:
-    """Register entry-point models (and ours) as lazy placeholders in lm-eval's model registry."""
+    """Register entry-point models (and ours) as lazy placeholders in lm-eval's model registry, and show
+    our errors as one sentence (``install_excepthook``)."""
     from lm_eval.api.registry import model_registry
+
+    install_excepthook()
 
     found = dict(OURS)
     try:

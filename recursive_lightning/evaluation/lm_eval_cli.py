@@ -18,9 +18,15 @@ def main(argv: list[str] | None = None) -> int:
     register_models()
     from lm_eval.__main__ import cli_evaluate
 
+    from recursive_lightning.errors import UserError
+
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except UserError as e:  # one sentence, no traceback (a missing checkpoint, a bad model_arg)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -336,13 +336,18 @@ def evaluate_checkpoint(
     """
     from recursive_lightning.evaluation.lm_eval_adapter import RecursiveLightningLM
     from recursive_lightning.evaluation.perplexity import perplexity, perplexity_by_context_length, read_texts
-    from recursive_lightning.tracking import atomic_write_text, to_json
+    from recursive_lightning.tracking import atomic_write_text, check_outputs, default_tracking_uri, to_json
     from recursive_lightning.training.checkpoint import load_checkpoint
 
     if loaded is None:
         loaded = load_checkpoint(path, device="cpu")
     ckpt = Path(loaded.path).resolve()
     run_dir = run_dir_of(ckpt)
+    out = Path(out_dir) if out_dir else run_dir / "eval"
+    # where the results go must be writable before anything is computed
+    check_outputs(
+        "eval", out, out_dir is not None, (tracking_uri or default_tracking_uri(run_dir)) if mlflow else None
+    )
     sets = _parse_sets(ppl_sets)
     tasks = [t for t in (tasks or []) if t and t.lower() != "none"]
     shots = [int(s) for s in shots] if tasks else []
@@ -416,7 +421,6 @@ def evaluate_checkpoint(
             accs = [v for m, v in heads.values() if not any(x in m for x in NOT_ACCURACY)]
             result["avg"][str(k)] = sum(accs) / len(accs) if accs else None
 
-    out = Path(out_dir) if out_dir else run_dir / "eval"
     json_path = out / f"eval-{ckpt.stem if ckpt.is_file() else ckpt.name}.json"
     result["json_path"] = str(json_path)
     if mlflow:
@@ -644,7 +648,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ctx-max-tokens", type=int, default=None, help="scored tokens per context length (default: all)"
     )
-    p.add_argument("--ctx-mode", choices=("stream", "documents"), default="stream")
+    p.add_argument(
+        "--ctx-mode",
+        choices=("stream", "documents"),
+        default="stream",
+        help="stream: the --ppl set joined into one token stream, cut into segments of each length (default); "
+        "documents: one segment from the start of each document at least that long",
+    )
     p.add_argument(
         "--stride",
         type=int,
@@ -657,7 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="window / context in tokens (default: the model's max_seq_len)",
     )
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass (default 16)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--out", default=None, help="folder of the JSON result (default <run_dir>/eval)")
     p.add_argument(

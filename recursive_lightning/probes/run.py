@@ -906,8 +906,22 @@ def _title(p: Probed) -> str:
     return f"{p.label} ({m['layout']}, {m['topology']})"
 
 
+def _check_outputs(args: argparse.Namespace, run_dirs: Sequence[Path], out: Path) -> None:
+    """Before any probing: the figures' folder and each run's MLflow store must be writable."""
+    from recursive_lightning.tracking import check_outputs, default_tracking_uri
+
+    check_outputs("probe", out, bool(args.out))
+    if not args.no_mlflow:
+        for run_dir in run_dirs:
+            check_outputs("probe", out, bool(args.out), args.tracking_uri or default_tracking_uri(run_dir))
+
+
 def _run_single(args: argparse.Namespace, device: torch.device) -> int:
     t0 = time.perf_counter()
+    arg = Path(args.checkpoint)
+    if arg.exists():  # else load_checkpoint says what is missing
+        run_dir = _run_dir_of(arg, arg)
+        _check_outputs(args, [run_dir], Path(args.out) if args.out else run_dir / "probes")
     p = probe_one(args.checkpoint, args, device)
     out = Path(args.out) if args.out else p.run_dir / "probes"
     out.mkdir(parents=True, exist_ok=True)
@@ -949,9 +963,19 @@ def _labels(probed: list[Probed], paths: list[Path]) -> list[str]:
     return [f"{n}-{i}" for i, n in enumerate(names)]
 
 
+def _compare_out(args: argparse.Namespace, run_dirs: Sequence[Path]) -> Path:
+    if args.out:
+        return Path(args.out)
+    if len(args.compare) == 1:
+        return Path(args.compare[0]) / "probes_compare"
+    return Path(os.path.commonpath([str(d) for d in run_dirs])) / "probes_compare"
+
+
 def _run_compare(args: argparse.Namespace, device: torch.device) -> int:
     t0 = time.perf_counter()
     paths = expand_compare(args.compare)
+    run_dirs = [_run_dir_of(path, path) for path in paths]
+    _check_outputs(args, run_dirs, _compare_out(args, run_dirs))
     probed: list[Probed] = []
     seq_len = args.seq_len
     for path in paths:
@@ -960,12 +984,7 @@ def _run_compare(args: argparse.Namespace, device: torch.device) -> int:
         probed.append(p)
     for p, label in zip(probed, _labels(probed, paths)):
         p.label = label
-    if args.out:
-        out = Path(args.out)
-    elif len(args.compare) == 1:
-        out = Path(args.compare[0]) / "probes_compare"
-    else:
-        out = Path(os.path.commonpath([str(p.run_dir) for p in probed])) / "probes_compare"
+    out = _compare_out(args, [p.run_dir for p in probed])
     out.mkdir(parents=True, exist_ok=True)
     results = {p.label: (p.capture, p.summary) for p in probed}
     t1 = time.perf_counter()
