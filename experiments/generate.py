@@ -3,6 +3,7 @@
 mesh-table1/       MeSH Table 1 rows (vanilla, base, +residual, +anchor, +anchor*, +mesh) per Pythia size
 spiral-table1/     SpiralFormer Table 1 rows (Baseline, LoopedFormer*, LoopedFormer, SpiralFormer-B(*), -L)
 spiral-table2/     SpiralFormer Table 2 ablation rows on the 410M model
+mela-table1/       Mela Table 1: Mela-400M/800M/1.2B and their matched Transformer++ (Sec. 5.1 recipe)
 cpu/               small counterparts that train on a 2-core CPU in minutes
 """
 
@@ -44,6 +45,16 @@ TABLE2 = {  # SpiralFormer Table 2: one change from the main configuration (Spir
     "5b-upscale-broadcast": {"upscale": "broadcast"},
     "5c-both-nonlearnable": {"downscale": "mean", "upscale": "broadcast"},
 }
+
+# Mela Sec. 5.1: FineWeb-Edu (5B tokens; the ablations 1B) with the Llama-2 tokenizer (32K), 4K context, AdamW
+# 0.9/0.95, peak lr 1e-3 (8e-4 at 1.2B), cosine to 10 %, 500 warm-up steps, wd 0.1, clip 1.0, 0.5M-token batches
+# (8 GPUs x 4 sequences x 4 accumulation x 4096 tokens = 524,288), FSDP2, bf16.
+MELA_DATA = {"path": "data/shards/fineweb-edu-llama2", "tokenizer": "meta-llama/Llama-2-7b-hf", "seq_len": 4096,
+             "batch_size": 4, "val_batches": 100}
+MELA_TRAIN = {"max_steps": 9537, "accumulate": 4, "devices": 8, "strategy": "fsdp", "precision": "bf16-mixed",
+              "val_every": 1000, "checkpoint_every": 500, "warmup_steps": 500, "min_lr_ratio": 0.1,
+              "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0}
+MELA_LR = {"400m": 1e-3, "800m": 1e-3, "1.2b": 8e-4}
 
 # CPU counterparts: cpu-small (d=128), 256-token blocks of the embedded corpus, a few minutes each.
 CPU_DATA = {"tokenizer": "bpe:4096", "seq_len": 256, "batch_size": 16, "val_batches": 16}
@@ -88,7 +99,23 @@ def main() -> None:
         model = {"layout": "4+8x" + SPIRAL_B + "+4", "topology": "mesh", **change}
         gpu(f"spiral-t2-410m-{row}", "pythia-410m", model, f"SpiralFormer Table 2 row {row}", "spiral-table2")
 
+    for size, lr in MELA_LR.items():
+        for family, comment in (("mela", "Mela"), ("transformerpp", "Transformer++ matched in size to Mela")):
+            cfg = {"name": f"{family}-{size}", "model": {"preset": f"{family}-{size}"}, "data": dict(MELA_DATA),
+                   "train": {**MELA_TRAIN, "lr": lr}}
+            write(ROOT / "mela-table1" / f"{family}-{size}.yaml", cfg, f"Mela Table 1: {comment}-{size.upper()}")
+
     cpu = ROOT / "cpu"
+    mela_cpu = {"tokenizer": "bpe:4096", "seq_len": 256, "batch_size": 8, "val_batches": 16}
+    mela_train = {"max_steps": 300, "lr": 2e-3, "warmup_steps": 30, "weight_decay": 0.1, "val_every": 100,
+                  "checkpoint_every": 50}
+    for family, comment in (
+        ("mela", "Mela at toy scale (decoder 4 x 128; HMM 2 H-blocks, 1 L-block; H = L = 2; P = C = 8)"),
+        ("transformerpp", "Transformer++ (9 x 128) of cpu-mela's parameter count, same data and recipe"),
+    ):
+        cfg = {"name": f"cpu-{family}", "model": {"preset": f"cpu-{family}"}, "data": dict(mela_cpu),
+               "train": dict(mela_train)}
+        write(cpu / f"{family}.yaml", cfg, f"CPU counterpart: {comment}")
     small = {"preset": "cpu-small"}
     rows = {
         "vanilla": ({"layout": "12"}, "vanilla 12 layers: same compute as the looped 2+4R2+2"),
