@@ -24,7 +24,7 @@ from recursive_lightning.evaluation.perplexity import (
     perplexity_by_context_length,
     plan_windows,
 )
-from recursive_lightning.model.model import RecursiveLM
+from recursive_lightning.model.build import build_model
 from recursive_lightning.training.checkpoint import load_checkpoint, save_model_checkpoint
 
 DATA = Path(__file__).parent / "data"
@@ -36,7 +36,37 @@ FAMILIES = {
     "looped-dynamic-gqa": {"layout": "1+2R2+1", "topology": "dynamic", "n_kv_heads": 2},
     "unshared": {"layout": "1+1+1+1", "topology": "anchor"},
     "multires": {"layout": "1+2x{1/4,1/2,1}+1", "topology": "mesh"},
+    "transformerpp": {
+        "layout": "3",
+        "norm": "rmsnorm",
+        "mlp": "swiglu",
+        "rotary_pct": 1.0,
+        "bias": False,
+        "parallel_residual": False,
+        "n_kv_heads": 2,
+        "tie_embeddings": True,
+        "scale_embeddings": False,
+    },
+    # Mela: 8-token chunks (P=2, C=4), so MAX_LEN holds 4 chunks and the long contexts many more
+    "mela": {
+        "arch": "mela",
+        "layout": "2",
+        "norm": "rmsnorm",
+        "mlp": "swiglu",
+        "rotary_pct": 1.0,
+        "bias": False,
+        "parallel_residual": False,
+        "n_kv_heads": 2,
+        "patch_size": 2,
+        "chunk_size": 4,
+        "h_cycles": 2,
+        "l_cycles": 2,
+        "h_layers": 1,
+        "l_layers": 1,
+        "memory_heads": 2,
+    },
 }
+UNPACKABLE = ("multires", "mela")  # pool neighbouring positions / chunk from the sequence start
 
 
 def _texts() -> list[str]:
@@ -65,7 +95,7 @@ def ckpts(tmp_path_factory, tokenizer) -> dict[str, Path]:
                 "data": {"seq_len": MAX_LEN},
             }
         )
-        out[name] = save_model_checkpoint(root / f"{name}.ckpt", RecursiveLM(run.model), run, tokenizer)
+        out[name] = save_model_checkpoint(root / f"{name}.ckpt", build_model(run.model), run, tokenizer)
     return out
 
 
@@ -149,7 +179,7 @@ def test_loglikelihood_equals_model_logprobs(family, ckpts, tokenizer):
         )
     finally:
         del loaded.model.hidden
-    assert any(packed_calls) == (family != "multires")
+    assert any(packed_calls) == (family not in UNPACKABLE)
     assert len(tokenizer.encode(long_ctx).ids) > 2 * MAX_LEN
     for (ctx, cont), (ll, greedy) in zip(reqs, got):
         ref, ref_greedy = _direct_loglikelihood(loaded.model, tokenizer, lm.eot_token_id, ctx, cont, MAX_LEN)
@@ -193,8 +223,9 @@ def test_rolling_equals_package_perplexity(ckpts, tokenizer):
         assert rolling == pytest.approx(total, rel=1e-6)
 
 
-def test_generate_until_greedy_with_stop(ckpts, tokenizer):
-    loaded = load_checkpoint(ckpts["vanilla"])
+@pytest.mark.parametrize("family", ["vanilla", "mela"])
+def test_generate_until_greedy_with_stop(family, ckpts, tokenizer):
+    loaded = load_checkpoint(ckpts[family])
     lm = RecursiveLightningLM.from_loaded(loaded, batch_size=2)
     prompt = "The cat sat on the"
     ids = tokenizer.encode(prompt).ids
@@ -301,7 +332,7 @@ def test_eval_command_json_and_mlflow(tmp_path, tokenizer, local_tasks, capsys):
     )
     save_model_checkpoint(
         run_dir / "checkpoints" / "last.ckpt",
-        RecursiveLM(run.model),
+        build_model(run.model),
         run,
         tokenizer,
         global_step=7,
@@ -360,7 +391,7 @@ def test_eval_command_json_and_mlflow(tmp_path, tokenizer, local_tasks, capsys):
     # a checkpoint whose run is not in the store: a new run, tagged with the checkpoint path
     other = save_model_checkpoint(
         tmp_path / "elsewhere" / "x.ckpt",
-        RecursiveLM(run.model),
+        build_model(run.model),
         run,
         tokenizer,
         mlflow_run_id="0123456789abcdef0123456789abcdef",
