@@ -400,3 +400,20 @@ def test_mela_kill_and_resume_gives_identical_losses(tmp_path, tiny_run):
     a, b = losses(tmp_path / "straight"), losses(tmp_path / "killed")
     assert sorted(a) == sorted(b) and len(a) == 10
     assert a == b
+
+
+def test_describe_json_cli_has_todays_keys_plus_memory_and_language():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "recursive_lightning", "describe", "--preset", "mela-400m", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    mela = json.loads(out.stdout)
+    today = describe(preset("pythia-160m"), seq_len=4096)
+    assert set(today) | {"params_memory", "params_language"} <= set(mela)
+    assert mela["params_total"] == 364_749_456 and mela["decoder_length"] == 4224
