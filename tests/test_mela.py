@@ -59,7 +59,8 @@ def reference_memory(mem: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
                 alpha = torch.sigmoid(mem.alpha(chunk))[h] if mem.alpha is not None else 1.0
                 grads = [torch.zeros_like(w) for w in M]
                 for i in range(t * C, (t + 1) * C):
-                    out[bi, i, h] = mlp_forward(q[bi, i, h][None], M)[0][0]  # Eq. 9, M_{t-1}
+                    if mem.read == "before":
+                        out[bi, i, h] = mlp_forward(q[bi, i, h][None], M)[0][0]  # Eq. 9, M_{t-1}
                     with torch.enable_grad():
                         Ms = [w.clone().requires_grad_(True) for w in M]
                         loss = ((mlp_forward(k[bi, i, h][None], Ms)[0][0] - v[bi, i, h]) ** 2).sum()  # Eq. 8
@@ -70,14 +71,18 @@ def reference_memory(mem: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
                     S[j] = (eta * S[j] if mem.eta is not None else 0) - grads[j]  # Eq. 11
                     step = newton_schulz(S[j], mem.ns_steps) if mem.update == "newton_schulz" else S[j]
                     M[j] = alpha * M[j] + step  # Eq. 10
+                if mem.read == "after":
+                    for i in range(t * C, (t + 1) * C):
+                        out[bi, i, h] = mlp_forward(q[bi, i, h][None], M)[0][0]  # M_t
     return mem.out(out.reshape(b, n, d))
 
 
+@pytest.mark.parametrize("read", ["after", "before"])
 @pytest.mark.parametrize("update", UPDATES)
 @pytest.mark.parametrize("chunk,depth", [(1, 2), (3, 2), (4, 1)])
-def test_memory_matches_per_position_loop(update, chunk, depth):
+def test_memory_matches_per_position_loop(update, chunk, depth, read):
     torch.manual_seed(0)
-    mem = NeuralMemory(8, heads=2, depth=depth, expansion=2, chunk_size=chunk, update=update).double()
+    mem = NeuralMemory(8, 2, depth, expansion=2, chunk_size=chunk, update=update, read=read).double()
     for p in mem.parameters():
         torch.nn.init.normal_(p, std=0.5)
     x = torch.randn(2, 3 * chunk if chunk > 1 else 4, 8, dtype=torch.float64)
@@ -141,6 +146,7 @@ def test_outer_parameters_learn_through_inner_updates():
 # ---------------------------------------------------------------- the model
 SWITCHES = [
     {},
+    {"memory_read": "before"},
     {"fusion": "weighted_sum", "memory_update": "forgetting"},
     {"fusion": "none", "memstack": False, "hmm_gate": False, "hmm_d_model": 16},
     {"hmm_attention": False, "memory_update": "plain"},
@@ -226,7 +232,11 @@ def test_cached_decoding_equals_full_forward_with_constant_state():
             outs.append(model.hidden(idx[:, i : i + 1], cache=cache))
             if cache.text_len == 0:
                 sizes[cache.chunks] = cache.numel()
-        torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-9, atol=1e-9)
+        cached = torch.cat(outs, 1)
+        # Newton-Schulz amplifies rounding in an update's near-null directions, and the memory carries it
+        # from chunk to chunk (about 3x per chunk here): exact at first, 1e-7 after 16 chunks in float64
+        torch.testing.assert_close(cached[:, : 4 * PC], full[:, : 4 * PC], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(cached, full, rtol=1e-6, atol=1e-6)
     assert sizes[1] == sizes[4] == sizes[16]
     out = model.generate(idx[:, :7], 2 * PC)
     assert out.shape == (2, 7 + 2 * PC)
@@ -417,3 +427,15 @@ def test_describe_json_cli_has_todays_keys_plus_memory_and_language():
     today = describe(preset("pythia-160m"), seq_len=4096)
     assert set(today) | {"params_memory", "params_language"} <= set(mela)
     assert mela["params_total"] == 364_749_456 and mela["decoder_length"] == 4224
+
+
+@pytest.mark.parametrize("read", ["after", "before"])
+def test_two_chunks_train_the_memory_update_only_when_read_after(read):
+    """At the paper's training length (4K = 2 chunks) decoder chunk 1 reads the HMM at chunk 0: reading the
+    memory after chunk 0's update trains theta; Eq. 9 literally (before) never reads an update there."""
+    cfg = tiny(memory_read=read)
+    model = build_model(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 2 * cfg.tokens_per_chunk + 1))
+    model.loss(idx[:, :-1], idx[:, 1:]).backward()
+    theta = model.hmm.h_module.blocks[0].memory.theta.weight.grad
+    assert (theta is not None and theta.abs().sum() > 0) == (read == "after")

@@ -215,6 +215,9 @@ class ModelConfig:
         "newton_schulz"  # plain (Eq. 1) | momentum (2-3) | forgetting (4-5) | newton_schulz (10-11)
     )
     ns_steps: int = 5  # k of Newton-Schulz-k (Eq. 10)
+    # [reading] the HMM output at chunk t retrieves from the memory after (M_t) or before (M_{t-1}, Eq. 9
+    # literally) that chunk's update; decoder chunk t+1 reads it (neural_memory.py explains the choice)
+    memory_read: str = "after"
     hmm_attention: bool = True  # gated attention in every memory block (Table 4 "attention in memory module")
     hmm_gate: bool = True  # its sigmoid output gate (Qiu et al. 2025; Table 4 "gating")
     neural_memory: bool = True  # the neural memory in every memory block (Table 4)
@@ -364,6 +367,7 @@ class ModelConfig:
             )
         _choice("memory_update", self.memory_update, MEMORY_UPDATES)
         _choice("fusion", self.fusion, FUSIONS)
+        _choice("memory_read", self.memory_read, ("after", "before"))
         for name in (
             "patch_size",
             "chunk_size",

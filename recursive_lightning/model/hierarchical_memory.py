@@ -78,6 +78,7 @@ class MemoryBlock(nn.Module):
                 cfg.chunk_size,
                 cfg.memory_update,
                 cfg.ns_steps,
+                cfg.memory_read,
             )
             if cfg.neural_memory
             else None

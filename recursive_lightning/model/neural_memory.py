@@ -2,7 +2,7 @@
 
     k, v = W_k x, W_v x                                   (Eq. 7)
     l(M; x) = ||N(k; M) - v||^2                           (Eq. 8, associative loss)
-    y     = N(q; M_{t-1}),  q = W_q x                     (Eq. 9, retrieval before the chunk's update)
+    y     = N(q; M),  q = W_q x                           (Eq. 9; M = M_t or M_{t-1}, see below)
     S_t   = eta_t S_{t-1} - sum_{i in chunk t} theta_i grad l(M_{t-1}; x_i)     (Eq. 11)
     M_t   = alpha_t M_{t-1} + NewtonSchulz-k(S_t)         (Eq. 10)
 
@@ -16,6 +16,14 @@ on d/heads dims; one state per (sequence, head). The gradient of Eq. 8 is writte
 backward (batched matmuls over batch and heads, no Python loop over positions; the loop is over chunks,
 which Eq. 10 makes sequential) and stays differentiable, so the outer parameters (projections, theta /
 eta / alpha heads, the initial memory M_0) learn through every inner update.
+
+Which state a chunk reads [reading, ``memory_read``]: Eq. 9 retrieves from M_{t-1}, the state before the
+chunk. Mela's decoder must read chunk j's memory from chunks before j (``mela.py``), so decoder chunk j gets
+the HMM's output at chunk j-1. With ``after`` (default) that output retrieves from the memory *after* chunk
+j-1's update: decoder chunk j then reads the state built from chunks 0..j-1, the same state Eq. 9 gives
+chunk j, which is "the memory as it stood after chunk j-1" of our design notes. ``before`` applies Eq. 9
+inside the HMM literally: the memory then reaches the decoder one chunk late, and at the paper's training
+length (4,096 tokens = 2 chunks) no memory update would ever be read.
 
 Readings of ours (the paper is silent): q and k are L2-normalised per head (as in Titans); theta, eta and
 alpha are sigmoids of linear maps of the normed input, theta per position, eta and alpha per chunk from
@@ -125,10 +133,11 @@ class NeuralMemory(nn.Module):
         chunk_size: int,
         update: str = "newton_schulz",
         ns_steps: int = 5,
+        read: str = "after",
     ) -> None:
         super().__init__()
         self.heads, self.head_dim, self.chunk_size = heads, d // heads, chunk_size
-        self.update, self.ns_steps = update, ns_steps
+        self.update, self.ns_steps, self.read = update, ns_steps, read
         self.qkv = nn.Linear(d, 3 * d, bias=False)  # W_q, W_k, W_v (Eqs. 7, 9)
         self.out = nn.Linear(d, d, bias=False)  # W_o over the concatenated heads [reading]
         self.theta = nn.Linear(d, heads)  # per-position learning rate theta_i
@@ -169,7 +178,8 @@ class NeuralMemory(nn.Module):
         ys = []
         for t in range(n // C):
             s = slice(t * C, (t + 1) * C)
-            ys.append(mlp_forward(q[:, :, s], weights)[0])  # Eq. 9: read M_{t-1}
+            if self.read == "before":
+                ys.append(mlp_forward(q[:, :, s], weights)[0])  # Eq. 9: M_{t-1}
             grads = surprise(k[:, :, s], v[:, :, s], theta[:, :, s], weights)
             if momentum is not None:  # Eqs. 3, 5, 11: S_t = eta_t S_{t-1} - theta grad
                 momentum = [eta[:, :, t, None, None] * m - g for m, g in zip(momentum, grads)]
@@ -182,6 +192,8 @@ class NeuralMemory(nn.Module):
                 self._record(t, grads, steps, theta[:, :, s], eta, alpha)
             decay = alpha[:, :, t, None, None] if alpha is not None else 1.0
             weights = [decay * w + u for w, u in zip(weights, steps)]  # Eqs. 2, 4, 10
+            if self.read == "after":
+                ys.append(mlp_forward(q[:, :, s], weights)[0])  # M_t: the state after this chunk
         y = rearrange(torch.cat(ys, dim=2), "b h n d -> b n (h d)")
         return self.out(y), MemoryState(weights, momentum)
 
