@@ -1,5 +1,6 @@
 """The ablation runner end to end: kill and resume, two workers, a real MLflow server reading the results."""
 
+import contextlib
 import json
 import math
 import os
@@ -44,10 +45,10 @@ def sweep_file(tmp_path: Path, cache: str, rows: dict, seeds=(0,), steps: int = 
     return p
 
 
-def run_sweep(args, **kw):
+def run_sweep(args, env=None, **kw):
     return subprocess.Popen(
         [sys.executable, "-m", "recursive_lightning", "sweep", *map(str, args)],
-        env=ENV,
+        env=env or ENV,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -71,27 +72,18 @@ def child_runs(run_dir: Path):
 
 
 def test_sweep_killed_mid_trial_resumes(tmp_path, data_cache):
+    """SIGKILL in the middle of the second trial (after its first checkpoint; a named fault point, so the
+    test does not race the trainer), then the same command: the finished trial is kept, the other resumes."""
     rows = {"anchor": {"model.topology": "anchor"}, "mesh": {"model.topology": "mesh"}}
     spec = sweep_file(tmp_path, data_cache, rows)
     run_dir = tmp_path / "sweep"
-    p = run_sweep([spec, "--run-dir", run_dir], start_new_session=True)
-    deadline = time.time() + 600
-    second = None
-    while time.time() < deadline and p.poll() is None:
-        done = list(run_dir.glob("trials/*/result.json"))
-        ckpts = [
-            c
-            for c in run_dir.glob("trials/*/checkpoints/step=000004.ckpt")
-            if not (c.parents[1] / "result.json").exists()
-        ]
-        if done and ckpts:
-            second = ckpts[0].parents[1]
-            break
-        time.sleep(0.2)
-    assert second is not None and p.poll() is None, p.communicate()[0] if p.poll() is not None else "timeout"
-    time.sleep(0.5)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    p = run_sweep([spec, "--run-dir", run_dir], env={**ENV, "RECURSIVE_LIGHTNING_FAULT": "mid_training:2"})
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == -signal.SIGKILL, out
+    done = list(run_dir.glob("trials/*/result.json"))
+    assert len(done) == 1
+    (second,) = [d for d in run_dir.glob("trials/*") if not (d / "result.json").exists()]
+    assert (second / "checkpoints" / "step=000004.ckpt").exists()
     first = done[0].parent
     first_mtime = (first / "result.json").stat().st_mtime
     second_run_id = (second / "mlflow_run_id").read_text()
@@ -289,7 +281,7 @@ def test_a_trial_can_be_a_two_process_fsdp_job(tmp_path, data_cache):
 
 def test_a_failing_grid_point_is_retried_then_reported(tmp_path, data_cache):
     """A point that fails at training time is tried 1 + max_retries times, the others finish, the report lists
-    the failure with its error, and the sweep's MLflow parent run ends FAILED."""
+    the failure with its error, the sweep's MLflow parent run ends FAILED and the command exits 1."""
     rows = {"ok": {"model.topology": "base"}, "bad": {"model.vocab_size": 100}}  # smaller than the tokenizer
     spec = sweep_file(tmp_path, data_cache, rows, steps=4)
     raw = yaml.safe_load(spec.read_text())
@@ -298,7 +290,8 @@ def test_a_failing_grid_point_is_retried_then_reported(tmp_path, data_cache):
     run_dir = tmp_path / "run"
     p = run_sweep([spec, "--run-dir", run_dir])
     out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out
+    assert p.returncode == 1, out  # the parent run ended FAILED: not the exit status of a finished sweep
+    assert "FAILED" in out and "sweep finished" not in out
     trials = study_trials(run_dir)
     bad = [t for t in trials if t.params.get("variant") == "bad"]
     assert [t.state for t in bad] == [optuna.trial.TrialState.FAIL] * 2
@@ -348,3 +341,175 @@ def test_concurrent_workers_never_claim_the_same_trial(tmp_path):
         assert p.returncode == 0
         claimed += [int(x) for x in out.split()]
     assert len(claimed) == 40 and len(set(claimed)) == 40, sorted(claimed)
+
+
+def test_an_edited_sweep_file_is_refused_in_the_same_run_dir(tmp_path, data_cache):
+    """Re-running an edited sweep file into the same --run-dir would report the old trials as the new file's
+    results: it is refused in one sentence naming the changed field, and the directory's sweep.yaml is kept.
+    Adding grid points (another seed) to the same file is fine."""
+    from recursive_lightning.sweep import runner
+    from recursive_lightning.sweep.spec import load_sweep
+
+    spec = sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}}, steps=4)
+    run_dir = tmp_path / "run"
+    p = run_sweep([spec, "--run-dir", run_dir])
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    kept = (run_dir / "sweep.yaml").read_text()
+    report = (run_dir / "report.md").read_text()
+
+    raw = yaml.safe_load(spec.read_text())
+    raw["overrides"]["train.lr"] = 1e-4
+    spec.write_text(yaml.safe_dump(raw))
+    p = run_sweep([spec, "--run-dir", run_dir])
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 2, out
+    (line,) = [x for x in out.splitlines() if x.startswith("error:")]
+    assert "train.lr changed" in line and "new --run-dir" in line and "Traceback" not in out
+    assert (run_dir / "sweep.yaml").read_text() == kept and (run_dir / "report.md").read_text() == report
+
+    del raw["overrides"]["train.lr"]  # back to the file that was run, plus one more seed
+    raw["seeds"] = [0, 1]
+    spec.write_text(yaml.safe_dump(raw))
+    storage, tracking = runner.default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}"
+    study, _ = runner.prepare_study(load_sweep(spec), run_dir, storage, tracking)
+    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert [t.user_attrs["point_key"] for t in waiting] == [
+        runner.point_key({"variant": "mesh", "train.seed": 1})
+    ]
+
+
+_PREPARER = """
+import sys, time
+from pathlib import Path
+from recursive_lightning.sweep.runner import prepare_study, default_storage
+from recursive_lightning.sweep.spec import load_sweep
+spec, run_dir, start = load_sweep(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
+run_dir.mkdir(parents=True, exist_ok=True)  # as the command does
+while time.time() < start:
+    time.sleep(0.001)
+study, parent = prepare_study(spec, run_dir, default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}")
+print(parent)
+"""
+
+
+def test_sweeps_started_together_on_one_fresh_directory_share_it(tmp_path, data_cache):
+    """Two `sweep` commands started together on a fresh directory used to race creating the Optuna and MLflow
+    stores (a raw SQLAlchemy traceback); now they take turns and join one sweep with one parent run."""
+    spec = sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}}, steps=4)
+    run_dir = tmp_path / "run"
+    start = time.time() + 8  # every process imports first, then all start at once
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PREPARER, str(spec), str(run_dir), str(start)],
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert len({o.strip().splitlines()[-1] for o in outs}) == 1  # one MLflow parent run
+    assert len(study_trials(run_dir)) == 1  # the grid point enqueued once
+
+
+def _trial_pids(run_dir: Path, n: int, ckpt: str) -> list[int] | None:
+    """The worker pids of ``n`` running trials once each has written ``ckpt``, else None."""
+    try:
+        running = [t for t in study_trials(run_dir) if t.state == optuna.trial.TrialState.RUNNING]
+    except Exception:  # the study is still being created
+        return None
+    dirs = [run_dir / "trials" / t.user_attrs.get("point_key", "?") for t in running]
+    if len(running) < n or not all((d / "checkpoints" / ckpt).exists() for d in dirs):
+        return None
+    return [int(t.system_attrs["pid"]) for t in running]
+
+
+def _wait_for(fn, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError("timed out")
+
+
+def test_workers_die_with_the_sweep_command(tmp_path, data_cache):
+    """SIGKILL of a sweep command with two workers: the workers (held at a named point in the middle of their
+    trials) die with it instead of training unattended, and the re-run finishes every grid point once."""
+    from recursive_lightning.sweep.runner import _pid_alive
+
+    rows = {"base": {"model.topology": "base"}, "mesh": {"model.topology": "mesh"}}
+    spec = sweep_file(tmp_path, data_cache, rows, steps=6)
+    run_dir = tmp_path / "run"
+    env = {**ENV, "RECURSIVE_LIGHTNING_FAULT": "mid_training:1:hang"}
+    p = run_sweep([spec, "--run-dir", run_dir, "--workers", 2], env=env, start_new_session=True)
+    try:
+        pids = _wait_for(lambda: _trial_pids(run_dir, 2, "step=000004.ckpt"))
+        assert p.pid not in pids
+        p.kill()
+        p.wait()
+        _wait_for(lambda: not any(_pid_alive(pid) for pid in pids), timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    p = run_sweep([spec, "--run-dir", run_dir])
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    trials = study_trials(run_dir)
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 2
+    _, (parent,), children = child_runs(run_dir)
+    assert parent.info.status == "FINISHED" and len(children) == 2
+
+
+def test_a_rerun_waits_for_trials_still_running_here(tmp_path, data_cache):
+    """A re-run while an earlier sweep command still trains (here held at a named point) does not report the
+    sweep finished with a partial table: it waits for that process, and when it dies resumes its trial."""
+    spec = sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}}, steps=6)
+    run_dir = tmp_path / "run"
+    env = {**ENV, "RECURSIVE_LIGHTNING_FAULT": "mid_training:1:hang"}
+    first = run_sweep([spec, "--run-dir", run_dir], env=env, start_new_session=True)
+    second = None
+    try:
+        (pid,) = _wait_for(lambda: _trial_pids(run_dir, 1, "step=000004.ckpt"))
+        assert pid == first.pid
+        second = run_sweep([spec, "--run-dir", run_dir])
+        seen = []
+        for line in second.stdout:
+            seen.append(line)
+            if "waiting for 1 trial" in line:
+                break
+        assert "waiting for 1 trial" in seen[-1], "".join(seen)
+        _, (parent,), _ = child_runs(run_dir)
+        assert parent.info.status == "RUNNING"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    out = "".join(seen) + second.communicate(timeout=600)[0]
+    assert second.returncode == 0, out
+    assert "(resuming)" in out
+    (trial,) = study_trials(run_dir)
+    assert trial.state == optuna.trial.TrialState.COMPLETE
+    _, (parent,), _ = child_runs(run_dir)
+    assert parent.info.status == "FINISHED"
+    assert "1 finished trials" in (run_dir / "report.md").read_text()
+
+
+def test_a_trial_claimed_by_a_process_killed_before_it_named_itself_is_resumed(tmp_path, data_cache):
+    """A worker killed between claiming a trial (WAITING -> RUNNING) and recording its pid left the trial
+    RUNNING forever: no heartbeat, no pid to check, so no re-run ever finished the sweep."""
+    from recursive_lightning.sweep import runner
+    from recursive_lightning.sweep.spec import load_sweep
+
+    spec = load_sweep(sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}}, steps=4))
+    run_dir = tmp_path / "run"
+    storage, tracking = runner.default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}"
+    study, _ = runner.prepare_study(spec, run_dir, storage, tracking)
+    (trial,) = study.get_trials()
+    study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.RUNNING)
+    study, _ = runner.prepare_study(spec, run_dir, storage, tracking)  # what a re-run does first
+    assert [t.state for t in study.get_trials()] == [optuna.trial.TrialState.WAITING]

@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning import faults
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.tracking import atomic_write_text, log_artifact
 
@@ -54,7 +56,11 @@ def collect(storage_url: str, study_name: str) -> tuple[list[dict], list[dict], 
     # a failed attempt that was retried successfully is not a failure of the sweep
     ok_keys = {r["key"] for r in done}
     failed = [r for r in failed if r["key"] not in ok_keys]
-    return done, failed, dict(study.user_attrs)
+    attrs = dict(study.user_attrs)
+    attrs["_unfinished"] = sum(
+        t.state in (TrialState.WAITING, TrialState.RUNNING) for t in study.get_trials(deepcopy=False)
+    )
+    return done, failed, attrs
 
 
 def axis_table(
@@ -129,7 +135,9 @@ def _plot_axis(table, axis: str, metric: str, path: Path, kind: str) -> Path:
     ax.grid(alpha=0.3)
     ax.set_title(f"{metric} by {axis} (mean ± std over seeds)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=120, format="png")
+    os.replace(tmp, path)  # a reader (or a kill) never sees half a figure
     plt.close(fig)
     return path
 
@@ -151,6 +159,8 @@ def write_report(
 
         spec = load_sweep(run_dir / "sweep.yaml")
     rows, failed, attrs = collect(storage_url, info["name"])
+    unfinished = attrs.pop("_unfinished", 0)
+    faults.point("during_report")
     metric = spec.metric
     ppl_metric = metric.replace("/loss", "/ppl")
     axes = [a.name for a in spec.axes if a.name != SEED_AXIS] or sorted(
@@ -166,6 +176,12 @@ def write_report(
         + f"; metric `{ppl_metric}` (lower is better), mean ± std over seeds; ★ marks the best row.",
         "",
     ]
+    if unfinished:  # never present a sweep that is still running as a finished one
+        lines += [
+            f"**The sweep is not finished**: {unfinished} trial(s) are still waiting or running; this report is "
+            "partial.",
+            "",
+        ]
     figures = []
     for axis in axes:
         used = ppl_metric if any(ppl_metric in r["metrics"] for r in rows) else metric
@@ -223,7 +239,14 @@ def write_report(
                 )
         except Exception as e:  # the report on disk is still complete
             print(f"warning: could not log the report to MLflow ({e})")
-    return {"path": path, "markdown": md, "figures": figures, "rows": rows, "failed": failed}
+    return {
+        "path": path,
+        "markdown": md,
+        "figures": figures,
+        "rows": rows,
+        "failed": failed,
+        "unfinished": unfinished,
+    }
 
 
 def main(argv: list[str]) -> int:

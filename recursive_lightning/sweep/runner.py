@@ -7,6 +7,14 @@ are skipped, a trial whose local worker died is put back to WAITING and resumes 
 checkpoint into the same MLflow child run; a trial whose remote worker stopped sending heartbeats is
 failed and retried by Optuna's ``RetryFailedTrialCallback``; a trial that raises is retried up to
 ``max_retries`` times and then reported.
+
+A finished trial is never trained twice: ``trials/<point>/sweep_result.json`` (written atomically before the
+study is told) and ``result.json`` (written by ``train``) hold its result, and a trial whose training reached
+``max_steps`` without either has its last checkpoint validated again. Workers die with the command that
+started them (``PR_SET_PDEATHSIG``), and a re-run waits for trials that live processes on this machine are
+still running before it reports. Exit status: 0 every grid point finished, 1 one failed after its retries
+(the MLflow parent run ends FAILED), 3 the sweep is not finished (a worker crashed, or trials are running
+elsewhere); 2 a bad sweep file or option; 130 / 143 interrupted.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning import faults
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.sweep.spec import SweepSpec, load_sweep, point_key
 from recursive_lightning.tracking import (
@@ -45,6 +54,14 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SWEEP = REPO / "ablations" / "default.yaml"
 HEARTBEAT_S = 20
 GRACE_S = 90
+POLL_S = 2.0  # how often a re-run looks whether trials of live processes on this machine have ended
+PARENT_ENV = "RECURSIVE_LIGHTNING_SWEEP_PARENT"  # the pid of the sweep command that spawned a worker
+SWEEP_RESULT = "sweep_result.json"  # a trial's result as the sweep records it, before telling the study
+RESOLVED_ATTR = "resolved_spec"  # study attribute: the resolved config of every grid point the study ran
+# config fields that may differ between runs of one sweep without changing any result
+NEUTRAL_KEYS = {"train.progress", "train.keep_host_memory", "data.cache_dir", "data.num_workers"}
+EXIT_FAILED = 1  # a grid point failed after its retries (the MLflow parent run ends FAILED)
+EXIT_UNFINISHED = 3  # trials are left (a worker crashed, or trials run elsewhere): re-run or wait
 
 
 def quiet_libraries() -> None:
@@ -85,25 +102,136 @@ def _storage(url: str, max_retries: int):
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process of this package (a reused pid or a zombie is not)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc here: trust the signal check
+    return b"recursive_lightning" in cmdline
+
+
+@contextlib.contextmanager
+def _file_lock(path: str | Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _requeue_dead_local(study, storage, storage_url: str) -> list[int]:
+    """Trials whose worker on this machine died (a killed sweep) go back to WAITING: same trial, same directory,
+    resumed from its last checkpoint. In a SQLite study (every worker on this machine) a running trial that
+    names no worker was claimed by a process killed before it could: it goes back too. Returns their numbers."""
+    from optuna.trial import TrialState
+
+    host, out = socket.gethostname(), []
+    with _claim_lock(storage_url):  # no claim is half done while we look
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            pid = t.system_attrs.get("pid")
+            if pid is None:
+                dead = storage_url.startswith("sqlite")
+            else:
+                dead = t.system_attrs.get("host") == host and not _pid_alive(int(pid))
+            if dead and storage.set_trial_state_values(t._trial_id, state=TrialState.WAITING):
+                out.append(t.number)
+    return out
+
+
+def resolved_spec(spec: SweepSpec) -> dict[str, Any]:
+    """What decides a sweep's results: its metric, search and evaluation, and every grid point's config."""
+    points = spec.grid() if spec.search is None else [{}]
+    out = {
+        "fields": {"metric": spec.metric, "search": spec.search, "evaluate": spec.evaluate},
+        "points": {point_key(p): spec.trial_config(p).flat() for p in points},
+    }
+    return json.loads(json.dumps(out, sort_keys=True, default=str))
+
+
+def _spec_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(fields whose value changed, grid points no longer in the sweep) between two ``resolved_spec``s. Fields
+    only one side has (added to the config since) are not compared."""
+    changed = {k for k, v in new["fields"].items() if k in old.get("fields", {}) and old["fields"][k] != v}
+    for key, flat in new["points"].items():
+        before = old["points"].get(key)
+        if before is not None:
+            changed |= {k for k in flat.keys() & before.keys() - NEUTRAL_KEYS if flat[k] != before[k]}
+    removed = sorted(set(old["points"]) - set(new["points"]))
+    return sorted(changed), removed
+
+
+def check_unchanged(spec: SweepSpec, study, run_dir: Path, record: bool) -> None:
+    """Refuse, in one sentence, to continue a sweep directory with a sweep file that changes the config of a
+    grid point it already holds (or drops points): its finished trials would be reported as results of the
+    edited file. Added grid points (more seeds, a new row) are fine. ``record`` stores the new file's grid."""
+    new = resolved_spec(spec)
+    raw = study.user_attrs.get(RESOLVED_ATTR)
+    if raw is not None:
+        old = json.loads(raw)
+    elif spec.search is None:  # a grid study from before this check: the configs its trials recorded
+        points = {
+            t.user_attrs["point_key"]: t.user_attrs["config"]
+            for t in study.get_trials(deepcopy=False)
+            if "config" in t.user_attrs and "point_key" in t.user_attrs
+        }
+        old = {"fields": {}, "points": json.loads(json.dumps(points, default=str))} if points else None
+    else:
+        old = None
+    if old is not None:
+        changed, removed = _spec_changes(old, new)
+        if changed or removed:
+            what = []
+            if changed:
+                shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
+                what.append(f"{shown} changed")
+            if removed:
+                what.append(f"grid point{'s' if len(removed) > 1 else ''} {', '.join(removed[:4])} removed")
+            raise ConfigError(
+                f"sweep '{spec.name}' in '{run_dir}' was run with a different sweep file ({'; '.join(what)}), "
+                f"so its results are not this file's; run the edited sweep into a new --run-dir, or restore "
+                f"the file it was run with (kept as {run_dir / 'sweep.yaml'})."
+            )
+        new = {"fields": new["fields"], "points": {**old["points"], **new["points"]}}
+    if record and (raw is None or json.loads(raw) != new):
+        study.set_user_attr(RESOLVED_ATTR, json.dumps(new, sort_keys=True))
 
 
 def prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri: str):
-    """Create or load the study, enqueue missing grid points, make the MLflow parent run."""
-    import optuna
-    from optuna.trial import TrialState
+    """Create or load the study, enqueue missing grid points, make the MLflow parent run.
 
+    One command at a time does this for a run directory (a file lock in it): a second ``sweep`` started on the
+    same fresh directory waits until the study, the MLflow store and the parent run exist, then joins the
+    sweep as more workers (creating the stores concurrently fails inside SQLAlchemy)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with _file_lock(run_dir / ".sweep.lock"):
+        return _prepare_study(spec, run_dir, storage_url, tracking_uri)
+
+
+def _prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri: str):
+    import optuna
+
+    info = run_dir / "sweep.json"
+    if info.is_file():
+        held = json.loads(info.read_text()).get("name")
+        if held and held != spec.name:
+            raise ConfigError(
+                f"'{run_dir}' holds the sweep '{held}', not '{spec.name}'; run '{spec.name}' into its own --run-dir."
+            )
     storage = _storage(storage_url, spec.max_retries)
     sampler = optuna.samplers.TPESampler(seed=0) if spec.search else None
     study = optuna.create_study(
         study_name=spec.name, storage=storage, direction="minimize", load_if_exists=True, sampler=sampler
     )
+    check_unchanged(spec, study, run_dir, record=True)
     trials = study.get_trials(deepcopy=False)
     if spec.search is None:
         present = {t.user_attrs.get("point_key") for t in trials}
@@ -111,11 +239,7 @@ def prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri
             key = point_key(point)
             if key not in present:
                 study.enqueue_trial(point, user_attrs={"point_key": key, "attempt": 0}, skip_if_exists=False)
-    # trials whose worker on this machine died (killed sweep): back to WAITING, same trial, same directory
-    host = socket.gethostname()
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if t.system_attrs.get("host") == host and not _pid_alive(int(t.system_attrs.get("pid", -1))):
-            storage.set_trial_state_values(t._trial_id, state=TrialState.WAITING)
+    _requeue_dead_local(study, storage, storage_url)
     # the MLflow parent run of the sweep
     exp_id = ensure_experiment(tracking_uri, spec.name, run_dir / "mlartifacts")
     parent = study.user_attrs.get("mlflow_parent_run_id")
@@ -185,23 +309,27 @@ def _claim_lock(storage_url: str) -> Iterator[None]:
     if not path or path == ":memory:":
         yield
         return
-    with open(f"{path}.claim-lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with _file_lock(f"{path}.claim-lock"):
+        yield
 
 
-def _claim(study, storage, storage_url: str) -> int | None:
-    """Move one WAITING trial to RUNNING and return its id (None when none is waiting)."""
+def _claim(study, storage, storage_url: str, ask: bool = False) -> int | None:
+    """Move one WAITING trial to RUNNING (or, with ``ask``, start a new one when none waits), record this
+    process as its worker, and return its id (None when none is waiting)."""
     from optuna.trial import TrialState
 
     with _claim_lock(storage_url):
+        trial_id = None
         for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             if storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
-                return t._trial_id
-    return None
+                trial_id = t._trial_id
+                break
+        if trial_id is None and ask:
+            trial_id = study.ask()._trial_id
+        if trial_id is not None:
+            storage.set_trial_system_attr(trial_id, "host", socket.gethostname())
+            storage.set_trial_system_attr(trial_id, "pid", os.getpid())
+    return trial_id
 
 
 class PruningCallback:
@@ -223,6 +351,116 @@ class PruningCallback:
                     trainer.should_stop = True
 
         return _Cb()
+
+
+def _fault_callback(cfg):
+    """Test-only: the named fault points inside training (see ``recursive_lightning.faults``)."""
+    import lightning as L
+
+    t = cfg.train
+
+    class _Faults(L.Callback):
+        fired = False
+
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if not self.fired and t.checkpoint_every < trainer.global_step < t.max_steps:
+                self.fired = True  # once per trial, after its first checkpoint
+                faults.point("mid_training")
+
+        def on_validation_start(self, trainer, pl_module) -> None:
+            if trainer.global_step >= t.max_steps:  # last.ckpt at max_steps is written, no result yet
+                faults.point("final_validation")
+
+        def on_fit_end(self, trainer, pl_module) -> None:  # after the last checkpoint, before result.json
+            faults.point("after_last_checkpoint")
+
+    return _Faults()
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _same_config(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    a, b = json.loads(json.dumps(a, default=str)), json.loads(json.dumps(b, default=str))
+    return all(a[k] == b[k] for k in a.keys() & b.keys() - NEUTRAL_KEYS)
+
+
+def _has_val(metrics: dict[str, Any]) -> bool:
+    return any(k.startswith("val/") for k in metrics)
+
+
+def _finished_result(cfg, trial_dir: Path):
+    """The TrainResult of a trial whose ``train`` finished (its ``result.json`` has validation metrics at
+    ``max_steps``), or None."""
+    from recursive_lightning.training.run import TrainResult
+
+    r = _read_json(trial_dir / "result.json")
+    if r is None or int(r.get("steps") or 0) < cfg.train.max_steps or not _has_val(r.get("metrics") or {}):
+        return None
+    try:
+        return TrainResult(
+            run_dir=trial_dir,
+            steps=int(r["steps"]),
+            tokens=int(r["tokens"]),
+            metrics={k: float(v) for k, v in r["metrics"].items()},
+            last_checkpoint=Path(r["last_checkpoint"]) if r.get("last_checkpoint") else None,
+            best_checkpoint=Path(r["best_checkpoint"]) if r.get("best_checkpoint") else None,
+            mlflow_run_id=str(r["mlflow_run_id"]),
+            tracking_uri=str(r["tracking_uri"]),
+            seconds=float(r.get("seconds") or 0.0),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _validate_last_checkpoint(cfg, result):
+    """A trial that trained to ``max_steps`` but has no validation metrics (killed between its last checkpoint
+    and its result): validate that checkpoint, as training's final validation would have, and record it."""
+    import lightning as L
+
+    from recursive_lightning.tracking import log_metrics
+    from recursive_lightning.training import parallel
+    from recursive_lightning.training.checkpoint import latest_good
+    from recursive_lightning.training.module import RecursiveLMModule
+    from recursive_lightning.training.run import build_datamodule
+
+    ckpt = latest_good(result.run_dir / "checkpoints")
+    if ckpt is None:
+        return result
+    L.seed_everything(cfg.train.seed, workers=True, verbose=False)
+    dm = build_datamodule(cfg)
+    dm.prepare_data()
+    dm.setup("fit")
+    module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
+    t = cfg.train
+    trainer = L.Trainer(
+        accelerator=t.accelerator,
+        devices=1,
+        precision=parallel.resolve_precision(t, t.accelerator),
+        limit_val_batches=cfg.data.val_batches,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.validate(module, datamodule=dm, ckpt_path=str(ckpt), weights_only=False, verbose=False)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    log_metrics(
+        result.tracking_uri,
+        result.mlflow_run_id,
+        {f"final/{k}": v for k, v in metrics.items()},
+        step=result.steps,
+    )
+    set_terminated(result.tracking_uri, result.mlflow_run_id, "FINISHED")
+    result.metrics = metrics
+    atomic_write_text(result.run_dir / "result.json", json.dumps(result.to_dict(), indent=2))
+    return result
 
 
 def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri: str, parent: str) -> None:
@@ -248,72 +486,110 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
     key = trial.user_attrs.get("point_key") or point_key(point)
     trial.set_user_attr("point_key", key)
     cfg = spec.trial_config(point)
+    flat = cfg.flat()
     trial_dir = run_dir / "trials" / key
-    resume = (trial_dir / "checkpoints").exists() and any((trial_dir / "checkpoints").glob("*.ckpt"))
-    callbacks = []
-    pruner_cb = None
-    if spec.pruning.get("enabled"):
-        pruner_cb = PruningCallback(trial, spec.metric, int(spec.pruning.get("warmup_steps", 0)))
-        callbacks.append(pruner_cb)
     label = ", ".join(f"{k}={v}" for k, v in point.items())
-    print(
-        f"[sweep {spec.name}] trial {trial.number}: {label}" + (" (resuming)" if resume else ""), flush=True
-    )
-    tags = {
-        "sweep": spec.name,
-        "optuna.trial_number": str(trial.number),
-        "point_key": key,
-        "optuna.study": spec.name,
-    }
-    if _multi_process(cfg):
-        result = _train_in_subprocess(cfg, trial_dir, resume, tracking_uri, spec.name, key, parent, tags)
-    else:
-        result = train(
-            cfg,
-            trial_dir,
-            resume=resume,
-            tracking_uri=tracking_uri,
-            experiment=spec.name,
-            run_name=key,
-            parent_run_id=parent,
-            tags=tags,
-            callbacks=callbacks,
+    # what is on disk decides: the sweep's record of the finished trial, else train's result, else train
+    # (resuming from the last checkpoint); a kill at any instant loses at most the work since a checkpoint
+    record = _read_json(trial_dir / SWEEP_RESULT)
+    if record is not None and not _same_config(record.get("config") or {}, flat):
+        record = None
+    result = None if record is not None else _finished_result(cfg, trial_dir)
+    pruned = bool(record and record.get("pruned"))
+    if record is not None or result is not None:
+        print(
+            f"[sweep {spec.name}] trial {trial.number}: {label} (finished before; its result is kept)",
+            flush=True,
         )
-    metrics = dict(result.metrics)
-    if spec.evaluate:  # perplexity sets and (optionally) lm-eval tasks on the finished trial
-        from recursive_lightning.evaluation.run import evaluate_checkpoint, flat_metrics
+    if record is None:
+        if result is None:
+            resume = (trial_dir / "checkpoints").exists() and any((trial_dir / "checkpoints").glob("*.ckpt"))
+            callbacks = []
+            pruner_cb = None
+            if spec.pruning.get("enabled"):
+                pruner_cb = PruningCallback(trial, spec.metric, int(spec.pruning.get("warmup_steps", 0)))
+                callbacks.append(pruner_cb)
+            if faults.active():
+                callbacks.append(_fault_callback(cfg))
+            print(
+                f"[sweep {spec.name}] trial {trial.number}: {label}" + (" (resuming)" if resume else ""),
+                flush=True,
+            )
+            tags = {
+                "sweep": spec.name,
+                "optuna.trial_number": str(trial.number),
+                "point_key": key,
+                "optuna.study": spec.name,
+            }
+            faults.point("before_training")
+            if _multi_process(cfg):
+                result = _train_in_subprocess(
+                    cfg, trial_dir, resume, tracking_uri, spec.name, key, parent, tags
+                )
+            else:
+                result = train(
+                    cfg,
+                    trial_dir,
+                    resume=resume,
+                    tracking_uri=tracking_uri,
+                    experiment=spec.name,
+                    run_name=key,
+                    parent_run_id=parent,
+                    tags=tags,
+                    callbacks=callbacks,
+                )
+            pruned = pruner_cb is not None and pruner_cb.pruned
+            if not pruned and not _has_val(result.metrics) and result.steps >= cfg.train.max_steps:
+                if not _multi_process(cfg):
+                    result = _validate_last_checkpoint(cfg, result)
+        faults.point("after_result_write")
+        metrics = dict(result.metrics)
+        if spec.evaluate:  # perplexity sets and (optionally) lm-eval tasks on the finished trial
+            from recursive_lightning.evaluation.run import evaluate_checkpoint, flat_metrics
 
-        ev = spec.evaluate
-        here = spec.path.parent if spec.path is not None else Path.cwd()
-        ppl = {k: str((here / v).resolve()) for k, v in (ev.get("ppl") or {}).items()}
-        include = ev.get("include_path")
-        out = evaluate_checkpoint(
-            result.last_checkpoint,
-            ppl_sets=ppl or None,
-            tasks=ev.get("tasks") or [],
-            shots=ev.get("shots", [0]),
-            limit=ev.get("limit"),
-            tracking_uri=tracking_uri,
-            include_path=str((here / include).resolve()) if include else None,
-        )
-        metrics.update(flat_metrics(out))
-    from mlflow.tracking import MlflowClient
-
-    c = MlflowClient(tracking_uri)
-    c.set_tag(result.mlflow_run_id, "checkpoint", str(result.last_checkpoint))
-    c.set_tag(result.mlflow_run_id, "optuna.trial_number", str(trial.number))
+            ev = spec.evaluate
+            here = spec.path.parent if spec.path is not None else Path.cwd()
+            ppl = {k: str((here / v).resolve()) for k, v in (ev.get("ppl") or {}).items()}
+            include = ev.get("include_path")
+            out = evaluate_checkpoint(
+                result.last_checkpoint,
+                ppl_sets=ppl or None,
+                tasks=ev.get("tasks") or [],
+                shots=ev.get("shots", [0]),
+                limit=ev.get("limit"),
+                tracking_uri=tracking_uri,
+                include_path=str((here / include).resolve()) if include else None,
+            )
+            metrics.update(flat_metrics(out))
+        record = {
+            "point_key": key,
+            "metrics": metrics,
+            "pruned": pruned,
+            "steps": result.steps,
+            "mlflow_run_id": result.mlflow_run_id,
+            "checkpoint": str(result.last_checkpoint),
+            "config": flat,
+        }
+        atomic_write_text(trial_dir / SWEEP_RESULT, json.dumps(record, indent=2, default=str))
+    faults.point("before_tell")
+    c = client(tracking_uri)
+    c.set_tag(record["mlflow_run_id"], "checkpoint", record["checkpoint"])
+    c.set_tag(record["mlflow_run_id"], "optuna.trial_number", str(trial.number))
+    metrics = record["metrics"]
     trial.set_user_attr("metrics", metrics)
-    trial.set_user_attr("mlflow_run_id", result.mlflow_run_id)
-    trial.set_user_attr("checkpoint", str(result.last_checkpoint))
-    trial.set_user_attr("config", cfg.flat())
-    trial.set_user_attr("steps", result.steps)
-    if pruner_cb is not None and pruner_cb.pruned:
+    trial.set_user_attr("mlflow_run_id", record["mlflow_run_id"])
+    trial.set_user_attr("checkpoint", record["checkpoint"])
+    trial.set_user_attr("config", flat)
+    trial.set_user_attr("steps", record["steps"])
+    if pruned:
         study.tell(trial, state=TrialState.PRUNED)
+        faults.point("after_tell")
         return
     value = metrics.get(spec.metric)
     if value is None:
         raise RuntimeError(f"metric {spec.metric} was not produced by the trial (have: {sorted(metrics)})")
     study.tell(trial, float(value))
+    faults.point("after_tell")
 
 
 def _multi_process(cfg) -> bool:
@@ -403,13 +679,9 @@ def worker(
                     deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING, TrialState.PRUNED)
                 )
             )
-            trial_id = _claim(study, storage, storage_url)
+            trial_id = _claim(study, storage, storage_url, ask=n < int(spec.search["n_trials"]))
             if trial_id is None:
-                if n >= int(spec.search["n_trials"]):
-                    break
-                trial_id = study.ask()._trial_id
-        storage.set_trial_system_attr(trial_id, "host", socket.gethostname())
-        storage.set_trial_system_attr(trial_id, "pid", os.getpid())
+                break
         with _Heartbeat(storage, trial_id):
             try:
                 run_trial(spec, study, trial_id, run_dir, tracking_uri, parent)
@@ -451,42 +723,107 @@ def prepare_data(spec: SweepSpec) -> None:
             build_datamodule(cfg).prepare_data()
 
 
+def sweep_state(spec: SweepSpec, study) -> str | None:
+    """FINISHED when every grid point (or, for a search, some trial) finished, FAILED when one gave up after
+    its retries, None while trials are waiting or running (here, in other processes or on other machines)."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    if any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials):
+        return None
+    done = {
+        t.user_attrs.get("point_key") for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+    }
+    if spec.search is None:
+        ok = all(point_key(p) in done for p in spec.grid())
+    else:
+        ok = bool(done)
+    return "FINISHED" if ok else "FAILED"
+
+
 def close_parent(
     spec: SweepSpec, storage_url: str, tracking_uri: str, interrupted: bool = False
 ) -> str | None:
-    """End the sweep's MLflow parent run once no trial is waiting or running: FINISHED when every grid point
-    (or, for a search, some trial) finished, FAILED when one gave up after its retries, KILLED on Ctrl-C.
-    Returns the status set, or None while trials are still under way (other workers or machines)."""
+    """End the sweep's MLflow parent run once no trial is waiting or running (see ``sweep_state``), KILLED on
+    an interrupt. Returns the status set, or None while trials are still under way (other workers or machines):
+    whichever process ends the last trial closes it."""
     import optuna
-    from optuna.trial import TrialState
 
     study = optuna.load_study(study_name=spec.name, storage=_storage(storage_url, spec.max_retries))
     parent = study.user_attrs.get("mlflow_parent_run_id")
-    trials = study.get_trials(deepcopy=False)
     if parent is None:
         return None
-    if interrupted:
-        status = "KILLED"
-    elif any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials):
-        return None
-    else:
-        done = {
-            t.user_attrs.get("point_key")
-            for t in trials
-            if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-        }
-        if spec.search is None:
-            ok = all(point_key(p) in done for p in spec.grid())
-        else:
-            ok = bool(done)
-        status = "FINISHED" if ok else "FAILED"
-    set_terminated(tracking_uri, parent, status)
+    status = "KILLED" if interrupted else sweep_state(spec, study)
+    if status is not None:
+        set_terminated(tracking_uri, parent, status)
     return status
+
+
+def _wait_for_local_trials(spec: SweepSpec, storage_url: str) -> bool:
+    """Wait while trials of the study are run by other live processes on this machine (an earlier sweep
+    command's workers, a concurrent sweep command). Returns True when trials are waiting again (one of those
+    processes died and its trial went back to WAITING, or a retry was enqueued): run a worker again."""
+    import optuna
+    from optuna.trial import TrialState
+
+    storage = _storage(storage_url, spec.max_retries)
+    host, announced = socket.gethostname(), False
+    while True:
+        study = optuna.load_study(study_name=spec.name, storage=storage)
+        _requeue_dead_local(study, storage, storage_url)
+        if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return True
+        live = [
+            t
+            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if t.system_attrs.get("host") == host and int(t.system_attrs.get("pid", -1)) != os.getpid()
+        ]
+        if not live:
+            return False
+        if not announced:
+            pids = sorted({int(t.system_attrs["pid"]) for t in live})
+            print(
+                f"[sweep {spec.name}] waiting for {len(live)} trial(s) that process(es) "
+                f"{', '.join(map(str, pids))} on this machine are running",
+                flush=True,
+            )
+            announced = True
+        time.sleep(POLL_S)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """A worker must not train unattended once the sweep command that started it is gone: on Linux the
+    kernel SIGKILLs it when its parent dies (as if it had been killed with it; its trial is resumed from its
+    last checkpoint by the next run of the sweep); elsewhere a thread watches the parent."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            armed = False
+    if not armed:
+
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent_pid:  # it died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _spawn_workers(n: int, sweep_file: Path, run_dir: Path, storage: str, tracking: str) -> int:
     threads = max(1, (os.cpu_count() or 2) // n)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RL_TORCH_THREADS": str(threads)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "RL_TORCH_THREADS": str(threads),
+        PARENT_ENV: str(os.getpid()),
+    }
     cmd = [
         sys.executable,
         "-m",
@@ -506,11 +843,26 @@ def _spawn_workers(n: int, sweep_file: Path, run_dir: Path, storage: str, tracki
     procs = [subprocess.Popen(cmd, env=env) for _ in range(n)]
     try:
         codes = [p.wait() for p in procs]
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C / SIGTERM: stop the workers at a step boundary and wait for them
         for p in procs:
-            p.send_signal(signal.SIGINT)
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
         raise
     return next((c for c in codes if c), 0)  # a worker killed by a signal has a negative code
+
+
+class _Stop(KeyboardInterrupt):
+    """SIGTERM to the sweep command: stop like Ctrl-C, exit 143."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise _Stop()
 
 
 def main(argv: list[str]) -> int:
@@ -551,6 +903,8 @@ def main(argv: list[str]) -> int:
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, not {workers}.")
     t0 = time.time()
+    if args.worker:
+        _die_with_parent(int(os.environ.get(PARENT_ENV) or os.getppid()))
     if not args.attach:
         prepare_study(spec, run_dir, storage, tracking)
         print(
@@ -562,40 +916,63 @@ def main(argv: list[str]) -> int:
         import optuna
 
         try:
-            optuna.load_study(study_name=spec.name, storage=_storage(storage, spec.max_retries))
+            study = optuna.load_study(study_name=spec.name, storage=_storage(storage, spec.max_retries))
         except KeyError:
             raise ConfigError(
                 f"--attach: no study named '{spec.name}' in {storage}; start the sweep without --attach first."
             ) from None
-    crashed = 0
-    try:
-        if workers > 1 and not args.worker:
-            prepare_data(spec)  # tokenise once here rather than racing in every worker
-            crashed = _spawn_workers(workers, sweep_file, run_dir, storage, tracking)
-        else:
-            worker(spec, run_dir, storage, tracking, max_trials=args.max_trials)
-    except KeyboardInterrupt:
-        if not args.worker:
-            close_parent(spec, storage, tracking, interrupted=True)
-        raise
+        check_unchanged(spec, study, run_dir, record=False)
     if args.worker:
+        worker(spec, run_dir, storage, tracking, max_trials=args.max_trials)
         return 0
+    crashed = 0
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if workers > 1 else None
+    try:
+        if workers > 1:
+            prepare_data(spec)  # tokenise once here rather than racing in every worker
+        while True:
+            if workers > 1:
+                crashed = _spawn_workers(workers, sweep_file, run_dir, storage, tracking)
+            else:
+                worker(spec, run_dir, storage, tracking, max_trials=args.max_trials)
+            # trials that other live processes on this machine run are waited for, not reported as missing
+            if crashed or args.max_trials or not _wait_for_local_trials(spec, storage):
+                break
+    except BaseException as e:  # Ctrl-C, SIGTERM (train stops at a step boundary), a crash: the sweep stopped
+        close_parent(spec, storage, tracking, interrupted=True)
+        print(
+            f"[sweep {spec.name}] stopped; re-run the same command to resume it", file=sys.stderr, flush=True
+        )
+        if isinstance(e, _Stop):
+            raise SystemExit(143) from None
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if not args.no_report:
         from recursive_lightning.sweep.report import write_report
 
         report = write_report(run_dir, spec=spec, storage_url=storage, tracking_uri=tracking)
         print(report["markdown"])
-        print(f"\nsweep finished in {time.time() - t0:.0f}s; report: {report['path']}")
+        print(f"\nreport: {report['path']}")
+    faults.point("before_close_parent")
     status = close_parent(spec, storage, tracking)
-    if status == "FAILED":
-        print(f"[sweep {spec.name}] some grid points failed after their retries; see the report", flush=True)
     print(f"compare the runs: {ui_command(tracking)}")
-    if crashed:
+    if status == "FINISHED":
+        print(f"[sweep {spec.name}] finished in {time.time() - t0:.0f}s", flush=True)
+        return 0
+    if status == "FAILED":
         print(
-            f"[sweep {spec.name}] a worker process exited with code {crashed}; re-run the same command to "
-            "resume its trial",
+            f"[sweep {spec.name}] FAILED: some grid points failed after their retries; see the report",
             file=sys.stderr,
             flush=True,
         )
-        return 1
-    return 0
+        return EXIT_FAILED
+    why = (
+        f"a worker process exited with code {crashed}; re-run the same command to resume its trial"
+        if crashed
+        else "trials are still waiting or running (other machines or --max-trials); the report is partial and "
+        "the last process to end a trial closes the sweep"
+    )
+    print(f"[sweep {spec.name}] not finished: {why}", file=sys.stderr, flush=True)
+    return EXIT_UNFINISHED

@@ -1,0 +1,37 @@
+"""Named fault points for the fault-injection tests; a no-op unless a test sets the environment variable.
+
+``RECURSIVE_LIGHTNING_FAULT=NAME[:N[:hang]]`` makes the process SIGKILL itself the N-th time (default the
+first) it reaches :func:`point` ``(NAME)``: the same as a ``kill -9`` at exactly that instant, with no cleanup,
+no ``finally`` and no atexit. With ``hang`` it stops there instead (sleeps until killed), to stand for a
+process that is still at work. Only tests set it; nothing else reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+ENV = "RECURSIVE_LIGHTNING_FAULT"
+_seen: dict[str, int] = {}
+
+
+def active() -> bool:
+    return bool(os.environ.get(ENV))
+
+
+def point(name: str) -> None:
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    target, _, rest = spec.partition(":")
+    if target != name:
+        return
+    nth, _, mode = rest.partition(":")
+    _seen[name] = _seen.get(name, 0) + 1
+    if _seen[name] != int(nth or 1):
+        return
+    if mode == "hang":
+        while True:
+            time.sleep(3600)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,190 @@
+"""Fault injection: a sweep killed at every step of a trial's life loses no finished result.
+
+The sweep process SIGKILLs itself at a named point (``recursive_lightning.faults``, set through the environment
+by these tests only), then the same command is run again. After the re-run every grid point has finished
+exactly once, with the metric of an uninterrupted run, the MLflow parent run is FINISHED and the report is
+complete. Nothing here depends on timing: the kill happens at the named instant of the named trial.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+ENV.pop("RECURSIVE_LIGHTNING_FAULT", None)
+NAME = "fault-sweep"
+
+
+def write_sweep(tmp: Path, cache: str, steps: int = 6, rows=None, **top) -> Path:
+    spec = {
+        "name": NAME,
+        "base": str(ROOT / "experiments/cpu/looped-mesh.yaml"),
+        "overrides": {
+            "model.preset": "cpu-tiny",
+            "model.layout": "1+1R2+1",
+            "data.seq_len": 32,
+            "data.batch_size": 4,
+            "data.val_batches": 2,
+            "data.cache_dir": cache,
+            "train.max_steps": steps,
+            "train.val_every": 3,
+            "train.checkpoint_every": 2,
+            "train.progress": False,
+        },
+        "axes": {
+            "variant": rows or {"anchor": {"model.topology": "anchor"}, "mesh": {"model.topology": "mesh"}}
+        },
+        "seeds": [0],
+        "max_retries": 0,  # a lost result shows up as a failed trial, not as a silent retry
+        **top,
+    }
+    p = tmp / "sweep.yaml"
+    p.write_text(yaml.safe_dump(spec))
+    return p
+
+
+def sweep(spec: Path, run_dir: Path, fault: str | None = None, *extra, timeout=600):
+    env = dict(ENV)
+    if fault:
+        env["RECURSIVE_LIGHTNING_FAULT"] = fault
+    p = subprocess.run(
+        [sys.executable, "-m", "recursive_lightning", "sweep", str(spec), "--run-dir", str(run_dir), *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    return p.returncode, p.stdout
+
+
+def trials(run_dir: Path):
+    storage = f"sqlite:///{run_dir / 'optuna.db'}"
+    return optuna.load_study(study_name=NAME, storage=storage).get_trials()
+
+
+def values(run_dir: Path) -> dict[str, float]:
+    done = [t for t in trials(run_dir) if t.state == optuna.trial.TrialState.COMPLETE]
+    return {t.user_attrs["point_key"]: t.value for t in done}
+
+
+def mlflow_runs(run_dir: Path):
+    c = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    runs = c.search_runs([c.get_experiment_by_name(NAME).experiment_id])
+    parents = [r for r in runs if r.data.tags.get("kind") == "sweep"]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return parents, children
+
+
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory) -> Path:
+    """An empty MLflow SQLite store, created once: each faulted sweep starts from a copy of it instead of
+    running MLflow's schema migrations again (seconds per sweep; the sweep takes an existing store as is)."""
+    db = tmp_path_factory.mktemp("store") / "mlflow.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()
+    return db
+
+
+def fresh_run_dir(tmp: Path, empty_store: Path) -> Path:
+    run_dir = tmp / "run"
+    run_dir.mkdir()
+    shutil.copyfile(empty_store, run_dir / "mlflow.db")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, data_cache, empty_store):
+    """The uninterrupted sweep every faulted one must reproduce."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    spec = write_sweep(tmp, data_cache)
+    code, out = sweep(spec, fresh_run_dir(tmp, empty_store))
+    assert code == 0, out
+    got = values(tmp / "run")
+    assert len(got) == 2
+    return got
+
+
+def assert_complete(run_dir: Path, baseline: dict[str, float]) -> None:
+    ts = trials(run_dir)
+    states = [t.state for t in ts]
+    assert states == [optuna.trial.TrialState.COMPLETE] * 2, [(t.number, t.state, t.user_attrs) for t in ts]
+    got = values(run_dir)
+    assert got == baseline  # the same metric as the uninterrupted sweep, bit for bit
+    (parent,), children = mlflow_runs(run_dir)
+    assert parent.info.status == "FINISHED"
+    assert sorted(r.data.tags["point_key"] for r in children) == sorted(baseline)  # one child per point
+    assert {r.info.status for r in children} == {"FINISHED"}
+    report = (run_dir / "report.md").read_text()
+    assert "2 finished trials" in report and "not finished" not in report and "Failed" not in report
+    for key in baseline:
+        record = json.loads((run_dir / "trials" / key / "sweep_result.json").read_text())
+        assert record["metrics"]["val/heldout/loss"] == baseline[key]
+
+
+# where the kill happens, and the occurrence: ":2" is the second trial (the first one has finished by then)
+FAULTS = [
+    "before_training:2",
+    "mid_training:2",  # after the trial's first checkpoint
+    "final_validation:2",  # last.ckpt at max_steps written, its validation not yet logged
+    "after_last_checkpoint:2",  # fit ended, result.json not written
+    "after_result_write:2",  # result.json written, the sweep has not recorded it
+    "before_tell:2",  # the sweep's record written, the study not told
+    "during_report:1",
+    "before_close_parent:1",  # report written, MLflow parent run still RUNNING
+]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_sweep_killed_at_a_named_point_resumes_to_the_same_results(
+    fault, baseline, tmp_path, data_cache, empty_store
+):
+    spec = write_sweep(tmp_path, data_cache)
+    run_dir = fresh_run_dir(tmp_path, empty_store)
+    code, out = sweep(spec, run_dir, fault)
+    assert code == -9, out  # it was killed there (SIGKILL: no cleanup ran)
+    (parent,), _ = mlflow_runs(run_dir)
+    assert parent.info.status == "RUNNING"
+    first = min((run_dir / "trials").glob("*/sweep_result.json"), default=None)
+    before = first.stat().st_mtime_ns if first is not None else None
+
+    code, out = sweep(spec, run_dir)
+    assert code == 0, out
+    assert_complete(run_dir, baseline)
+    if first is not None:  # a trial recorded before the kill is never trained or recorded again
+        assert first.stat().st_mtime_ns == before
+    name = fault.split(":")[0]
+    if name in ("after_result_write", "before_tell"):
+        assert "finished before; its result is kept" in out and "(resuming)" not in out
+    if name in ("mid_training", "final_validation", "after_last_checkpoint"):
+        assert "(resuming)" in out
+
+
+def test_a_finished_trials_last_checkpoint_validates_to_its_result(tmp_path, tiny_run):
+    """The sweep's own recovery when training reached max_steps but left no validation metrics (whatever
+    `train --resume` does): validating the last checkpoint gives the final validation's metrics exactly, and
+    records them in result.json and the trial's MLflow run."""
+    import dataclasses
+
+    from recursive_lightning.config import RunConfig
+    from recursive_lightning.sweep.runner import _validate_last_checkpoint
+    from recursive_lightning.training.run import train
+
+    cfg = RunConfig.from_dict(tiny_run())
+    result = train(cfg, tmp_path / "run")
+    assert result.steps == cfg.train.max_steps and "val/heldout/loss" in result.metrics
+    (tmp_path / "run" / "result.json").unlink()
+    again = _validate_last_checkpoint(cfg, dataclasses.replace(result, metrics={}))
+    assert again.metrics == result.metrics
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["metrics"] == result.metrics
+    run = MlflowClient(result.tracking_uri).get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["final/val/heldout/loss"] == result.metrics["val/heldout/loss"]
