@@ -386,7 +386,13 @@ def test_eval_command_json_and_mlflow(tmp_path, tokenizer, local_tasks, capsys):
         assert key in metrics, key
     assert metrics["eval/ppl/doc"] == pytest.approx(out["ppl"]["doc"]["ppl"])
     assert client.get_metric_history(run_id, "eval/avg/0shot")[0].step == 7
-    assert [a.path for a in client.list_artifacts(run_id, "eval")] == ["eval/eval-last.json"]
+    assert [a.path for a in client.list_artifacts(run_id, "eval")] == [
+        "eval/eval-last-ppl-by-context.png",
+        "eval/eval-last.json",
+    ]
+    png = run_dir / "eval" / "eval-last-ppl-by-context.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out["ppl_ctx"]["plot"] == str(png)
+    assert out["ppl_ctx"]["train_seq_len"] == MAX_LEN and "plot: " in printed
 
     # a checkpoint whose run is not in the store: a new run, tagged with the checkpoint path
     other = save_model_checkpoint(
@@ -463,3 +469,25 @@ def test_context_length_table(ckpts, tokenizer):
     )
     docs = perplexity_by_context_length(model, tokenizer, [text, "short"], [16], mode="documents")[16]
     assert docs["segments"] == 1
+
+
+def test_chunk_local_model_scores_long_inputs_chunk_by_chunk(ckpts, tokenizer, monkeypatch):
+    """Mela's long contexts run through its decoding cache a few chunks at a time: the same log-probs as
+    one forward pass, and no call sees more than one piece."""
+    from recursive_lightning.evaluation import perplexity as ppl_mod
+
+    model = load_checkpoint(ckpts["mela"]).model.double()  # float64: see the drift note in test_mela.py
+    ids = tokenizer.encode(" ".join(_texts())).ids[: 12 * model.cfg.tokens_per_chunk + 5]
+    monkeypatch.setattr(ppl_mod, "STREAM_CHUNKS", 2)
+    widths = []
+    hidden = model.hidden
+    model.hidden = lambda x, **k: widths.append(x.shape[1]) or hidden(x, **k)
+    try:
+        streamed = ppl_mod.score_sequences(model, [(ids, len(ids) - 1)], per_token=True)[0]
+    finally:
+        del model.hidden
+    assert max(widths) == 2 * model.cfg.tokens_per_chunk and len(widths) > 5
+    with torch.no_grad():
+        logp = F.log_softmax(model(torch.tensor([ids[:-1]]))[0].double(), -1)
+    want = logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+    torch.testing.assert_close(streamed.token_logprobs, want, rtol=1e-6, atol=1e-6)  # float32 log-softmax

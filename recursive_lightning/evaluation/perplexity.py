@@ -103,6 +103,20 @@ def score_rows(
     return lp, hit
 
 
+STREAM_CHUNKS = 8  # decoder chunks per piece when a chunk-local model streams a long input
+
+
+def hidden_states(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``model.hidden(x)``; a model without a context window whose decoder is chunk-local (Mela) runs a long
+    input through its decoding cache a few chunks at a time, so activation memory stays that of one piece
+    (the same states, ``tests/test_mela.py``); every other model needs the full window at once."""
+    piece = getattr(model.cfg, "tokens_per_chunk", 0) * STREAM_CHUNKS
+    if getattr(model, "window", 0) is not None or x.shape[1] <= piece:
+        return model.hidden(x)
+    cache = model.new_cache()
+    return torch.cat([model.hidden(x[:, i : i + piece], cache=cache) for i in range(0, x.shape[1], piece)], 1)
+
+
 @torch.inference_mode()
 def score_sequences(
     model: torch.nn.Module,
@@ -143,7 +157,7 @@ def score_sequences(
             rows_p += range(m - k, m)
             targets += toks[m - k + 1 : m + 1]
             owner += [r] * k
-        h = model.hidden(x.to(device))
+        h = hidden_states(model, x.to(device))
         lp, hit = score_rows(model, h, rows_b, rows_p, targets)
         own = torch.as_tensor(owner, dtype=torch.long)
         sums = torch.zeros(len(idx), dtype=torch.float64).index_add_(0, own, lp)

@@ -405,7 +405,11 @@ def evaluate_checkpoint(
             mode=ctx_mode,
             batch_size=lm.batch_size,
         )
-        result["ppl_ctx"] = {"set": name, "lengths": {str(k): v for k, v in by_len.items()}}
+        result["ppl_ctx"] = {
+            "set": name,
+            "train_seq_len": loaded.run.data.seq_len,
+            "lengths": {str(k): v for k, v in by_len.items()},
+        }
     if tasks:
         import lm_eval
 
@@ -423,6 +427,17 @@ def evaluate_checkpoint(
 
     json_path = out / f"eval-{ckpt.stem if ckpt.is_file() else ckpt.name}.json"
     result["json_path"] = str(json_path)
+    points = {int(L): r["ppl"] for L, r in result["ppl_ctx"].get("lengths", {}).items() if "ppl" in r}
+    if points:
+        from recursive_lightning.evaluation.context_plot import plot_ppl_by_context
+
+        png = plot_ppl_by_context(
+            {f"{loaded.run.name} @ {loaded.global_step}": points},
+            json_path.with_name(json_path.stem + "-ppl-by-context.png"),
+            train_length=loaded.run.data.seq_len,
+            title=f"perplexity by context length ({result['ppl_ctx']['set']})",
+        )
+        result["ppl_ctx"]["plot"] = str(png)
     if mlflow:
         result["mlflow"] = _mlflow_target(loaded, run_dir, tracking_uri)
     atomic_write_text(json_path, to_json(result))
@@ -502,6 +517,8 @@ def _log_mlflow(result: dict[str, Any], json_path: Path) -> None:
     uri, run_id = target["tracking_uri"], target["run_id"]
     log_metrics(uri, run_id, flat_metrics(result), step=int(result.get("global_step") or 0))
     log_artifact(uri, run_id, json_path, subdir="eval")
+    if result.get("ppl_ctx", {}).get("plot"):
+        log_artifact(uri, run_id, result["ppl_ctx"]["plot"], subdir="eval")
     if target.get("created"):
         set_terminated(uri, run_id)
 
@@ -550,7 +567,7 @@ def print_report(result: dict[str, Any]) -> None:
         ("perplexity", ("set", "ppl", "bits/byte", "tokens"), rows_ppl),
         (
             f"perplexity by context length ({result.get('ppl_ctx', {}).get('set', '')})",
-            ("L", "ppl", "ppl last block", "segments", "extrapolated"),
+            ("L", "ppl", "ppl last block", "segments", "beyond max_seq_len"),
             rows_ctx,
         ),
         ("downstream accuracy (%)", ("task", "metric", *[f"{k}-shot" for k in shots]), rows_task),
@@ -570,6 +587,8 @@ def print_report(result: dict[str, Any]) -> None:
                     table.add_row(*map(str, r))
                 console.print(table)
         console.print(f"results: {result['json_path']}")
+        if result.get("ppl_ctx", {}).get("plot"):
+            console.print(f"plot: {result['ppl_ctx']['plot']}")
         if result.get("mlflow"):
             console.print(f"MLflow run {result['mlflow']['run_id']} in {result['mlflow']['tracking_uri']}")
     except ImportError:
@@ -580,6 +599,8 @@ def print_report(result: dict[str, Any]) -> None:
                 for r in rows:
                     print("\t".join(map(str, r)))
         print(f"results: {result['json_path']}")
+        if result.get("ppl_ctx", {}).get("plot"):
+            print(f"plot: {result['ppl_ctx']['plot']}")
 
 
 # ---------------------------------------------------------------------------------------------- CLI
