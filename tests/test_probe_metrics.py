@@ -395,6 +395,10 @@ def _plot_calls() -> dict[str, object]:
     comp = M.mesh_state_composition(write, read)
     ent = torch.rand(4, 3, 4, generator=g)  # [T, layers, heads]
     labels = ["emb"] + [f"h{t}" for t in range(K + 1)]
+    apps = ["c1 L1 Lb0", "c1 Hb0", "c2 L1 Lb0", "c2 Hb0"]
+    cycles = [1, 1, 2, 2]
+    rates = torch.rand(4, 3, generator=g)
+    sv = torch.rand(4, 3, 1, 8, generator=g).sort(dim=-1, descending=True).values
     return {
         "skew": lambda p: P.plot_skew(skew, p, title="skew"),
         "compare_skew": lambda p: P.compare_skew({m: skew for m in models}, p),
@@ -428,6 +432,17 @@ def _plot_calls() -> dict[str, object]:
         "compare_range_heatmaps": lambda p: P.compare_head_range_heatmaps(
             {"spiral": ent, "looped": ent * 2}, p
         ),
+        # Mela: a gate that is not used (NaN) says so; many applications stack the tensors
+        "mela_heatmaps": lambda p: P.plot_application_heatmaps(
+            {"theta": rates, "eta": rates * float("nan")}, p, rows=apps, cols=["0", "1", "2"], groups=cycles
+        ),
+        "mela_spectrum": lambda p: P.plot_update_spectrum(sv, p, apps=apps, tensors=["W1"], groups=cycles),
+        "mela_spectrum_dense": lambda p: P.plot_update_spectrum(
+            sv.repeat(5, 1, 1, 1), p, apps=apps * 5, tensors=["W1"], groups=cycles * 5, reference=None
+        ),
+        "mela_memstack": lambda p: P.plot_memstack_change(torch.rand(N, 2, 4, generator=g), p),
+        "mela_memstack_off": lambda p: P.plot_memstack_change(torch.zeros(N, 1, 3), p, enabled=False),
+        "mela_memstack_h1": lambda p: P.plot_memstack_change(torch.zeros(N, 0, 3), p),
     }
 
 
@@ -465,5 +480,8 @@ def test_plot_module_exports_cover_all_calls() -> None:
         "compare_head_heatmaps",
         "plot_head_range_heatmap",
         "compare_head_range_heatmaps",
+        "plot_application_heatmaps",
+        "plot_update_spectrum",
+        "plot_memstack_change",
     }
     assert public == called

@@ -23,6 +23,10 @@ Computed (details of what is computed on what: :mod:`recursive_lightning.probes.
    entropy and Local Attention Mass per loop/layer/head, dynamic heads (top 40% by cross-loop range),
    ridgeline/box plots and layer x head heatmaps (SpiralFormer Sec. 4.1, App. I).
 
+A Mela checkpoint (``model.arch: mela``) gets the Mela probes instead (:mod:`recursive_lightning.probes.mela`:
+per HMM block application and memory chunk the surprise norm, theta, eta, alpha and the update's singular
+values; MemStack's relative change of the decoder's memory rows per H cycle); ``--compare`` refuses it.
+
 Outputs go to ``--out`` (default ``<run_dir>/probes/``, or ``probes/`` next to a loose checkpoint):
 PNGs and ``probes.json`` with every plotted number (written atomically), both logged as artifacts
 (``probes/``) of the checkpoint's MLflow run - or of a linked run created in ``<run_dir>/mlflow.db``
@@ -851,16 +855,26 @@ def probe_one(
     device: torch.device,
     seq_len: int | None = None,
     label: str | None = None,
+    compare: bool = False,
 ) -> Probed:
-    """Load one checkpoint, build its samples and capture + summarise the probes (model freed after)."""
+    """Load one checkpoint, build its samples and capture + summarise the probes (model freed after);
+    a Mela checkpoint gets the Mela probes (:mod:`recursive_lightning.probes.mela`), refused by compare."""
     from recursive_lightning.training.checkpoint import load_checkpoint
 
     loaded = load_checkpoint(path, device=device)
     model = loaded.model
+    mela = getattr(model.cfg, "arch", "recursive") == "mela"
+    if mela and compare:
+        raise UserError(
+            f"probe --compare draws the looped-transformer probes side by side and '{path}' is a Mela "
+            "checkpoint, whose memory probes have no common axes across runs; probe each Mela run on its own."
+        )
     L = seq_len or args.seq_len or loaded.run.data.seq_len
     if L > model.cfg.max_seq_len:
         raise UserError(f"--seq-len {L} exceeds the model's max_seq_len {model.cfg.max_seq_len}.")
     samples = load_samples(loaded.tokenizer, args.data, args.samples, L, vocab_size=model.cfg.vocab_size)
+    if mela:
+        return _probe_mela(loaded, path, args, device, samples, label)
     attention = not args.no_attention and model.layout.kind in ("looped", "multires")
     settings = ProbeSettings(
         kernel=args.kernel,
@@ -901,8 +915,45 @@ def probe_one(
     return Probed(name, loaded, run_dir, cap, summary)
 
 
+def _probe_mela(
+    loaded: Any,
+    path: str | os.PathLike,
+    args: argparse.Namespace,
+    device: torch.device,
+    samples: Samples,
+    label: str | None,
+) -> Probed:
+    from recursive_lightning.probes import mela as MP
+
+    print(MP.SKIPPED, flush=True)
+    model = loaded.model
+    batch_size = args.batch_size or 16
+    name = label or loaded.run.name
+    cap = MP.capture_mela(
+        model, samples.tokens, batch_size, progress=not args.no_progress, desc=f"probe {name}"
+    )
+    run_dir = _run_dir_of(Path(path), Path(loaded.path))
+    summary = {
+        "format": FORMAT_VERSION,
+        "probes": "mela",
+        "checkpoint": str(Path(loaded.path).resolve()),
+        "run_dir": str(run_dir),
+        "global_step": loaded.global_step,
+        "model": MP.model_meta(loaded),
+        "data": samples.info,
+        "settings": {"batch_size": batch_size, "device": str(device)},
+        "timing": {"capture_s": cap.seconds},
+        "mela": MP.summarize(cap),
+    }
+    loaded.model = None  # free the weights
+    del model
+    return Probed(name, loaded, run_dir, cap, summary)
+
+
 def _title(p: Probed) -> str:
     m = p.summary["model"]
+    if m.get("arch") == "mela":
+        return f"{p.label} (Mela, H={m['h_cycles']}, L={m['l_cycles']})"
     return f"{p.label} ({m['layout']}, {m['topology']})"
 
 
@@ -926,7 +977,14 @@ def _run_single(args: argparse.Namespace, device: torch.device) -> int:
     out = Path(args.out) if args.out else p.run_dir / "probes"
     out.mkdir(parents=True, exist_ok=True)
     t1 = time.perf_counter()
-    files = draw_single(p.capture, p.summary, out, _title(p))
+    if p.summary.get("probes") == "mela":
+        from recursive_lightning.probes import mela as MP
+
+        files = MP.draw(p.capture, out, _title(p))
+        metrics = MP.scalar_metrics(p.summary["mela"])
+    else:
+        files = draw_single(p.capture, p.summary, out, _title(p))
+        metrics = scalar_metrics(p.summary)
     p.summary["figures"] = [f.name for f in files]
     p.summary["timing"]["plots_s"] = time.perf_counter() - t1
     p.summary["timing"]["total_s"] = time.perf_counter() - t0
@@ -938,7 +996,7 @@ def _run_single(args: argparse.Namespace, device: torch.device) -> int:
                 p.run_dir,
                 p.loaded,
                 [*files, json_path],
-                scalar_metrics(p.summary),
+                metrics,
                 args.tracking_uri,
                 "probes",
             )
@@ -979,7 +1037,7 @@ def _run_compare(args: argparse.Namespace, device: torch.device) -> int:
     probed: list[Probed] = []
     seq_len = args.seq_len
     for path in paths:
-        p = probe_one(path, args, device, seq_len=seq_len, label=path.name)
+        p = probe_one(path, args, device, seq_len=seq_len, label=path.name, compare=True)
         seq_len = seq_len or p.capture.seq_len  # every model sees the same text windows
         probed.append(p)
     for p, label in zip(probed, _labels(probed, paths)):
