@@ -439,3 +439,28 @@ def test_two_chunks_train_the_memory_update_only_when_read_after(read):
     model.loss(idx[:, :-1], idx[:, 1:]).backward()
     theta = model.hmm.h_module.blocks[0].memory.theta.weight.grad
     assert (theta is not None and theta.abs().sum() > 0) == (read == "after")
+
+
+def test_newton_schulz_backward_equals_autograd():
+    """The hand-written backward of _NewtonSchulz against autograd through the plain iteration (float64)."""
+    from recursive_lightning.model.neural_memory import NS_COEFFICIENTS
+
+    def plain(g, steps=5, eps=1e-7):
+        a, b, c = NS_COEFFICIENTS
+        x = g / (g.norm(dim=(-2, -1), keepdim=True) + eps)
+        for _ in range(steps):
+            A = x @ x.transpose(-2, -1)
+            x = a * x + (b * A + c * A @ A) @ x
+        return x
+
+    torch.manual_seed(8)
+    for shape in [(3, 4, 6), (2, 5, 5), (2, 3, 7, 4)]:  # wide, square, tall with two leading dims
+        g = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(*shape, dtype=torch.float64)
+        got = torch.autograd.grad((newton_schulz(g, 5) * w).sum(), g)[0]
+        tall = shape[-2] > shape[-1]
+        ref_in = g.transpose(-2, -1) if tall else g
+        ref_out = plain(ref_in)
+        ref = torch.autograd.grad(((ref_out.transpose(-2, -1) if tall else ref_out) * w).sum(), g)[0]
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(newton_schulz(g, 5), ref_out.transpose(-2, -1) if tall else ref_out)

@@ -47,37 +47,58 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
     """Approximate orthogonalisation of the last two dims (Muon): X <- aX + (bA + cA^2)X, A = XX^T, on the
-    wide orientation (the m x m Gram matrix of the shorter side); each step is three batched GEMMs with the
-    scalings fused in (``baddbmm``), no separate element-wise passes over X."""
-    a, b, c = NS_COEFFICIENTS
+    wide orientation (the m x m Gram matrix of the shorter side); three batched GEMMs a step with the scalings
+    fused in, and a hand-written backward (:class:`_NewtonSchulz`)."""
     shape = g.shape
     tall = shape[-2] > shape[-1]
     x = g.reshape(-1, *shape[-2:])
     if tall:
         x = x.transpose(-2, -1)
-    x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + eps)
-    for _ in range(steps):
-        A = torch.bmm(x, x.transpose(-2, -1))
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # bA + cA^2
-        x = torch.baddbmm(x, B, x, beta=a)  # aX + BX
+    x = _NewtonSchulz.apply(x, steps, eps)
     if tall:
         x = x.transpose(-2, -1)
     return x.reshape(shape)
 
 
-def newton_schulz_all(updates: list[torch.Tensor], steps: int = 5) -> list[torch.Tensor]:
-    """Newton-Schulz of every memory tensor, those of one shape once transposed to wide run as one batch
-    (a depth-2 memory's (d, e d) and (e d, d) updates: one call, half the kernel launches)."""
-    wide = [u.transpose(-2, -1) if u.shape[-2] > u.shape[-1] else u for u in updates]
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, u in enumerate(wide):
-        groups.setdefault(tuple(u.shape), []).append(i)
-    out: list[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
-    for idx in groups.values():
-        done = newton_schulz(torch.stack([wide[i] for i in idx]), steps)
-        for j, i in enumerate(idx):
-            out[i] = done[j].transpose(-2, -1) if updates[i].shape != wide[i].shape else done[j]
-    return out
+class _NewtonSchulz(torch.autograd.Function):
+    """Backward of the k iterations in closed form (A and B = bA + cA^2 are symmetric):
+
+        X' = aX + BX          dX = aG + BG,   dB = G X^T
+        B  = bA + cAA         dA = b dB + c (dB A + A dB)
+        A  = XX^T             dX += (dA + dA^T) X
+
+    three GEMMs of the size of X and two of A's per step, no element-wise pass over X; autograd through
+    the same loop takes four and three."""
+
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
+        a, b, c = NS_COEFFICIENTS
+        norm = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True)
+        x = g / (norm + eps)
+        saved = []
+        for _ in range(steps):
+            A = torch.bmm(x, x.transpose(-2, -1))
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # bA + cA^2
+            saved += [x, A, B]
+            x = torch.baddbmm(x, B, x, beta=a)  # aX + BX
+        ctx.save_for_backward(g, norm, *saved)
+        ctx.eps = eps
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b, c = NS_COEFFICIENTS
+        g, norm, *saved = ctx.saved_tensors
+        for i in range(len(saved) - 3, -1, -3):
+            x, A, B = saved[i : i + 3]
+            dB = torch.bmm(grad, x.transpose(-2, -1))
+            dx = torch.baddbmm(grad, B, grad, beta=a)
+            dA = torch.baddbmm(torch.baddbmm(dB, dB, A, beta=b, alpha=c), A, dB, alpha=c)
+            grad = torch.baddbmm(dx, dA + dA.transpose(-2, -1), x)
+        # x_0 = g / (|g| + eps): dg = G / n - <G, g> g / (n^2 |g|)
+        n = norm + ctx.eps
+        inner = (grad * g).sum(dim=(-2, -1), keepdim=True)
+        return grad / n - inner * g / (n * n * norm.clamp_min(torch.finfo(g.dtype).tiny)), None, None
 
 
 def gelu_grad(z: torch.Tensor) -> torch.Tensor:
@@ -166,7 +187,9 @@ class NeuralMemory(nn.Module):
         if n % C:
             raise ValueError(f"neural memory input of {n} patches is not a multiple of chunk_size {C}")
         state = state or self.initial_state(b)
-        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        q, k, v = rearrange(
+            self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads
+        ).contiguous()
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)  # [reading], as in Titans
         theta = rearrange(torch.sigmoid(self.theta(x)), "b n h -> b h n")
         pooled = x.view(b, n // C, C, -1).mean(2)  # one eta_t, alpha_t per chunk
@@ -187,7 +210,7 @@ class NeuralMemory(nn.Module):
             else:  # Eq. 1
                 steps = [-g for g in grads]
             if self.update == "newton_schulz":
-                steps = newton_schulz_all(steps, self.ns_steps)
+                steps = [newton_schulz(u, self.ns_steps) for u in steps]
             if self.record is not None:
                 self._record(t, grads, steps, theta[:, :, s], eta, alpha)
             decay = alpha[:, :, t, None, None] if alpha is not None else 1.0
