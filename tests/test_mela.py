@@ -464,3 +464,17 @@ def test_newton_schulz_backward_equals_autograd():
         ref = torch.autograd.grad(((ref_out.transpose(-2, -1) if tall else ref_out) * w).sum(), g)[0]
         torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(newton_schulz(g, 5), ref_out.transpose(-2, -1) if tall else ref_out)
+
+
+def test_bf16_autocast_trains():
+    """Under bf16 autocast (train.precision auto picks it on CPUs with bf16 matmuls, and on GPUs) the custom
+    Newton-Schulz backward gets gradients of another dtype than its saved tensors."""
+    cfg = tiny()
+    model = build_model(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 3 * cfg.tokens_per_chunk + 1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.loss(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss) and all(
+        torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None
+    )

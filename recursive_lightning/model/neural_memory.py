@@ -33,6 +33,7 @@ Newton-Schulz applies to every memory tensor.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -60,6 +61,12 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     return x.reshape(shape)
 
 
+def _no_autocast(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    if t.device.type in ("cpu", "cuda"):  # the meta device (describe) has no autocast
+        return torch.autocast(t.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class _NewtonSchulz(torch.autograd.Function):
     """Backward of the k iterations in closed form (A and B = bA + cA^2 are symmetric):
 
@@ -72,6 +79,11 @@ class _NewtonSchulz(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
+        with _no_autocast(g):  # in the update's own dtype, forward and backward
+            return _NewtonSchulz._forward(ctx, g, steps, eps)
+
+    @staticmethod
+    def _forward(ctx, g: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
         a, b, c = NS_COEFFICIENTS
         norm = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True)
         x = g / (norm + eps)
@@ -87,6 +99,12 @@ class _NewtonSchulz(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        g = ctx.saved_tensors[0]
+        with _no_autocast(g):
+            return _NewtonSchulz._backward(ctx, grad.to(g.dtype))
+
+    @staticmethod
+    def _backward(ctx, grad: torch.Tensor):
         a, b, c = NS_COEFFICIENTS
         g, norm, *saved = ctx.saved_tensors
         for i in range(len(saved) - 3, -1, -3):
