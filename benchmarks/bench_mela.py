@@ -157,6 +157,11 @@ torch.manual_seed(0)
 model = build_model(preset(sys.argv[1])).eval()
 n = int(sys.argv[2])
 prompt = torch.randint(0, model.cfg.vocab_size, (1, 64))
+with torch.no_grad():  # warm-up: two chunks on a throwaway cache
+    warm = model.new_cache()
+    model.hidden(prompt, cache=warm)
+    for _ in range(2 * model.cfg.tokens_per_chunk):
+        model.hidden(prompt[:, :1], cache=warm)
 cache = model.new_cache()
 t = time.perf_counter()
 with torch.no_grad():
