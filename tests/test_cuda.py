@@ -225,3 +225,69 @@ def test_train_on_gpu_in_bf16_and_resume(tmp_path, tiny_run, monkeypatch, strate
     worst = max(abs(a[s] - b[s]) for s in a)
     print(f"{strategy}: max |straight - resumed| train/loss over 12 steps = {worst:.2e}")
     assert worst < 1e-3, (a, b)
+
+
+# ---------------------------------------------------------------------------------------------- Mela
+def _mela(seed: int = 0):
+    from recursive_lightning.model.build import build_model
+
+    torch.manual_seed(seed)
+    cfg = preset(
+        "cpu-mela",
+        d_model=64,
+        n_heads=4,
+        n_kv_heads=2,
+        layout="3",
+        patch_size=4,
+        chunk_size=4,
+        h_cycles=3,
+        l_cycles=2,
+        h_layers=2,
+        l_layers=1,
+        memory_heads=2,
+        vocab_size=512,
+    )
+    return build_model(cfg)
+
+
+def test_mela_float32_and_bf16_against_float64_cpu():
+    """Few chunks (the memory's Newton-Schulz amplifies rounding from chunk to chunk, README: Numerics)."""
+    model = _mela()
+    idx = torch.randint(0, 512, (2, 3 * model.cfg.tokens_per_chunk))
+    ref = _mela().double().eval()
+    with torch.no_grad():
+        want = ref(idx)
+        gpu = model.cuda().eval()
+        got = gpu(idx.cuda())
+        assert _rel(got, want) < 1e-4
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            low = gpu(idx.cuda())
+        assert _rel(low, want) < 0.1  # bf16 projections; the memory loop itself runs in float32
+
+
+def test_mela_bf16_training_step_and_causality_on_gpu():
+    model = _mela().cuda()
+    PC = model.cfg.tokens_per_chunk
+    idx = torch.randint(0, 512, (2, 4 * PC + 1), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model.loss(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.eval()
+    with torch.no_grad():
+        base = model(idx[:, :-1])
+        other = idx[:, :-1].clone()
+        other[:, PC + 2] += 1
+        assert torch.equal(model(other)[:, : PC + 2], base[:, : PC + 2])
+
+
+def test_mela_cached_decoding_on_gpu():
+    model = _mela().cuda().eval()
+    idx = torch.randint(0, 512, (1, 3 * model.cfg.tokens_per_chunk + 2), device="cuda")
+    with torch.no_grad():
+        full = model.hidden(idx)
+        cache = model.new_cache()
+        steps = [model.hidden(idx[:, :3], cache=cache)]
+        steps += [model.hidden(idx[:, i : i + 1], cache=cache) for i in range(3, idx.shape[1])]
+    assert _rel(torch.cat(steps, 1), full) < 1e-4

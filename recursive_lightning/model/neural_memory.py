@@ -61,6 +61,11 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     return x.reshape(shape)
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """float32 for half-precision tensors, float32 / float64 unchanged."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _no_autocast(t: torch.Tensor) -> contextlib.AbstractContextManager:
     if t.device.type in ("cpu", "cuda"):  # the meta device (describe) has no autocast
         return torch.autocast(t.device.type, enabled=False)
@@ -215,7 +220,22 @@ class NeuralMemory(nn.Module):
         alpha = (
             rearrange(torch.sigmoid(self.alpha(pooled)), "b c h -> b h c") if self.alpha is not None else None
         )
-        weights, momentum = list(state.weights), state.momentum and list(state.momentum)
+        # the inner loop in float32 even under autocast [reading]: Newton-Schulz lifts an update's near-null
+        # directions towards singular value 1, so bf16 rounding there (~4e-3) would be written into the memory
+        # as O(1) updates (README: Numerics); the projections above stay in the autocast dtype
+        q, k, v, theta = (_wide(t) for t in (q, k, v, theta))
+        eta, alpha = (None if t is None else _wide(t) for t in (eta, alpha))
+        with _no_autocast(x):
+            ys, state = self._scan(q, k, v, theta, eta, alpha, state)
+        y = rearrange(torch.cat(ys, dim=2), "b h n d -> b n (h d)").to(x.dtype)
+        return self.out(y), state
+
+    def _scan(self, q, k, v, theta, eta, alpha, state: MemoryState) -> tuple[list[torch.Tensor], MemoryState]:
+        """The chunk loop of Eqs. 9-11 over (b, h, n, d) float32 inputs."""
+        C = self.chunk_size
+        n = q.shape[2]
+        weights = [_wide(w) for w in state.weights]
+        momentum = state.momentum and [_wide(m) for m in state.momentum]
         ys = []
         for t in range(n // C):
             s = slice(t * C, (t + 1) * C)
@@ -235,8 +255,7 @@ class NeuralMemory(nn.Module):
             weights = [decay * w + u for w, u in zip(weights, steps)]  # Eqs. 2, 4, 10
             if self.read == "after":
                 ys.append(mlp_forward(q[:, :, s], weights)[0])  # M_t: the state after this chunk
-        y = rearrange(torch.cat(ys, dim=2), "b h n d -> b n (h d)")
-        return self.out(y), MemoryState(weights, momentum)
+        return ys, MemoryState(weights, momentum)
 
     def _record(self, t, grads, steps, theta, eta, alpha) -> None:
         for i, (grad, step) in enumerate(zip(grads, steps)):
