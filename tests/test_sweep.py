@@ -513,3 +513,35 @@ def test_a_trial_claimed_by_a_process_killed_before_it_named_itself_is_resumed(t
     study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.RUNNING)
     study, _ = runner.prepare_study(spec, run_dir, storage, tracking)  # what a re-run does first
     assert [t.state for t in study.get_trials()] == [optuna.trial.TrialState.WAITING]
+
+
+def test_sigterm_closes_the_parent_run_and_exits_143(tmp_path, data_cache):
+    """SIGTERM to a sweep command (a scheduler's pre-emption; here while it is held at a named point between
+    claiming a trial and training it) ends the MLflow parent run KILLED instead of leaving it RUNNING, exits
+    143, and the re-run finishes the sweep."""
+    spec = sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}}, steps=4)
+    run_dir = tmp_path / "run"
+    env = {**ENV, "RECURSIVE_LIGHTNING_FAULT": "before_training:1:hang"}
+    p = run_sweep([spec, "--run-dir", run_dir], env=env, start_new_session=True)
+    try:
+
+        def claimed():
+            try:
+                return any(t.state == optuna.trial.TrialState.RUNNING for t in study_trials(run_dir))
+            except Exception:  # the study is still being created
+                return False
+
+        _wait_for(claimed)
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 143, out
+    _, (parent,), _ = child_runs(run_dir)
+    assert parent.info.status == "KILLED"
+    p = run_sweep([spec, "--run-dir", run_dir])
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    _, (parent,), _ = child_runs(run_dir)
+    assert parent.info.status == "FINISHED"

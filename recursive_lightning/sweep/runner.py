@@ -862,6 +862,8 @@ class _Stop(KeyboardInterrupt):
 
 
 def _on_sigterm(signum, frame) -> None:
+    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        return  # inside trainer.fit Lightning's handler (which calls this one) stops at the next step boundary
     raise _Stop()
 
 
@@ -922,11 +924,13 @@ def main(argv: list[str]) -> int:
                 f"--attach: no study named '{spec.name}' in {storage}; start the sweep without --attach first."
             ) from None
         check_unchanged(spec, study, run_dir, record=False)
+    # SIGTERM (a scheduler, or the command stopping its workers) ends the sweep like Ctrl-C: the parent run is
+    # closed KILLED instead of staying RUNNING
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     if args.worker:
         worker(spec, run_dir, storage, tracking, max_trials=args.max_trials)
         return 0
     crashed = 0
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if workers > 1 else None
     try:
         if workers > 1:
             prepare_data(spec)  # tokenise once here rather than racing in every worker
@@ -947,8 +951,7 @@ def main(argv: list[str]) -> int:
             raise SystemExit(143) from None
         raise
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous)
     if not args.no_report:
         from recursive_lightning.sweep.report import write_report
 
