@@ -355,9 +355,18 @@ def perplexity_by_context_length(
 
 
 # ---------------------------------------------------------------------------------------------- text sets
+EMBEDDED_HELDOUT = "embedded:heldout"
+
+
 def read_texts(path: str | os.PathLike) -> list[str]:
     """Documents of a perplexity set: a ``.txt`` file (one document), a ``.jsonl`` file (one JSON object with
-    a ``text`` field, or a JSON string, per line), a ``.json`` list of those, or a folder of such files."""
+    a ``text`` field, or a JSON string, per line), a ``.json`` list of those, or a folder of such files;
+    ``embedded:heldout`` is the embedded corpus's held-out documents (the split ``train`` validates on)."""
+    if str(path) == EMBEDDED_HELDOUT:
+        from recursive_lightning.data.corpus import embedded_corpus_documents
+        from recursive_lightning.data.shards import split_documents
+
+        return split_documents(embedded_corpus_documents())[1]
     p = Path(path)
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in (".txt", ".jsonl", ".json"))

@@ -142,6 +142,48 @@ def _plot_axis(table, axis: str, metric: str, path: Path, kind: str) -> Path:
     return path
 
 
+CTX_PREFIX = "eval/ppl_ctx/"
+
+
+def _context_lengths(rows: list[dict], axes: list[str], spec, run_dir: Path) -> tuple[Path | None, list[str]]:
+    """Perplexity against context length across grid points (mean over seeds) when the sweep's ``evaluate:``
+    asked for ``context_lengths``: a table and one PNG with every point's curve, the training length marked."""
+    series: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        label = ", ".join(_fmt(r["params"].get(a)) for a in axes if a in r["params"]) or str(r["key"])
+        for k, v in r["metrics"].items():
+            if k.startswith(CTX_PREFIX) and k[len(CTX_PREFIX) :].isdigit():
+                series[label][int(k[len(CTX_PREFIX) :])].append(v)
+    if not series:
+        return None, []
+    means = {label: {L: sum(v) / len(v) for L, v in pts.items()} for label, pts in series.items()}
+    lengths = sorted({L for pts in means.values() for L in pts})
+    from recursive_lightning.config import DataConfig
+
+    train_len = (spec.base.get("data") or {}).get("seq_len", DataConfig.seq_len)
+    from recursive_lightning.evaluation.context_plot import plot_ppl_by_context
+
+    png = plot_ppl_by_context(
+        means,
+        run_dir / "report_ppl_by_context.png",
+        train_length=train_len,
+        title=f"{spec.name}: perplexity by context length",
+    )
+    lines = [
+        "## Perplexity by context length",
+        "",
+        f"`eval/ppl_ctx/<L>` of each trial, mean over seeds; trained at {train_len} tokens.",
+        "",
+        "| " + " | ".join([" / ".join(axes) or "trial", *map(str, lengths)]) + " |",
+        "|" + "---|" * (1 + len(lengths)),
+    ]
+    for label, pts in means.items():
+        lines.append(
+            "| " + " | ".join([label, *(f"{pts[L]:.2f}" if L in pts else "" for L in lengths)]) + " |"
+        )
+    return png, [*lines, "", f"![perplexity by context length]({png.name})", ""]
+
+
 def write_report(
     run_dir: str | Path, spec=None, storage_url: str | None = None, tracking_uri: str | None = None
 ) -> dict:
@@ -210,6 +252,10 @@ def write_report(
         png = _plot_axis(table, axis, used, run_dir / f"report_{safe}.png", hints.get("plot", "auto"))
         figures.append(png)
         lines += [f"![{axis}]({png.name})", ""]
+    ctx_png, ctx_lines = _context_lengths(rows, axes, spec, run_dir)
+    if ctx_png is not None:
+        figures.append(ctx_png)
+        lines += ctx_lines
     if failed:
         lines += ["## Failed trials", ""]
         for r in failed:

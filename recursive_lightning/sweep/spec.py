@@ -17,7 +17,8 @@
     max_retries: 2
     workers: 2                                    # worker processes (default 1; --workers overrides)
     pruning: {enabled: false, warmup_steps: 100}
-    evaluate: {ppl: {name: path}, tasks: [], limit: 50, shots: [0]}
+    evaluate: {ppl: {name: path}, tasks: [], limit: 50, shots: [0],   # after each trial (evaluation/run.py)
+               context_lengths: [256, 1024, 4096], ctx_set: name, ctx_max_tokens: 16384}
     report: {plot: line, x: model.buffer}         # hints for the report's figures
 
 Every trial config is built and validated before anything trains, so a bad sweep fails in one sentence.
@@ -52,6 +53,19 @@ TOP_KEYS = {
     "workers",
 }
 SCALAR = (str, int, float, bool, type(None))
+# evaluate: of a sweep file -> evaluate_checkpoint arguments (evaluation/run.py)
+EVALUATE_KEYS = {
+    "ppl",
+    "tasks",
+    "limit",
+    "shots",
+    "include_path",
+    "context_lengths",
+    "ctx_set",
+    "ctx_max_tokens",
+    "ctx_block",
+    "ctx_mode",
+}
 
 
 @dataclass
@@ -206,6 +220,26 @@ def load_sweep(path: str | Path) -> SweepSpec:
     workers = raw.get("workers", 1)
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ConfigError(f"{where}: workers must be an integer >= 1, not {workers!r}.")
+    evaluate = raw.get("evaluate") or {}
+    if not isinstance(evaluate, dict) or set(evaluate) - EVALUATE_KEYS:
+        bad = sorted(set(evaluate) - EVALUATE_KEYS) if isinstance(evaluate, dict) else [repr(evaluate)]
+        raise ConfigError(
+            f"{where}: evaluate.{bad[0]} is not an evaluate field; use {', '.join(sorted(EVALUATE_KEYS))}."
+        )
+    lengths = evaluate.get("context_lengths")
+    if lengths is not None:
+        if (
+            not isinstance(lengths, list)
+            or not lengths
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in lengths)
+        ):
+            raise ConfigError(
+                f"{where}: evaluate.context_lengths must be a list of positive token counts, not {lengths!r}."
+            )
+        if not evaluate.get("ppl"):
+            raise ConfigError(
+                f"{where}: evaluate.context_lengths needs a text set: add evaluate.ppl {{name: path}} (and ctx_set)."
+            )
     name = raw.get("name") or path.stem
     if not isinstance(name, str):
         raise ConfigError(f"{where}: name must be a string.")
@@ -219,7 +253,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
         metric=str(raw.get("metric", "val/heldout/loss")),
         max_retries=max_retries,
         pruning=dict(raw.get("pruning") or {}),
-        evaluate=dict(raw.get("evaluate") or {}),
+        evaluate=dict(evaluate),
         report=dict(raw.get("report") or {}),
         workers=workers,
     )

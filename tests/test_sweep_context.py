@@ -1,0 +1,58 @@
+"""A sweep whose ``evaluate:`` asks for context lengths: every trial's perplexity by context length in its
+metrics, and one plot across trials in the report (Mela Fig. 4 for a whole ablation grid)."""
+
+import yaml
+from test_sweep import run_sweep, study_trials, sweep_file
+
+
+def test_sweep_report_plots_perplexity_by_context_length(tmp_path, data_cache):
+    text = tmp_path / "heldout.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog, and then it sleeps. " * 60)
+    rows = {"mesh": {"model.topology": "mesh"}, "base": {"model.topology": "base"}}
+    spec = sweep_file(tmp_path, data_cache, rows, steps=4)
+    raw = yaml.safe_load(spec.read_text())
+    raw["evaluate"] = {"ppl": {"heldout": str(text)}, "context_lengths": [16, 64, 256], "ctx_max_tokens": 512}
+    spec.write_text(yaml.safe_dump(raw))
+    run_dir = tmp_path / "sweep"
+    p = run_sweep([spec, "--run-dir", run_dir])
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out
+    trials = study_trials(run_dir)
+    assert len(trials) == 2
+    for t in trials:
+        assert {f"eval/ppl_ctx/{L}" for L in (16, 64, 256)} <= set(t.user_attrs["metrics"])
+    report = (run_dir / "report.md").read_text()
+    assert "## Perplexity by context length" in report and "| mesh |" in report and "| base |" in report
+    png = run_dir / "report_ppl_by_context.png"
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_context_lengths_need_a_text_set(tmp_path, data_cache):
+    from recursive_lightning.errors import ConfigError
+    from recursive_lightning.sweep.spec import load_sweep
+
+    spec = sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}})
+    raw = yaml.safe_load(spec.read_text())
+    for evaluate, message in (
+        ({"context_lengths": [64]}, "needs a text set"),
+        ({"ppl": {"a": "x"}, "context_lengths": [0]}, "positive token counts"),
+        ({"ppl": {"a": "x"}, "context_length": [64]}, "evaluate.context_length is not an evaluate field"),
+    ):
+        raw["evaluate"] = evaluate
+        spec.write_text(yaml.safe_dump(raw))
+        try:
+            load_sweep(spec)
+        except ConfigError as e:
+            assert message in str(e)
+        else:
+            raise AssertionError(evaluate)
+
+
+def test_embedded_heldout_is_the_validation_split():
+    from recursive_lightning.data.corpus import embedded_corpus_documents
+    from recursive_lightning.data.shards import split_documents
+    from recursive_lightning.evaluation.perplexity import read_texts
+
+    train, val = split_documents(embedded_corpus_documents())
+    got = read_texts("embedded:heldout")
+    assert got == val and got and not set(got) & set(train)
