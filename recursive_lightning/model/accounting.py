@@ -51,17 +51,25 @@ def _attention_macs(cfg: ModelConfig, seq_len: int) -> int:
     return macs
 
 
-def describe(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) -> dict[str, Any]:
-    """Parameter counts and forward FLOPs of one ``batch_size x seq_len`` sequence, in seconds at any size."""
-    if cfg.arch == "mela":
-        return describe_mela(cfg, seq_len, batch_size)
+def _meta_forward(
+    cls: type[torch.nn.Module], cfg: ModelConfig, seq_len: int, batch_size: int
+) -> tuple[torch.nn.Module, FlopCounterMode]:
+    """The model built on the meta device (no weights allocated) and the FLOPs of one forward pass."""
     with torch.device("meta"):
-        model = RecursiveLM(cfg)
-    params = count_parameters(model)
+        model = cls(cfg)
     idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
         model(idx)
+    return model, counter
+
+
+def describe(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) -> dict[str, Any]:
+    """Parameter counts and forward FLOPs of one ``batch_size x seq_len`` sequence, in seconds at any size."""
+    if cfg.arch == "mela":
+        return describe_mela(cfg, seq_len, batch_size)
+    model, counter = _meta_forward(RecursiveLM, cfg, seq_len, batch_size)
+    params = count_parameters(model)
     flops = counter.get_total_flops()
     attention = 2 * batch_size * _attention_macs(cfg, seq_len)
     lay = cfg.parsed_layout
@@ -142,13 +150,8 @@ def describe_mela(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) ->
     (N_p, N_c, decoder length), HLR's block applications and the forward FLOPs by part."""
     from recursive_lightning.model.mela import MelaLM
 
-    with torch.device("meta"):
-        model = MelaLM(cfg)
+    model, counter = _meta_forward(MelaLM, cfg, seq_len, batch_size)
     params = _mela_parameters(model)
-    idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-    counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
-        model(idx)
     by_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
     flops = counter.get_total_flops()
 

@@ -95,3 +95,29 @@ def decode(
         else:
             cache = model.new_cache() if use_cache else None
             h = model.hidden(idx[:, -limit:] if limit else idx, cache=cache)
+
+
+class Generates:
+    """``generate`` for every model family (mixed into ``RecursiveLM`` and ``MelaLM``)."""
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        stop: list[int] | None = None,
+        use_cache: bool = True,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Decoding (greedy at temperature 0, else sampled, optionally top-k) with the model's decoding cache
+        (KV caches per call site and SpiralFormer Alg. 2 chunk triggers, or Mela's memory state and one chunk
+        of keys/values), or by full recomputation at every token; ``stop`` ends a single row early."""
+        for nxt in decode(
+            self, idx, max_new_tokens, use_cache, temperature=temperature, top_k=top_k, generator=generator
+        ):
+            idx = torch.cat([idx, nxt[:, None]], dim=1)
+            if stop is not None and idx.shape[0] == 1 and nxt.item() in stop:
+                break
+        return idx

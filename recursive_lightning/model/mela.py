@@ -31,6 +31,7 @@ from torch import nn
 
 from recursive_lightning.model.block import KV, Block, Rotary
 from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.decoding import Generates
 from recursive_lightning.model.hierarchical_memory import HierarchicalMemory
 from recursive_lightning.model.loss import cross_entropy
 from recursive_lightning.model.neural_memory import NeuralMemory
@@ -58,7 +59,7 @@ class MelaCache:
         return n
 
 
-class MelaLM(nn.Module):
+class MelaLM(Generates, nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         cfg.validate()
@@ -184,24 +185,3 @@ class MelaLM(nn.Module):
                 cache.text, cache.text_len = [], 0
                 cache.chunks += 1
         return self.norm(torch.cat(outs, dim=1))
-
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        stop: list[int] | None = None,
-        use_cache: bool = True,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        from recursive_lightning.model.decoding import decode
-
-        for nxt in decode(
-            self, idx, max_new_tokens, use_cache, temperature=temperature, top_k=top_k, generator=generator
-        ):
-            idx = torch.cat([idx, nxt[:, None]], dim=1)
-            if stop is not None and idx.shape[0] == 1 and nxt.item() in stop:
-                break
-        return idx

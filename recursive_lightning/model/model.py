@@ -21,7 +21,7 @@ from torch import nn
 
 from recursive_lightning.model.block import Block, Stack, make_norm
 from recursive_lightning.model.config import ModelConfig
-from recursive_lightning.model.decoding import DecodeCache, decode
+from recursive_lightning.model.decoding import DecodeCache, Generates
 from recursive_lightning.model.loss import cross_entropy
 from recursive_lightning.model.resolution import ResolutionStep
 from recursive_lightning.model.shared_grad import accumulate_weight_grads
@@ -44,7 +44,7 @@ class Trace:
     attention: dict[str, list[torch.Tensor]] | None = None  # per stack name: attention maps per layer
 
 
-class RecursiveLM(nn.Module):
+class RecursiveLM(Generates, nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         cfg.validate()
@@ -209,29 +209,6 @@ class RecursiveLM(nn.Module):
         return logits, trace
 
     # ------------------------------------------------------------------ generation
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        stop: list[int] | None = None,
-        use_cache: bool = True,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Decoding over a context window of ``max_seq_len`` (greedy at temperature 0, else sampled, optionally
-        top-k): with the decoding cache (``decoding.py``; SpiralFormer Alg. 2 for multi-resolution steps), or
-        by full recomputation at every token."""
-        tokens = decode(
-            self, idx, max_new_tokens, use_cache, temperature=temperature, top_k=top_k, generator=generator
-        )
-        for nxt in tokens:
-            idx = torch.cat([idx, nxt[:, None]], dim=1)
-            if stop is not None and idx.shape[0] == 1 and nxt.item() in stop:
-                break
-        return idx
-
     @property
     def window(self) -> int:
         """Positions a decoding step can see (rotary and chunk boundaries are trained up to here)."""
