@@ -47,7 +47,7 @@ def reference_memory(mem: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
     q = torch.nn.functional.normalize(q.view(b, n, H, hd), dim=-1)
     k = torch.nn.functional.normalize(k.view(b, n, H, hd), dim=-1)
     v = v.view(b, n, H, hd)
-    theta = torch.sigmoid(mem.theta(x))
+    theta = mem.max_lr * torch.sigmoid(mem.theta(x))
     out = torch.zeros(b, n, H, hd, dtype=x.dtype)
     for bi in range(b):
         for h in range(H):
@@ -495,3 +495,15 @@ def test_memory_loop_runs_in_float32_under_bf16_autocast():
     with torch.no_grad():
         want = ref(idx)
     assert float((low.double() - want).norm() / want.norm()) < 0.08
+
+
+@pytest.mark.parametrize("update", ["plain", "momentum", "forgetting"])
+def test_unnormalised_updates_stay_finite_with_the_lr_bound(update):
+    """Eqs. 1-5 have no Newton-Schulz to normalise the update: theta = sigmoid(.) (up to 1) blows the memory up
+    within 64 chunks at initialisation (the CPU Table 4 sweep's w/o-NS row went to nan), theta <= max_lr not."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8 * 64, 128)
+    with torch.no_grad():
+        bounded = NeuralMemory(128, 4, 2, 2, 8, update=update)(x)[0]
+        unbounded = NeuralMemory(128, 4, 2, 2, 8, update=update, max_lr=1.0)(x)[0]
+    assert torch.isfinite(bounded).all() and not torch.isfinite(unbounded).all()

@@ -77,7 +77,9 @@ def test_recorded_gates_are_the_sigmoid_of_the_heads(model, tokens, app):
     assert x.shape[1] == T * C
     chunks = x.view(N, T, C, -1)
     with torch.no_grad():
-        theta = torch.sigmoid(memory.theta(chunks)).mean(dim=(0, 2, 3))  # over samples, positions, heads
+        theta = memory.max_lr * torch.sigmoid(memory.theta(chunks)).mean(
+            dim=(0, 2, 3)
+        )  # samples, positions, heads
         pooled = chunks.mean(dim=2)
         eta = torch.sigmoid(memory.eta(pooled)).mean(dim=(0, 2))
         alpha = torch.sigmoid(memory.alpha(pooled)).mean(dim=(0, 2))

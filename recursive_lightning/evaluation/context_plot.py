@@ -6,6 +6,7 @@ stays in one order of magnitude while Transformer++ degrades beyond it.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,7 +30,7 @@ def plot_ppl_by_context(
     lengths: set[int] = set()
     values: list[float] = []
     for label, points in series.items():
-        xs = sorted(int(k) for k in points)
+        xs = sorted(int(k) for k, v in points.items() if math.isfinite(v) and v > 0)
         if not xs:
             continue
         lengths.update(xs)

@@ -427,7 +427,11 @@ def evaluate_checkpoint(
 
     json_path = out / f"eval-{ckpt.stem if ckpt.is_file() else ckpt.name}.json"
     result["json_path"] = str(json_path)
-    points = {int(L): r["ppl"] for L, r in result["ppl_ctx"].get("lengths", {}).items() if "ppl" in r}
+    points = {
+        int(L): r["ppl"]
+        for L, r in result["ppl_ctx"].get("lengths", {}).items()
+        if "ppl" in r and math.isfinite(r["ppl"])  # a diverged model's nan / inf has no place on log axes
+    }
     if points:
         from recursive_lightning.evaluation.context_plot import plot_ppl_by_context
 

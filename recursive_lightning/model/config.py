@@ -218,6 +218,8 @@ class ModelConfig:
     # [reading] the HMM output at chunk t retrieves from the memory after (M_t) or before (M_{t-1}, Eq. 9
     # literally) that chunk's update; decoder chunk t+1 reads it (neural_memory.py explains the choice)
     memory_read: str = "after"
+    # [reading] theta = memory_max_lr * sigmoid(.) (Titans' max_lr); Eqs. 1-5 diverge without a bound
+    memory_max_lr: float = 0.01
     hmm_attention: bool = True  # gated attention in every memory block (Table 4 "attention in memory module")
     hmm_gate: bool = True  # its sigmoid output gate (Qiu et al. 2025; Table 4 "gating")
     neural_memory: bool = True  # the neural memory in every memory block (Table 4)
@@ -368,6 +370,8 @@ class ModelConfig:
         _choice("memory_update", self.memory_update, MEMORY_UPDATES)
         _choice("fusion", self.fusion, FUSIONS)
         _choice("memory_read", self.memory_read, ("after", "before"))
+        if not 0 < self.memory_max_lr < float("inf"):
+            raise ConfigError(f"model.memory_max_lr must be a positive number, not {self.memory_max_lr!r}.")
         for name in (
             "patch_size",
             "chunk_size",

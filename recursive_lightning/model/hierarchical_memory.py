@@ -79,6 +79,7 @@ class MemoryBlock(nn.Module):
                 cfg.memory_update,
                 cfg.ns_steps,
                 cfg.memory_read,
+                cfg.memory_max_lr,
             )
             if cfg.neural_memory
             else None

@@ -26,8 +26,9 @@ inside the HMM literally: the memory then reaches the decoder one chunk late, an
 length (4,096 tokens = 2 chunks) no memory update would ever be read.
 
 Readings of ours (the paper is silent): q and k are L2-normalised per head (as in Titans); theta, eta and
-alpha are sigmoids of linear maps of the normed input, theta per position, eta and alpha per chunk from
-its mean; the retrieved heads are concatenated and projected by W_o; the memory MLP has no biases, so
+alpha are sigmoids of linear maps of the normed input, theta per position (scaled by ``max_lr``, as Titans'
+max_lr: Newton-Schulz is blind to the scale, the unnormalised updates of Eqs. 1-5 diverge at sigmoid(0) =
+0.5), eta and alpha per chunk from its mean; the retrieved heads are concatenated and projected by W_o; the memory MLP has no biases, so
 Newton-Schulz applies to every memory tensor.
 """
 
@@ -178,10 +179,11 @@ class NeuralMemory(nn.Module):
         update: str = "newton_schulz",
         ns_steps: int = 5,
         read: str = "after",
+        max_lr: float = 0.01,
     ) -> None:
         super().__init__()
         self.heads, self.head_dim, self.chunk_size = heads, d // heads, chunk_size
-        self.update, self.ns_steps, self.read = update, ns_steps, read
+        self.update, self.ns_steps, self.read, self.max_lr = update, ns_steps, read, max_lr
         self.qkv = nn.Linear(d, 3 * d, bias=False)  # W_q, W_k, W_v (Eqs. 7, 9)
         self.out = nn.Linear(d, d, bias=False)  # W_o over the concatenated heads [reading]
         self.theta = nn.Linear(d, heads)  # per-position learning rate theta_i
@@ -214,7 +216,7 @@ class NeuralMemory(nn.Module):
             self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads
         ).contiguous()
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)  # [reading], as in Titans
-        theta = rearrange(torch.sigmoid(self.theta(x)), "b n h -> b h n")
+        theta = rearrange(self.max_lr * torch.sigmoid(self.theta(x)), "b n h -> b h n")
         pooled = x.view(b, n // C, C, -1).mean(2)  # one eta_t, alpha_t per chunk
         eta = rearrange(torch.sigmoid(self.eta(pooled)), "b c h -> b h c") if self.eta is not None else None
         alpha = (

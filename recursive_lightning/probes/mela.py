@@ -364,7 +364,7 @@ def summarize(cap: MelaCapture) -> dict[str, Any]:
                 "chunk t's update",
                 "surprise_norm": "||sum_{i in chunk} theta_i grad_M l(M_{t-1}; x_i)||_F per memory tensor "
                 "(Eq. 11's gradient term), mean over samples and memory heads",
-                "theta": "sigmoid learning rate, mean over the chunk's patches, samples and heads",
+                "theta": "learning rate memory_max_lr * sigmoid(.), mean over the chunk's patches, samples and heads",
                 "eta": "sigmoid momentum eta_t of the chunk (null: the update has no momentum)",
                 "alpha": "sigmoid forgetting alpha_t of the chunk (1: the update has no forgetting)",
                 "update_singular_values": "singular values of the update added to M per memory tensor"
