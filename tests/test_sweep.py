@@ -417,22 +417,24 @@ def test_sweeps_started_together_on_one_fresh_directory_share_it(tmp_path, data_
 
 def _trial_pids(run_dir: Path, n: int, ckpt: str) -> list[int] | None:
     """The worker pids of ``n`` running trials once each has written ``ckpt``, else None."""
-    try:
-        running = [t for t in study_trials(run_dir) if t.state == optuna.trial.TrialState.RUNNING]
-    except Exception:  # the study is still being created
+    if not (run_dir / "sweep.json").exists():  # opening the study before the sweep made it would race it
         return None
+    running = [t for t in study_trials(run_dir) if t.state == optuna.trial.TrialState.RUNNING]
     dirs = [run_dir / "trials" / t.user_attrs.get("point_key", "?") for t in running]
     if len(running) < n or not all((d / "checkpoints" / ckpt).exists() for d in dirs):
         return None
     return [int(t.system_attrs["pid"]) for t in running]
 
 
-def _wait_for(fn, timeout=300):
+def _wait_for(fn, timeout=300, proc=None):
+    """Poll ``fn`` until it returns something true; fail at once if ``proc`` ended meanwhile."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         got = fn()
         if got:
             return got
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the sweep ended ({proc.returncode}): {proc.stdout.read()}")
         time.sleep(0.2)
     raise AssertionError("timed out")
 
@@ -448,7 +450,7 @@ def test_workers_die_with_the_sweep_command(tmp_path, data_cache):
     env = {**ENV, "RECURSIVE_LIGHTNING_FAULT": "mid_training:1:hang"}
     p = run_sweep([spec, "--run-dir", run_dir, "--workers", 2], env=env, start_new_session=True)
     try:
-        pids = _wait_for(lambda: _trial_pids(run_dir, 2, "step=000004.ckpt"))
+        pids = _wait_for(lambda: _trial_pids(run_dir, 2, "step=000004.ckpt"), proc=p)
         assert p.pid not in pids
         p.kill()
         p.wait()
@@ -474,7 +476,7 @@ def test_a_rerun_waits_for_trials_still_running_here(tmp_path, data_cache):
     first = run_sweep([spec, "--run-dir", run_dir], env=env, start_new_session=True)
     second = None
     try:
-        (pid,) = _wait_for(lambda: _trial_pids(run_dir, 1, "step=000004.ckpt"))
+        (pid,) = _wait_for(lambda: _trial_pids(run_dir, 1, "step=000004.ckpt"), proc=first)
         assert pid == first.pid
         second = run_sweep([spec, "--run-dir", run_dir])
         seen = []
@@ -518,7 +520,7 @@ def test_a_trial_claimed_by_a_process_killed_before_it_named_itself_is_resumed(t
 def test_sigterm_closes_the_parent_run_and_exits_143(tmp_path, data_cache):
     """SIGTERM to a sweep command (a scheduler's pre-emption; here while it is held at a named point between
     claiming a trial and training it) ends the MLflow parent run KILLED instead of leaving it RUNNING, exits
-    143, and the re-run finishes the sweep."""
+    143."""
     spec = sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}}, steps=4)
     run_dir = tmp_path / "run"
     env = {**ENV, "RECURSIVE_LIGHTNING_FAULT": "before_training:1:hang"}
@@ -526,12 +528,11 @@ def test_sigterm_closes_the_parent_run_and_exits_143(tmp_path, data_cache):
     try:
 
         def claimed():
-            try:
-                return any(t.state == optuna.trial.TrialState.RUNNING for t in study_trials(run_dir))
-            except Exception:  # the study is still being created
+            if not (run_dir / "sweep.json").exists():  # opening the study before the sweep made it races it
                 return False
+            return any(t.state == optuna.trial.TrialState.RUNNING for t in study_trials(run_dir))
 
-        _wait_for(claimed)
+        _wait_for(claimed, proc=p)
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=120)
     finally:
@@ -539,9 +540,32 @@ def test_sigterm_closes_the_parent_run_and_exits_143(tmp_path, data_cache):
             os.killpg(p.pid, signal.SIGKILL)
     assert p.returncode == 143, out
     _, (parent,), _ = child_runs(run_dir)
-    assert parent.info.status == "KILLED"
-    p = run_sweep([spec, "--run-dir", run_dir])
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out
-    _, (parent,), _ = child_runs(run_dir)
-    assert parent.info.status == "FINISHED"
+    assert parent.info.status == "KILLED"  # a re-run resumes it (RUNNING again), as after any kill
+
+
+_HOLDER = """
+import os, subprocess, sys, time
+from recursive_lightning.sweep.runner import _DIE_WITH_PARENT_EXEC
+child = [sys.executable, "-c", "import time; time.sleep(600)", "recursive_lightning"]
+p = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT_EXEC, str(os.getpid()), *child])
+print(p.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_multi_device_trials_train_command_dies_with_its_worker(tmp_path):
+    """A multi-device trial runs as a `train` subprocess of the worker; killing the worker kills it too."""
+    from recursive_lightning.sweep.runner import _pid_alive
+
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER], env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(holder.stdout.readline())
+        _wait_for(lambda: _pid_alive(child), timeout=60)  # exec'd into the long-running command
+        holder.kill()
+        holder.wait()
+        _wait_for(lambda: not _pid_alive(child), timeout=60)
+    finally:
+        holder.kill()
+        with contextlib.suppress(Exception):
+            os.kill(child, signal.SIGKILL)

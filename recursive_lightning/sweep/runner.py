@@ -549,7 +549,10 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
 
             ev = spec.evaluate
             here = spec.path.parent if spec.path is not None else Path.cwd()
-            ppl = {k: str((here / v).resolve()) for k, v in (ev.get("ppl") or {}).items()}
+            ppl = {  # paths relative to the sweep file; embedded:heldout as it is
+                k: v if ":" in str(v) and not Path(str(v)).exists() else str((here / v).resolve())
+                for k, v in (ev.get("ppl") or {}).items()
+            }
             include = ev.get("include_path")
             out = evaluate_checkpoint(
                 result.last_checkpoint,
@@ -559,6 +562,11 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
                 limit=ev.get("limit"),
                 tracking_uri=tracking_uri,
                 include_path=str((here / include).resolve()) if include else None,
+                context_lengths=ev.get("context_lengths"),
+                ctx_set=ev.get("ctx_set"),
+                ctx_max_tokens=ev.get("ctx_max_tokens"),
+                ctx_block=ev.get("ctx_block", 128),
+                ctx_mode=ev.get("ctx_mode", "stream"),
             )
             metrics.update(flat_metrics(out))
         record = {
@@ -596,6 +604,13 @@ def _multi_process(cfg) -> bool:
     t = cfg.train
     devices = t.devices if isinstance(t.devices, int) else 2
     return t.strategy in ("ddp", "fsdp") or devices > 1 or t.num_nodes > 1
+
+
+# run argv[2:] with PR_SET_PDEATHSIG = SIGKILL (kept across execve), unless the parent argv[1] is already gone
+_DIE_WITH_PARENT_EXEC = (
+    "import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9, 0, 0, 0); "
+    "os.getppid() == int(sys.argv[1]) or os._exit(137); os.execv(sys.argv[2], sys.argv[2:])"
+)
 
 
 def _train_in_subprocess(
@@ -636,6 +651,8 @@ def _train_in_subprocess(
     cmd += [f"--tag={k}={v}" for k, v in tags.items()]
     if resume:
         cmd.append("--resume")
+    if sys.platform.startswith("linux"):  # the train command dies with this worker, as the worker does
+        cmd = [sys.executable, "-c", _DIE_WITH_PARENT_EXEC, str(os.getpid()), *cmd]
     subprocess.run(cmd, check=True)
     r = json.loads((trial_dir / "result.json").read_text())
     return TrainResult(
