@@ -49,7 +49,9 @@ def _describe(argv: list[str]) -> int:
     from recursive_lightning.config import apply_overrides
 
     data = apply_overrides({"model": data}, rest, sections=("model",))["model"]
-    cfg = ModelConfig.from_dict(data)
+    from recursive_lightning.config import check_model_types
+
+    cfg = ModelConfig.from_dict(check_model_types(data))  # `--model.memstack maybe` is refused, as in train
     d = describe(cfg, seq_len=args.seq_len, batch_size=args.batch_size)
     print(json.dumps(d) if args.json else format_description(d))
     return 0

@@ -137,7 +137,8 @@ class RunConfig:
             raise ConfigError(f"train.lr must be positive, not {t.lr}.")
         if t.warmup_steps is not None and not 0 <= t.warmup_steps < t.max_steps:
             raise ConfigError(
-                f"train.warmup_steps {t.warmup_steps} must lie in [0, train.max_steps) = [0, {t.max_steps})."
+                f"train.warmup_steps {t.warmup_steps} must lie in [0, train.max_steps) = [0, {t.max_steps}); "
+                "lower it (--train.warmup_steps N) or raise train.max_steps."
             )
         if not 0 <= t.warmup_ratio < 1 or not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError("train.warmup_ratio must lie in [0, 1) and train.min_lr_ratio in [0, 1].")

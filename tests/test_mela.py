@@ -329,6 +329,14 @@ def test_bad_mela_configs_get_one_sentence():
         tiny(layout="1+2R2+1")
     with pytest.raises(ConfigError, match="both false"):
         tiny(hmm_attention=False, neural_memory=False)
+    with pytest.raises(ConfigError, match="heads of 25 dims, whose rotary part"):
+        tiny(hmm_d_model=50)  # 2 HMM heads of 25 dims
+    with pytest.raises(ConfigError, match=r"lower it \(--train.warmup_steps N\)"):
+        RunConfig.from_dict({"model": {"preset": "cpu-mela"}, "train": {"max_steps": 20, "warmup_steps": 30}})
+    from recursive_lightning.errors import UserError
+
+    with pytest.raises(UserError, match="describe needs a positive --seq-len, not 0"):
+        describe(tiny(), seq_len=0)
 
 
 def test_float32_matches_float64():
@@ -507,3 +515,25 @@ def test_unnormalised_updates_stay_finite_with_the_lr_bound(update):
         bounded = NeuralMemory(128, 4, 2, 2, 8, update=update)(x)[0]
         unbounded = NeuralMemory(128, 4, 2, 2, 8, update=update, max_lr=1.0)(x)[0]
     assert torch.isfinite(bounded).all() and not torch.isfinite(unbounded).all()
+
+
+def test_activation_checkpointing_keeps_loss_and_gradients():
+    """train.activation_checkpointing wraps the decoder layers and the memory blocks (layer_lists); the
+    Newton-Schulz backward unpacks its saved tensors once, as checkpointing requires."""
+    from recursive_lightning.training.parallel import apply_activation_checkpointing
+
+    torch.manual_seed(10)
+    cfg = tiny()
+    plain = build_model(cfg)
+    wrapped = copy.deepcopy(plain)
+    apply_activation_checkpointing(wrapped)
+    idx = torch.randint(0, cfg.vocab_size, (2, 3 * cfg.tokens_per_chunk + 1))
+    losses = []
+    for model in (plain, wrapped):
+        loss = model.loss(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1])
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in wrapped.named_parameters()}
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7)

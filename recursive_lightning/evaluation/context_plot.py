@@ -55,7 +55,11 @@ def plot_ppl_by_context(
     ax.set_ylabel("perplexity (log scale)")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3, ls="--")
-    ax.legend(fontsize=8)
+    if len(series) > 4:  # many trials: the legend beside the axes, not over the curves
+        fig.set_size_inches(8.4, 4.2)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    else:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from recursive_lightning.errors import UserError
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.model.model import RecursiveLM
 from recursive_lightning.model.topology import Combination, MeSH
@@ -66,6 +67,9 @@ def _meta_forward(
 
 def describe(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) -> dict[str, Any]:
     """Parameter counts and forward FLOPs of one ``batch_size x seq_len`` sequence, in seconds at any size."""
+    for name, v in (("seq_len", seq_len), ("batch_size", batch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UserError(f"describe needs a positive --{name.replace('_', '-')}, not {v!r}.")
     if cfg.arch == "mela":
         return describe_mela(cfg, seq_len, batch_size)
     model, counter = _meta_forward(RecursiveLM, cfg, seq_len, batch_size)
@@ -94,6 +98,11 @@ def describe(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) -> dict
         out["flops_mesh_eq8"] = (lay.n_loop + 1) * 6 * batch_size * seq_len * cfg.d_model * cfg.buffer_slots
     return out
 
+
+MELA_CONVENTION = (
+    "2 FLOPs per multiply-accumulate, attention QK^T and AV over each chunk at full size (C + P*C decoder "
+    "positions, C patches in the HMM; chunks never attend to each other)"
+)
 
 # Mela Table 1: (memory %, language %) of each size; the rest is embedding + output
 MELA_TABLE1_SHARES = {"mela-400m": (27.45, 65.75), "mela-800m": (28.78, 66.35), "mela-1.2b": (18.19, 76.97)}
@@ -227,7 +236,7 @@ def describe_mela(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) ->
         "flops_newton_schulz": ns,
         "flops_memory_inner_loop": memory_all - projections - ns,
         "flops_hmm_other": under("hmm") - attention - memory_all,
-        "flops_convention": CONVENTION,
+        "flops_convention": MELA_CONVENTION,
         "decode_state_elements": batch_size
         * (memory_state + kv + C * cfg.d_model * cfg.h_cycles + PC * cfg.d_model),
     }
@@ -278,6 +287,14 @@ def format_mela(d: dict[str, Any]) -> str:
     table = ""
     if "table1_memory_pct" in d:
         table = f"   Table 1: memory {d['table1_memory_pct']}%, language {d['table1_language_pct']}%"
+    notes = []
+    if d["seq_len"] % (d["patch_size"] * d["chunk_size"]):
+        notes.append(
+            f"note: {d['seq_len']} tokens is not a multiple of P*C = {d['patch_size'] * d['chunk_size']}: the last "
+            "chunk is partial here (train refuses such a data.seq_len)"
+        )
+    if d["hmm_chunks_computed"] == 0:
+        notes.append("note: one chunk only: no token reads the memory at this length")
     lines = [
         f"Mela              decoder of {d['n_compute_layers']} layers (d={d['d_model']}), HMM d={d['hmm_d_model']}",
         f"params total      {m(total)}",
@@ -296,7 +313,7 @@ def format_mela(d: dict[str, Any]) -> str:
         f"sequence          {d['seq_len']} tokens -> N_p={d['n_patches']} patches (P={d['patch_size']}), "
         f"N_c={d['n_chunks']} chunks (C={d['chunk_size']}), decoder length {d['decoder_length']}",
         f"HLR               {d['block_applications']} memory-block applications per forward, "
-        f"{d['block_applications_with_grad']} with gradients; HMM over {d['hmm_chunks_computed']} chunks "
+        f"{d['block_applications_with_grad']} with gradients; HMM over {d['hmm_chunks_computed']} chunk(s) "
         "(the last chunk's memory is read by no token)",
         f"forward FLOPs     {d['flops_forward'] / 1e12:.4f}e12 for {d['batch_size']}x{d['seq_len']} tokens, by part:",
         f"  decoder         {f(d['flops_decoder'])}",
@@ -307,5 +324,6 @@ def format_mela(d: dict[str, Any]) -> str:
         f"  HMM other       {f(d['flops_hmm_other'])}",
         f"                  convention: {d['flops_convention']}",
         f"decoding state    {d['decode_state_elements']:,} elements, constant in the sequence length",
+        *notes,
     ]
     return "\n".join(lines)

@@ -324,6 +324,15 @@ class ModelConfig:
             raise ConfigError(f"model.n_kv_heads {self.kv_heads} must divide model.n_heads {self.n_heads}.")
         if not 0 <= self.rotary_pct <= 1:
             raise ConfigError(f"model.rotary_pct {self.rotary_pct} must lie in [0, 1].")
+        heads = [("model.d_model / model.n_heads", self.head_dim)]
+        if self.arch == "mela":
+            heads.append(("model.hmm_d_model / model.hmm_heads", self.hmm_width // self.hmm_n_heads))
+        for what, hd in heads:
+            if int(hd * self.rotary_pct) % 2:
+                raise ConfigError(
+                    f"{what} gives heads of {hd} dims, whose rotary part ({hd} x rotary_pct {self.rotary_pct}) is "
+                    "odd; rotary pairs dimensions: choose sizes with an even head dim."
+                )
         if lay.kind == "vanilla" and self.topology != "base":
             raise ConfigError(
                 f"model.topology '{self.topology}' needs a recurrent layout; '{self.layout}' is vanilla "

@@ -112,7 +112,7 @@ class MemoryModule(nn.Module):
         self.blocks = nn.ModuleList(MemoryBlock(cfg) for _ in range(n_layers))
 
     def forward(self, inputs: list[torch.Tensor], states: list) -> tuple[torch.Tensor, list]:
-        x = self.fuse(torch.cat(inputs, dim=-1))
+        x = self.fuse(torch.cat(inputs, dim=-1)).to(inputs[0].dtype)
         new = []
         for block, state in zip(self.blocks, states):
             x, state = block(x, state)
@@ -171,7 +171,8 @@ class HierarchicalMemory(nn.Module):
         MemStack), each (b, N/P, d_model), and the memory states after the last chunk (one per block
         application)."""
         cfg = self.cfg
-        x_p = self.patchify(x.transpose(1, 2)).transpose(1, 2)  # (b, N_p, d_hmm)
+        # (b, N_p, d_hmm); the residual streams stay in the embeddings' dtype under autocast, as the decoder's
+        x_p = self.patchify(x.transpose(1, 2)).transpose(1, 2).to(x.dtype)
         states = list(states) if states is not None else [None] * len(self.applications)
         new_states: list = []
         l_state = h_state = x_p

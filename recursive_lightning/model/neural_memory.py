@@ -105,14 +105,14 @@ class _NewtonSchulz(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        g = ctx.saved_tensors[0]
-        with _no_autocast(g):
-            return _NewtonSchulz._backward(ctx, grad.to(g.dtype))
+        saved = ctx.saved_tensors  # read once: activation checkpointing unpacks each saved tensor once
+        with _no_autocast(saved[0]):
+            return _NewtonSchulz._backward(ctx, grad.to(saved[0].dtype), saved)
 
     @staticmethod
-    def _backward(ctx, grad: torch.Tensor):
+    def _backward(ctx, grad: torch.Tensor, saved: tuple[torch.Tensor, ...]):
         a, b, c = NS_COEFFICIENTS
-        g, norm, *saved = ctx.saved_tensors
+        g, norm, *saved = saved
         for i in range(len(saved) - 3, -1, -3):
             x, A, B = saved[i : i + 3]
             dB = torch.bmm(grad, x.transpose(-2, -1))
