@@ -1,8 +1,12 @@
 """A sweep whose ``evaluate:`` asks for context lengths: every trial's perplexity by context length in its
 metrics, and one plot across trials in the report (Mela Fig. 4 for a whole ablation grid)."""
 
+import os
+import subprocess
+import sys
+
 import yaml
-from test_sweep import run_sweep, study_trials, sweep_file
+from test_sweep import ENV, run_sweep, study_trials, sweep_file
 
 
 def test_sweep_report_plots_perplexity_by_context_length(tmp_path, data_cache):
@@ -11,9 +15,16 @@ def test_sweep_report_plots_perplexity_by_context_length(tmp_path, data_cache):
     rows = {"mesh": {"model.topology": "mesh"}, "base": {"model.topology": "base"}}
     spec = sweep_file(tmp_path, data_cache, rows, steps=4)
     raw = yaml.safe_load(spec.read_text())
-    raw["evaluate"] = {"ppl": {"heldout": str(text)}, "context_lengths": [16, 64, 256], "ctx_max_tokens": 512}
+    raw["evaluate"] = {
+        "ppl": {"heldout": "heldout.txt"},
+        "context_lengths": [16, 64, 256],
+        "ctx_max_tokens": 512,
+    }
+    raw["base"] = os.path.relpath(
+        raw["base"], tmp_path
+    )  # relative paths resolve from the sweep file's folder
     spec.write_text(yaml.safe_dump(raw))
-    run_dir = tmp_path / "sweep"
+    run_dir = tmp_path / "runs" / "sweep"
     p = run_sweep([spec, "--run-dir", run_dir])
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out
@@ -25,6 +36,15 @@ def test_sweep_report_plots_perplexity_by_context_length(tmp_path, data_cache):
     assert "## Perplexity by context length" in report and "| mesh |" in report and "| base |" in report
     png = run_dir / "report_ppl_by_context.png"
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # `report` of the directory: its kept sweep.yaml resolves the relative base from the original folder
+    again = subprocess.run(
+        [sys.executable, "-m", "recursive_lightning", "report", "--run-dir", str(run_dir)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stdout + again.stderr
 
 
 def test_context_lengths_need_a_text_set(tmp_path, data_cache):

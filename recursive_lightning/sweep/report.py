@@ -199,7 +199,8 @@ def write_report(
     if spec is None:
         from recursive_lightning.sweep.spec import load_sweep
 
-        spec = load_sweep(run_dir / "sweep.yaml")
+        origin = info.get("sweep_dir")
+        spec = load_sweep(run_dir / "sweep.yaml", origin if origin and Path(origin).is_dir() else None)
     rows, failed, attrs = collect(storage_url, info["name"])
     unfinished = attrs.pop("_unfinished", 0)
     faults.point("during_report")

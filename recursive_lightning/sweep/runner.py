@@ -269,7 +269,14 @@ def _prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_ur
     atomic_write_text(
         run_dir / "sweep.json",
         json.dumps(
-            {"name": spec.name, "storage": storage_url, "tracking_uri": tracking_uri, "parent_run_id": parent}
+            {
+                "name": spec.name,
+                "storage": storage_url,
+                "tracking_uri": tracking_uri,
+                "parent_run_id": parent,
+                # the kept sweep.yaml's relative paths (base:, evaluate.ppl) resolve from here
+                "sweep_dir": str(spec.path.parent.resolve()) if spec.path is not None else None,
+            }
         ),
     )
     return study, parent

@@ -174,7 +174,9 @@ def _parse_axis(name: str, values: Any, where: str) -> Axis:
     return Axis(name, labels, {v: {name: v} for v in labels})
 
 
-def load_sweep(path: str | Path) -> SweepSpec:
+def load_sweep(path: str | Path, relative_to: str | Path | None = None) -> SweepSpec:
+    """``relative_to``: the folder a relative ``base:`` resolves from, when the file is a copy kept elsewhere
+    (a run directory's sweep.yaml); default the file's own folder."""
     path = Path(path)
     raw = load_yaml(path)
     where = f"sweep file '{path}'"
@@ -183,7 +185,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
         raise ConfigError(f"{where}: '{unknown[0]}' is not a sweep field; use {', '.join(sorted(TOP_KEYS))}.")
     base = raw.get("base")
     if isinstance(base, str):
-        base_path = (path.parent / base).resolve()
+        base_path = (Path(relative_to or path.parent) / base).resolve()
         if not base_path.is_file():
             raise ConfigError(
                 f"{where}: base config '{base}' does not exist (paths are relative to the sweep file)."
