@@ -351,3 +351,44 @@ def test_options_have_help(argv, text, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv)
     assert text in " ".join(capsys.readouterr().out.split())
+
+
+INTERRUPT_AT = """
+import sys
+import lightning as L
+from recursive_lightning.cli import main
+
+class CtrlC(L.Callback):  # the user presses Ctrl-C right after step 3: what Python's SIGINT handler raises
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 3:
+            raise KeyboardInterrupt
+
+import recursive_lightning.training.run as run
+fit = run.train
+run.train = lambda *a, **k: fit(*a, **{**k, "callbacks": [CtrlC()]})
+sys.exit(main(["train", "--config", sys.argv[1], "--run-dir", sys.argv[2]]))
+"""
+
+
+def test_ctrl_c_during_training_exits_130_and_marks_the_run_killed(tmp_path, tiny_run):
+    """Lightning turns Ctrl-C inside fit into sys.exit(1); train reports it as the interrupt it was."""
+    import subprocess
+    import sys
+
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    cfg = tiny_run()
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_AT, str(tmp_path / "c.yaml"), str(tmp_path / "run")],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 130, p.stdout + p.stderr
+    run_id = (tmp_path / "run" / "mlflow_run_id").read_text().strip()
+    status = MlflowClient(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}").get_run(run_id).info.status
+    assert status == "KILLED"

@@ -313,6 +313,13 @@ def train(
     except KeyboardInterrupt:
         status = "KILLED"
         raise
+    except SystemExit as e:
+        # Lightning turns Ctrl-C inside fit into sys.exit(1) after its own shutdown (trainer/call.py): report it
+        # as the interrupt it was (exit 130, run KILLED), not as a failure
+        if trainer.interrupted and e.code == 1 and not isinstance(e, SIGTERMException):
+            status = "KILLED"
+            raise KeyboardInterrupt from None
+        raise
     finally:
         if trainer.is_global_zero and status != "FINISHED":
             set_terminated(tracking_uri, run_id, status=status)
