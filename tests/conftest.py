@@ -19,35 +19,30 @@ def data_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("rl-cache"))
 
 
+def tiny_config(data_cache: str, **model) -> dict:
+    """A run config that trains in seconds on the CPU: cpu-tiny, 64-token blocks of the embedded corpus."""
+    return {
+        "name": "tiny",
+        "model": {"preset": "cpu-tiny", "layout": "1+2R2+1", "topology": "mesh", "max_seq_len": 128, **model},
+        "data": {
+            "tokenizer": "bpe:4096",
+            "seq_len": 64,
+            "batch_size": 8,
+            "val_batches": 4,
+            "cache_dir": data_cache,
+        },
+        "train": {
+            "max_steps": 12,
+            "lr": 3e-3,
+            "val_every": 6,
+            "checkpoint_every": 4,
+            "progress": False,
+            "seed": 0,
+        },
+    }
+
+
 @pytest.fixture
 def tiny_run(data_cache):
-    """A run config that trains in seconds on the CPU: cpu-tiny, 64-token blocks of the embedded corpus."""
-
-    def make(**model):
-        return {
-            "name": "tiny",
-            "model": {
-                "preset": "cpu-tiny",
-                "layout": "1+2R2+1",
-                "topology": "mesh",
-                "max_seq_len": 128,
-                **model,
-            },
-            "data": {
-                "tokenizer": "bpe:4096",
-                "seq_len": 64,
-                "batch_size": 8,
-                "val_batches": 4,
-                "cache_dir": data_cache,
-            },
-            "train": {
-                "max_steps": 12,
-                "lr": 3e-3,
-                "val_every": 6,
-                "checkpoint_every": 4,
-                "progress": False,
-                "seed": 0,
-            },
-        }
-
-    return make
+    """``tiny_run(**model_overrides)``: :func:`tiny_config` with this session's data cache."""
+    return lambda **model: tiny_config(data_cache, **model)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import tiny_config
 from mlflow.tracking import MlflowClient
 
 from recursive_lightning import cli, tracking
@@ -29,25 +30,7 @@ def _run_of(run_dir: Path):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, data_cache):
     """One finished 12-step run (validation at 6 and 12), copied by the tests that change it."""
-    cfg = {
-        "name": "tiny",
-        "model": {"preset": "cpu-tiny", "layout": "1+2R2+1", "topology": "mesh", "max_seq_len": 128},
-        "data": {
-            "tokenizer": "bpe:4096",
-            "seq_len": 64,
-            "batch_size": 8,
-            "val_batches": 4,
-            "cache_dir": data_cache,
-        },
-        "train": {
-            "max_steps": 12,
-            "lr": 3e-3,
-            "val_every": 6,
-            "checkpoint_every": 4,
-            "progress": False,
-            "seed": 0,
-        },
-    }
+    cfg = tiny_config(data_cache)
     run_dir = tmp_path_factory.mktemp("finished") / "run"
     train(RunConfig.from_dict(cfg), run_dir)
     return run_dir, cfg
