@@ -45,6 +45,22 @@ def test_sweep_report_plots_perplexity_by_context_length(tmp_path, data_cache):
         timeout=300,
     )
     assert again.returncode == 0, again.stdout + again.stderr
+    # a moved sweep directory reports from its own stores (sweep.json keeps them relative to it)
+    moved = tmp_path / "elsewhere" / "sweep"
+    moved.parent.mkdir()
+    run_dir.rename(moved)
+    again = subprocess.run(
+        [sys.executable, "-m", "recursive_lightning", "report", "--run-dir", str(moved)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (
+        "9 finished" not in (moved / "report.md").read_text()
+        and "| mesh |" in (moved / "report.md").read_text()
+    )
 
 
 def test_context_lengths_need_a_text_set(tmp_path, data_cache):

@@ -15,7 +15,7 @@ from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning.errors import ConfigError
-from recursive_lightning.tracking import atomic_write_text, log_artifact
+from recursive_lightning.tracking import absolute_uri, atomic_write_text, log_artifact
 
 SEED_AXIS = "train.seed"
 
@@ -194,8 +194,8 @@ def write_report(
             f"'{run_dir}' is not a sweep directory (no sweep.json); pass the --run-dir of a sweep."
         )
     info = json.loads(info_file.read_text())
-    storage_url = storage_url or info["storage"]
-    tracking_uri = tracking_uri or info["tracking_uri"]
+    storage_url = storage_url or absolute_uri(info["storage"], base=run_dir)
+    tracking_uri = tracking_uri or absolute_uri(info["tracking_uri"], base=run_dir)
     if spec is None:
         from recursive_lightning.sweep.spec import load_sweep
 

@@ -46,6 +46,7 @@ from recursive_lightning.tracking import (
     ensure_experiment,
     log_artifact,
     log_params,
+    portable_uri,
     set_terminated,
     ui_command,
 )
@@ -271,8 +272,9 @@ def _prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_ur
         json.dumps(
             {
                 "name": spec.name,
-                "storage": storage_url,
-                "tracking_uri": tracking_uri,
+                # stores inside the sweep directory are kept relative to it: a moved copy finds its own
+                "storage": portable_uri(storage_url, run_dir),
+                "tracking_uri": portable_uri(tracking_uri, run_dir),
                 "parent_run_id": parent,
                 # the kept sweep.yaml's relative paths (base:, evaluate.ppl) resolve from here
                 "sweep_dir": str(spec.path.parent.resolve()) if spec.path is not None else None,
