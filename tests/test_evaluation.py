@@ -25,6 +25,7 @@ from recursive_lightning.evaluation.perplexity import (
     plan_windows,
 )
 from recursive_lightning.model.build import build_model
+from recursive_lightning.model.config import LLAMA
 from recursive_lightning.training.checkpoint import load_checkpoint, save_model_checkpoint
 
 DATA = Path(__file__).parent / "data"
@@ -36,26 +37,12 @@ FAMILIES = {
     "looped-dynamic-gqa": {"layout": "1+2R2+1", "topology": "dynamic", "n_kv_heads": 2},
     "unshared": {"layout": "1+1+1+1", "topology": "anchor"},
     "multires": {"layout": "1+2x{1/4,1/2,1}+1", "topology": "mesh"},
-    "transformerpp": {
-        "layout": "3",
-        "norm": "rmsnorm",
-        "mlp": "swiglu",
-        "rotary_pct": 1.0,
-        "bias": False,
-        "parallel_residual": False,
-        "n_kv_heads": 2,
-        "tie_embeddings": True,
-        "scale_embeddings": False,
-    },
+    "transformerpp": {**LLAMA, "layout": "3", "n_kv_heads": 2},
     # Mela: 8-token chunks (P=2, C=4), so MAX_LEN holds 4 chunks and the long contexts many more
     "mela": {
+        **LLAMA,
         "arch": "mela",
         "layout": "2",
-        "norm": "rmsnorm",
-        "mlp": "swiglu",
-        "rotary_pct": 1.0,
-        "bias": False,
-        "parallel_residual": False,
         "n_kv_heads": 2,
         "patch_size": 2,
         "chunk_size": 4,
