@@ -24,6 +24,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +38,7 @@ from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning.errors import ConfigError
+from recursive_lightning.sweep.servers import check_stores, database_lock, recorded_study
 from recursive_lightning.sweep.spec import SweepSpec, load_sweep, point_key
 from recursive_lightning.tracking import (
     atomic_write_text,
@@ -53,8 +55,10 @@ from recursive_lightning.tracking import (
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SWEEP = REPO / "ablations" / "default.yaml"
-HEARTBEAT_S = 20
-GRACE_S = 90
+# a trial whose worker sent no heartbeat for GRACE_S is failed and retried (workers on other machines);
+# RECURSIVE_LIGHTNING_HEARTBEAT="INTERVAL,GRACE" (whole seconds) sets both, e.g. for a cluster or the tests
+_HB = os.environ.get("RECURSIVE_LIGHTNING_HEARTBEAT", "20,90").split(",")
+HEARTBEAT_S, GRACE_S = int(_HB[0]), int(_HB[-1]) if len(_HB) > 1 else 90
 POLL_S = 2.0  # how often a re-run looks whether trials of live processes on this machine have ended
 PARENT_ENV = "RECURSIVE_LIGHTNING_SWEEP_PARENT"  # the pid of the sweep command that spawned a worker
 SWEEP_RESULT = "sweep_result.json"  # a trial's result as the sweep records it, before telling the study
@@ -213,7 +217,8 @@ def prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri
     same fresh directory waits until the study, the MLflow store and the parent run exist, then joins the
     sweep as more workers (creating the stores concurrently fails inside SQLAlchemy)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    with _file_lock(run_dir / ".sweep.lock"):
+    # across machines on one PostgreSQL study, an advisory lock in its database (servers.database_lock)
+    with _file_lock(run_dir / ".sweep.lock"), database_lock(storage_url, spec.name):
         return _prepare_study(spec, run_dir, storage_url, tracking_uri)
 
 
@@ -250,6 +255,7 @@ def _prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_ur
         )
         study.set_user_attr("mlflow_parent_run_id", parent)
         study.set_user_attr("tracking_uri", tracking_uri)
+        study.set_user_attr("run_dir", str(run_dir))  # where `sweep --attach` workers put trials by default
         log_params(
             tracking_uri,
             parent,
@@ -339,6 +345,41 @@ def _claim(study, storage, storage_url: str, ask: bool = False) -> int | None:
             storage.set_trial_system_attr(trial_id, "host", socket.gethostname())
             storage.set_trial_system_attr(trial_id, "pid", os.getpid())
     return trial_id
+
+
+def _late_trials(study, storage) -> list[int]:
+    """Running trials that missed two heartbeats (their worker may be dead; Optuna fails them after GRACE_S),
+    measured as Optuna measures staleness: by the database server's clock."""
+    saved = storage.grace_period
+    storage.grace_period = 2 * HEARTBEAT_S
+    try:
+        return storage._get_stale_trial_ids(study._study_id)
+    finally:
+        storage.grace_period = saved
+
+
+def _take_over(study, storage, storage_url: str) -> int | None:
+    """No grid point is waiting. While a running trial of another worker is late with its heartbeats, wait for
+    it to go stale (Optuna then fails it and enqueues its retry, ``RetryHeartbeatStaleTrialCallback``) and
+    claim the retry: it resumes from the dead worker's last checkpoint in the shared run directory, into the
+    same MLflow child run. Returns None when no trial is late (the others are alive, or none is running)."""
+    from optuna.storages import fail_stale_trials
+
+    announced = False
+    while _late_trials(study, storage):
+        if not announced:
+            print(
+                f"[sweep {study.study_name}] a running trial missed its heartbeats: waiting up to {GRACE_S}s "
+                "to take it over",
+                flush=True,
+            )
+            announced = True
+        time.sleep(min(float(HEARTBEAT_S), POLL_S))
+        fail_stale_trials(study)
+        trial_id = _claim(study, storage, storage_url)
+        if trial_id is not None:
+            return trial_id
+    return None
 
 
 class PruningCallback:
@@ -609,6 +650,30 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
     faults.point("after_tell")
 
 
+def slurm_launcher(cfg, environ: dict[str, str] | None = None) -> list[str]:
+    """Inside a SLURM allocation (a job-array task running ``sweep --attach``) a multi-device trial's ranks are
+    started by ``srun`` as a job step, one task per device on ``train.num_nodes`` nodes, which Lightning's
+    SLURM environment then reads (as for ``train`` under ``srun``); elsewhere Lightning starts the ranks on
+    this machine itself ([] here)."""
+    env = os.environ if environ is None else environ
+    if "SLURM_JOB_ID" not in env or shutil.which("srun", path=env.get("PATH")) is None:
+        return []
+    t = cfg.train
+    if isinstance(t.devices, int):
+        per_node = t.devices
+    else:  # "auto" / a list: the GPUs this allocation gives each node
+        per_node = int(str(env.get("SLURM_GPUS_ON_NODE") or "1").split("(")[0] or 1)
+    nodes = int(t.num_nodes)
+    return [
+        "srun",
+        f"--nodes={nodes}",
+        f"--ntasks={nodes * per_node}",
+        f"--ntasks-per-node={per_node}",
+        "--kill-on-bad-exit=1",
+        "--export=ALL",
+    ]
+
+
 def _multi_process(cfg) -> bool:
     t = cfg.train
     devices = t.devices if isinstance(t.devices, int) else 2
@@ -660,6 +725,7 @@ def _train_in_subprocess(
     cmd += [f"--tag={k}={v}" for k, v in tags.items()]
     if resume:
         cmd.append("--resume")
+    cmd = [*slurm_launcher(cfg), *cmd]
     if sys.platform.startswith("linux"):  # the train command dies with this worker, as the worker does
         cmd = [sys.executable, "-c", _DIE_WITH_PARENT_EXEC, str(os.getpid()), *cmd]
     subprocess.run(cmd, check=True)
@@ -678,9 +744,15 @@ def _train_in_subprocess(
 
 
 def worker(
-    spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri: str, max_trials: int | None = None
+    spec: SweepSpec,
+    run_dir: Path,
+    storage_url: str,
+    tracking_uri: str,
+    max_trials: int | None = None,
+    take_over: bool = False,
 ) -> int:
-    """Claim and run trials until none is waiting; returns the number of trials run here."""
+    """Claim and run trials until none is waiting; returns the number of trials run here. With ``take_over``
+    (``sweep --attach``: workers on several machines) it then takes over the trials of dead workers."""
     import optuna
     from optuna.storages import fail_stale_trials
     from optuna.trial import TrialState
@@ -697,6 +769,8 @@ def worker(
         fail_stale_trials(study)
         if spec.search is None:
             trial_id = _claim(study, storage, storage_url)
+            if trial_id is None and take_over:
+                trial_id = _take_over(study, storage, storage_url)
             if trial_id is None:
                 break
         else:
@@ -911,7 +985,18 @@ def main(argv: list[str]) -> int:
         help="Optuna RDB URL (default sqlite:///<run-dir>/optuna.db; PostgreSQL for several machines)",
     )
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite:///<run-dir>/mlflow.db)")
-    p.add_argument("--attach", action="store_true", help="join an existing study (e.g. from another machine)")
+    p.add_argument(
+        "--attach",
+        action="store_true",
+        help="join an existing study as a worker (another machine, a scheduler's job): its run directory and "
+        "tracking store default to the study's",
+    )
+    p.add_argument(
+        "--prepare",
+        action="store_true",
+        help="create the study, its grid, the MLflow parent run and the data shards, then exit (before "
+        "starting `--attach` workers from a scheduler)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--max-trials", type=int, help="stop this worker after N trials")
     p.add_argument("--no-report", action="store_true", help="skip the report at the end")
@@ -923,10 +1008,15 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(int(os.environ["RL_TORCH_THREADS"]))
     sweep_file = Path(args.file)
     spec = load_sweep(sweep_file)
-    run_dir = Path(args.run_dir or Path("runs") / "sweeps" / spec.name).resolve()
+    # an attached worker finds the run directory and tracking store the study was prepared with
+    recorded = (
+        recorded_study(args.storage, spec.name, args.tracking_uri) if args.attach and args.storage else {}
+    )
+    run_dir = Path(args.run_dir or recorded.get("run_dir") or Path("runs") / "sweeps" / spec.name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     storage = args.storage or default_storage(run_dir)
-    tracking = args.tracking_uri or default_tracking_uri(run_dir)
+    tracking = args.tracking_uri or recorded.get("tracking_uri") or default_tracking_uri(run_dir)
+    check_stores(storage, tracking)  # one sentence for a store the sweep cannot reach, before any work
     workers = args.workers if args.workers is not None else spec.workers
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, not {workers}.")
@@ -935,6 +1025,14 @@ def main(argv: list[str]) -> int:
         _die_with_parent(int(os.environ.get(PARENT_ENV) or os.getppid()))
     if not args.attach:
         prepare_study(spec, run_dir, storage, tracking)
+        if args.prepare:
+            prepare_data(spec)
+            print(
+                f"[sweep {spec.name}] prepared in {run_dir}; start workers (on any machine that reaches the stores "
+                f"and this directory) with: sweep {sweep_file} --attach --storage {storage}",
+                flush=True,
+            )
+            return 0
         print(
             f"[sweep {spec.name}] {len(spec.grid()) if spec.search is None else spec.search['n_trials']} trials; "
             f"study in {storage}; tracking {tracking}",
@@ -954,7 +1052,7 @@ def main(argv: list[str]) -> int:
     # closed KILLED instead of staying RUNNING
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     if args.worker:
-        worker(spec, run_dir, storage, tracking, max_trials=args.max_trials)
+        worker(spec, run_dir, storage, tracking, max_trials=args.max_trials, take_over=not args.max_trials)
         return 0
     crashed = 0
     try:
@@ -964,7 +1062,8 @@ def main(argv: list[str]) -> int:
             if workers > 1:
                 crashed = _spawn_workers(workers, sweep_file, run_dir, storage, tracking)
             else:
-                worker(spec, run_dir, storage, tracking, max_trials=args.max_trials)
+                take_over = args.attach and not args.max_trials
+                worker(spec, run_dir, storage, tracking, max_trials=args.max_trials, take_over=take_over)
             # trials that other live processes on this machine run are waited for, not reported as missing
             if crashed or args.max_trials or not _wait_for_local_trials(spec, storage):
                 break
@@ -981,7 +1080,9 @@ def main(argv: list[str]) -> int:
     if not args.no_report:
         from recursive_lightning.sweep.report import write_report
 
-        report = write_report(run_dir, spec=spec, storage_url=storage, tracking_uri=tracking)
+        # one writer at a time: workers on several machines may end together (the report's files have fixed names)
+        with _file_lock(run_dir / ".report.lock"), database_lock(storage, f"{spec.name}/report"):
+            report = write_report(run_dir, spec=spec, storage_url=storage, tracking_uri=tracking)
         print(report["markdown"])
         print(f"\nreport: {report['path']}")
     faults.point("before_close_parent")
@@ -997,6 +1098,13 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
         return EXIT_FAILED
+    if args.attach and not crashed:  # a scheduler's worker is done: other workers run the last trials
+        print(
+            f"[sweep {spec.name}] this worker is done: no grid point is waiting; the worker that ends the last "
+            "trial closes the sweep",
+            flush=True,
+        )
+        return 0
     why = (
         f"a worker process exited with code {crashed}; re-run the same command to resume its trial"
         if crashed

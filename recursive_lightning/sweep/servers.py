@@ -1,0 +1,358 @@
+"""Sweeps on servers: an Optuna study on PostgreSQL, an ``mlflow server``, workers on several machines.
+
+- :func:`check_stores` refuses a ``--storage`` or ``--tracking-uri`` that is malformed, names a driver that is
+  not installed, or cannot be reached, in one sentence naming it, before the sweep does any work (an
+  unreachable MLflow server would otherwise be retried by MLflow's client for minutes, after training).
+- :func:`database_lock` makes the preparation of a study (create it, enqueue the grid, make the MLflow parent
+  run) one step across machines: a PostgreSQL advisory lock, where a file lock in the run directory only
+  serialises the processes of one machine (and not every shared file system honours it).
+- :class:`LocalPostgres` and :class:`LocalMlflowServer` start a throwaway PostgreSQL cluster and an
+  ``mlflow server`` on it, on loopback ports: for the tests, the benchmark, and trying the cluster path on
+  one machine (``python -m recursive_lightning.sweep.servers``).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from recursive_lightning.errors import ConfigError
+
+CONNECT_TIMEOUT_S = 10
+
+
+def _shown(url: str) -> str:
+    """``url`` with its password hidden."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(getattr(e, "orig", None) or e).strip()
+    return text.splitlines()[0].strip().rstrip(".") if text else type(e).__name__
+
+
+def _is_database_url(url: str) -> bool:
+    return "://" in url and url.split("://", 1)[0].lower() not in ("http", "https", "file", "databricks")
+
+
+def check_database(url: str, option: str, what: str) -> None:
+    """Refuse in one sentence a database URL (``option``, naming ``what`` it holds) that SQLAlchemy cannot
+    parse, whose driver is not installed, or whose server cannot be reached or refuses us. SQLite files
+    are left to the sweep's own checks (they are created on first use)."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise ConfigError(
+            f"{option} '{url}' is not a database URL; write postgresql+psycopg://USER@HOST:PORT/DATABASE "
+            "(or sqlite:///PATH for one machine)."
+        ) from None
+    if parsed.get_backend_name() == "sqlite":
+        return
+    if (
+        parsed.drivername == "postgresql"
+    ):  # SQLAlchemy's default driver for it is psycopg2, not installed here
+        try:
+            import psycopg2  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                f"{option} '{_shown(url)}' asks SQLAlchemy for the psycopg2 driver, which is not installed; "
+                f"write {parsed.set(drivername='postgresql+psycopg').render_as_string(hide_password=True)} to "
+                "use psycopg 3 (requirements.lock)."
+            ) from None
+    try:
+        connect_args = (
+            {"connect_timeout": CONNECT_TIMEOUT_S} if parsed.get_backend_name() == "postgresql" else {}
+        )
+        engine = create_engine(parsed, connect_args=connect_args)
+    except (NoSuchModuleError, ImportError, ModuleNotFoundError) as e:
+        raise ConfigError(
+            f"{option} '{_shown(url)}' needs the database driver '{parsed.drivername}', which is not installed "
+            f"({_first_line(e)}); use postgresql+psycopg://... (psycopg 3 is in requirements.lock)."
+        ) from None
+    try:
+        with engine.connect() as con:
+            con.execute(text("SELECT 1"))
+    except Exception as e:
+        reason = _first_line(e)
+        fix = (
+            f"create it first (createdb {parsed.database})"
+            if "does not exist" in reason and parsed.database and "database" in reason
+            else "start the database server or fix the URL"
+        )
+        raise ConfigError(
+            f"cannot open the {what} {option} '{_shown(url)}' ({reason}); {fix}, then run the command again."
+        ) from None
+    finally:
+        engine.dispose()
+
+
+def _auth_headers() -> dict[str, str]:
+    """The credentials MLflow's own client would send (its environment variables)."""
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    if token:
+        return {"Authorization": f"Bearer {token}"}
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+    return {}
+
+
+def check_tracking_server(uri: str, option: str = "--tracking-uri") -> None:
+    """Refuse in one sentence an ``http(s)://`` tracking URI that does not answer as an MLflow tracking
+    server within a few seconds (MLflow's client would retry for minutes, and only after training)."""
+    url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search"
+    req = urllib.request.Request(
+        url,
+        data=json.dumps({"max_results": 1}).encode(),
+        headers={"Content-Type": "application/json", **_auth_headers()},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=CONNECT_TIMEOUT_S) as r:
+            json.load(r)
+    except urllib.error.HTTPError as e:
+        hint = (
+            "set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"
+            if e.code in (401, 403)
+            else "is it an `mlflow server`? fix the URL"
+        )
+        raise ConfigError(
+            f"the MLflow tracking server {option} '{uri}' answered HTTP {e.code} to {url}; {hint}."
+        ) from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise ConfigError(
+            f"cannot reach the MLflow tracking server {option} '{uri}' ({reason}); start `mlflow server` there "
+            "(see the README's 'Run a sweep on a cluster') or fix the URL, then run the command again."
+        ) from None
+
+
+def check_stores(storage_url: str, tracking_uri: str) -> None:
+    """One sentence, before any work, for a ``--storage`` or ``--tracking-uri`` the sweep cannot use."""
+    check_database(storage_url, "--storage", "Optuna storage")
+    scheme = tracking_uri.split("://", 1)[0].lower() if "://" in tracking_uri else ""
+    if scheme in ("http", "https"):
+        check_tracking_server(tracking_uri)
+    elif scheme and scheme not in ("file", "sqlite", "databricks") and _is_database_url(tracking_uri):
+        check_database(tracking_uri, "--tracking-uri", "MLflow tracking store")
+
+
+def recorded_study(storage_url: str, name: str, tracking_uri: str | None = None) -> dict[str, str]:
+    """The run directory and tracking URI the study ``name`` in ``storage_url`` was prepared with (what a
+    ``sweep --attach`` worker uses when not told); empty when there is no such study yet. A ``tracking_uri``
+    that differs from the study's is refused in one sentence: its child runs would lose their parent."""
+    import optuna
+
+    check_database(storage_url, "--storage", "Optuna storage")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        attrs = optuna.load_study(study_name=name, storage=storage_url).user_attrs
+    except KeyError:
+        return {}
+    out = {k: str(attrs[k]) for k in ("run_dir", "tracking_uri") if attrs.get(k)}
+    if (
+        tracking_uri
+        and out.get("tracking_uri")
+        and tracking_uri.rstrip("/") != out["tracking_uri"].rstrip("/")
+    ):
+        raise ConfigError(
+            f"--tracking-uri '{tracking_uri}' is not the tracking store the study '{name}' logs to "
+            f"('{out['tracking_uri']}'); leave --tracking-uri out to use the study's."
+        )
+    return out
+
+
+@contextlib.contextmanager
+def database_lock(storage_url: str, name: str) -> Iterator[None]:
+    """Hold a PostgreSQL advisory lock named after ``name`` in the study's database (other databases: no-op)
+    for the duration: sweep commands on several machines prepare one study in turn."""
+    if not storage_url.lower().startswith("postgresql"):
+        yield
+        return
+    from sqlalchemy import create_engine, text
+
+    key = int.from_bytes(
+        hashlib.sha256(f"recursive_lightning:{name}".encode()).digest()[:8], "big", signed=True
+    )
+    engine = create_engine(storage_url, poolclass=__import__("sqlalchemy.pool").pool.NullPool)
+    try:
+        with engine.connect() as con:
+            con.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
+            try:
+                yield
+            finally:
+                con.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+    finally:
+        engine.dispose()
+
+
+# --- throwaway local servers (tests, benchmark, trying the cluster path on one machine) ---------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def postgres_bindir() -> Path | None:
+    """The folder holding PostgreSQL's server binaries (initdb, pg_ctl, postgres), or None."""
+    candidates = []
+    initdb = shutil.which("initdb")
+    if initdb:
+        candidates.append(Path(os.path.realpath(initdb)).parent)
+    candidates += sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
+    for d in candidates:
+        if all((d / b).is_file() for b in ("initdb", "pg_ctl", "postgres")):
+            return d
+    return None
+
+
+class LocalPostgres:
+    """A PostgreSQL cluster in a temporary folder on a free loopback port, trusting local connections, run as
+    the database's own system user ``postgres`` when we are root (PostgreSQL refuses to run as root).
+    ``fast`` turns off fsync and synchronous commits (tests); leave it off to measure."""
+
+    def __init__(self, fast: bool = False) -> None:
+        bindir = postgres_bindir()
+        if bindir is None:
+            raise RuntimeError("PostgreSQL's server binaries (initdb, pg_ctl, postgres) are not installed")
+        self.bindir, self.fast, self.port = bindir, fast, free_port()
+        self.root = Path(tempfile.mkdtemp(prefix="rl-postgres-"))
+        self.data, self.log = self.root / "data", self.root / "server.log"
+        self._as: list[str] = []
+        if os.geteuid() == 0:
+            import pwd
+
+            user = pwd.getpwnam("postgres")
+            os.chown(self.root, user.pw_uid, user.pw_gid)
+            self._as = ["runuser", "-u", "postgres", "--"]
+
+    def _run(self, *cmd: str) -> None:
+        p = subprocess.run([*self._as, *cmd], capture_output=True, text=True, cwd=self.root)
+        if p.returncode:
+            raise RuntimeError(f"{' '.join(cmd[:2])} failed: {p.stderr.strip() or p.stdout.strip()}")
+
+    def start(self) -> LocalPostgres:
+        self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust", "-E", "UTF8",
+                  "--no-sync", "--no-instructions")  # fmt: skip
+        opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c max_connections=300"
+        if self.fast:
+            opts += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+        self._run(
+            str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-o", opts, "-w", "start"
+        )
+        return self
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, name: str) -> str:
+        """CREATE DATABASE ``name``; returns its URL."""
+        import psycopg
+
+        with psycopg.connect(
+            f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres", autocommit=True
+        ) as c:
+            c.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> LocalPostgres:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LocalMlflowServer:
+    """``mlflow server`` on a free loopback port, its backend store ``backend_uri`` (a PostgreSQL database),
+    artifacts served from ``artifacts`` (``--serve-artifacts``: workers reach them through the server)."""
+
+    def __init__(self, backend_uri: str, artifacts: str | os.PathLike, workers: int = 1) -> None:
+        self.backend_uri, self.artifacts, self.workers = backend_uri, Path(artifacts), workers
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 180.0) -> LocalMlflowServer:
+        self.artifacts.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.artifacts.parent / f"mlflow-server-{self.port}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.backend_uri,
+             "--serve-artifacts", "--artifacts-destination", str(self.artifacts),
+             "--host", "127.0.0.1", "--port", str(self.port), "--workers", str(self.workers)],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.time() + timeout
+        while True:
+            try:
+                check_tracking_server(self.uri)
+                return self
+            except ConfigError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    self.stop()
+                    log = Path(self._log.name).read_text()[-2000:]
+                    raise RuntimeError(f"mlflow server did not start:\n{log}") from None
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+
+    def __enter__(self) -> LocalMlflowServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main() -> int:
+    """Start a throwaway PostgreSQL and an ``mlflow server`` on it, print the two URLs, stop on Ctrl-C."""
+    with LocalPostgres() as pg:
+        storage = pg.create_database("optuna")
+        backend = pg.create_database("mlflow")
+        with LocalMlflowServer(backend, pg.root / "artifacts") as server:
+            print(f"--storage {storage} --tracking-uri {server.uri}", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(3600)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
