@@ -1,6 +1,18 @@
-"""``python -m recursive_lightning report``: tables per axis (mean ± std over seeds, best marked) and plots.
+"""``python -m recursive_lightning report``: the papers' tables of a sweep, tables per axis and plots.
 
-Written as ``report.md`` + PNGs into the sweep's run directory and logged to the parent MLflow run.
+The results table has one row per grid point (its axes other than the seed), aggregated over seeds as mean ±
+std: parameters (non-embedding) and forward FLOPs per token (``model.accounting.describe`` of the trial's
+``config.yaml``), training tokens/s and wall-clock, validation perplexity on each named set and downstream
+accuracy per task with their average (MeSH Tables 1-2), and, with ``report: {baseline: <row>}`` and several
+seeds, the paired difference (same seed) of every row to the baseline with a 95 % t-interval over the seed
+pairs. Every value is read from what the trials left on disk: ``trials/<point>/sweep_result.json`` (metrics,
+the study's copy only where that file is absent), ``result.json`` (wall-clock, tokens), ``config.yaml`` and
+the trial's MLflow child run (per-step history: tokens/s and the learning curves). A value a row does not
+have is shown as missing (—), never filled in.
+
+Written as ``report.md``, ``report.html`` (the same report with its figures inlined: MLflow's artifact viewer
+renders markdown tables but not markdown images, and shows HTML in a frame where relative image paths do not
+resolve) and PNGs into the sweep's run directory, and logged to the parent MLflow run under ``report/``.
 """
 
 from __future__ import annotations
@@ -15,9 +27,11 @@ from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning.errors import ConfigError
+from recursive_lightning.sweep.spec import SEED_AXIS
 from recursive_lightning.tracking import absolute_uri, atomic_write_text, log_artifact
 
-SEED_AXIS = "train.seed"
+MISSING = "—"
+CONFIDENCE = 0.95
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -184,6 +198,154 @@ def _context_lengths(rows: list[dict], axes: list[str], spec, run_dir: Path) -> 
     return png, [*lines, "", f"![perplexity by context length]({png.name})", ""]
 
 
+def _results_sections(
+    trials: list[dict], axes: list[str], spec, ranked: str, tracking_uri: str, run_dir: Path
+) -> tuple[list[str], list[Path], dict[str, Any]]:
+    """The papers' tables (results, downstream accuracy, paired differences to the baseline) and the
+    learning-curve figure. Returns (markdown lines, figures, structured data for callers and tests)."""
+    from recursive_lightning.sweep import curves, results
+    from recursive_lightning.sweep.spec import row_names
+
+    describe_cache: dict[str, dict] = {}
+    trials = [results.load_trial(run_dir, t, spec, describe_cache) for t in trials]
+    problems = []
+    for t in trials:  # per-step history from the trial's MLflow child run
+        t["history"] = {}
+        if t.get("mlflow_run_id"):
+            try:
+                t["history"] = curves.metric_history(tracking_uri, t["mlflow_run_id"])
+            except Exception as e:  # a store that cannot be read: tokens/s and curves stay missing
+                problems.append(f"trial {t['number']}: {type(e).__name__}: {e}"[:300])
+        t["tokens_per_sec"] = curves.training_tokens_per_sec(t["history"])
+    rows = results.build_rows(trials, axes, row_names(spec.axes) if spec.search is None else ())
+    main_cols, heads, shots = results.columns(trials, ranked)
+    ranked_means = {r.name: [v for v in r.values(ranked) if v is not None] for r in rows}
+    scored = {n: sum(v) / len(v) for n, v in ranked_means.items() if v}
+    best = min(scored, key=scored.get) if scored else None
+    seeds = max((len(r.trials) for r in rows), default=0)
+    lines = [
+        "## Results",
+        "",
+        f"One row per grid point, mean ± std over its seeds; ★ marks the lowest `{ranked}`. {results.MISSING} "
+        "marks a value the row's trials did not record.",
+        "",
+        "| " + " | ".join(["row", "seeds", *(c.title for c in main_cols)]) + " |",
+        "|" + "---|" * (2 + len(main_cols)),
+    ]
+    table = []
+    for r in rows:
+        cells = {c.key: r.values(c.key) for c in main_cols}
+        table.append({"row": r.name, "seeds": len(r.trials), "values": cells})
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r.name + (" ★" if r.name == best else ""),
+                    str(len(r.trials)),
+                    *(results.fmt_cell(cells[c.key], c.kind) for c in main_cols),
+                ]
+            )
+            + " |"
+        )
+    lines += [
+        "",
+        "- **params (non-emb.)** and **fwd FLOPs/token**: `model.accounting.describe` of the trial's "
+        "`config.yaml` at its training length (2 FLOPs per multiply-accumulate, attention at full L×L; the "
+        "forward of one sequence over its tokens).",
+        "- **train tokens/s**: tokens of the training steps over their summed step time (harmonic mean of the "
+        "child run's `train/tokens_per_sec` history; validation and checkpointing excluded).",
+        "- **wall-clock**: `seconds` of the trial's `result.json` (its `train` command: data setup, training, "
+        "validation, checkpoints; not the sweep's `evaluate:`; a resumed trial counts from its resume).",
+        "- perplexities: `val/<set>/ppl` from training's final validation, `eval/ppl/<name>` from the sweep's "
+        "`evaluate:`; accuracies in %.",
+        "",
+    ]
+    if heads:
+        tasks = sorted({task for task, _ in heads})
+        lines += [
+            "## Downstream accuracy (%)",
+            "",
+            "MeSH Table 2 layout: each task's headline metric (acc_norm or acc, named in the header), mean ± std "
+            "over seeds; Avg. is `eval/avg/<k>shot` as `eval` logged it.",
+            "",
+        ]
+        metric_of = {t: sorted({heads[k].rsplit("/", 1)[1] for k in heads if k[0] == t}) for t in tasks}
+        head = ["row", "shots", *(f"{t} ({'/'.join(metric_of[t])})" for t in tasks), "Avg."]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rows:
+            for k in shots:
+                cells = [r.name, f"{k}-shot"]
+                cells += [
+                    results.fmt_cell(r.values(heads[(t, k)]), "acc") if (t, k) in heads else results.MISSING
+                    for t in tasks
+                ]
+                cells.append(results.fmt_cell(r.values(f"eval/avg/{k}shot"), "acc"))
+                lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    baseline = (spec.report or {}).get("baseline")
+    paired: dict[str, dict[str, Any]] = {}
+    diff_cols = [c for c in main_cols if c.paired]
+    if baseline is not None:
+        base = next((r for r in rows if r.name == str(baseline)), None)
+        lines += [f"## Paired difference to `{baseline}`", ""]
+        if base is None:
+            lines += [f"The baseline row `{baseline}` has no finished trial yet: no differences.", ""]
+        else:
+            level = round(100 * results.CONFIDENCE)
+            lines += [
+                f"Row − `{baseline}` on the same seed, mean over the seed pairs [{level} % Student-t interval: "
+                f"mean ± t({(1 + results.CONFIDENCE) / 2:.3f}, n−1) · sd/√n over the n pairs]; lower perplexity and "
+                "higher accuracy (points) are better. An interval needs two pairs.",
+                "",
+                "| " + " | ".join(["row", "pairs", *(c.title for c in diff_cols)]) + " |",
+                "|" + "---|" * (2 + len(diff_cols)),
+            ]
+            for r in rows:
+                if r is base:
+                    continue
+                diffs = {c.key: results.paired_difference(r, base, c.key) for c in diff_cols}
+                paired[r.name] = diffs
+                n = max((d["n"] for d in diffs.values() if d), default=0)
+                cells = [r.name, str(n), *(results.fmt_difference(diffs[c.key], c.kind) for c in diff_cols)]
+                lines.append("| " + " | ".join(cells) + " |")
+            lines.append("")
+    elif seeds > 1 and len(rows) > 1:
+        lines += [
+            "Name a baseline row (`report: {baseline: <row>}` in the sweep file) for paired differences "
+            "with confidence intervals.",
+            "",
+        ]
+    figures = []
+    curve_rows = {
+        r.name: [
+            {"history": t["history"], "tokens_per_step": results.tokens_per_step(t) or 0.0}
+            for t in r.trials
+            if t["history"]
+        ]
+        for r in rows
+    }
+    curve_rows = {k: v for k, v in curve_rows.items() if v}
+    png = curves.plot_learning_curves(
+        curve_rows, run_dir / "report_learning_curves.png", title=f"{spec.name}: learning curves"
+    )
+    lines += ["## Learning curves", ""]
+    if png is not None:
+        figures.append(png)
+        band = "min-max over the seeds as a band" if seeds > 1 else "one seed per row"
+        lines += [
+            "Training loss and validation perplexity against tokens seen, read from each trial's MLflow child "
+            f"run: the mean over a row's seeds as the line, {band}.",
+            "",
+            f"![learning curves]({png.name})",
+            "",
+        ]
+    else:
+        lines += [f"No trial has a metric history in {tracking_uri}.", ""]
+    if problems:
+        lines += ["Could not read the history of: " + "; ".join(problems), ""]
+    return lines, figures, {"trials": trials, "rows": rows, "table": table, "paired": paired, "best": best}
+
+
 def write_report(
     run_dir: str | Path, spec=None, storage_url: str | None = None, tracking_uri: str | None = None
 ) -> dict:
@@ -216,7 +378,8 @@ def write_report(
     lines += [
         f"{len(rows)} finished trials"
         + (f", {len(failed)} failed" if failed else "")
-        + f"; metric `{ppl_metric}` (lower is better), mean ± std over seeds; ★ marks the best row.",
+        + f"; metric `{ppl_metric}` (lower is better), mean ± std over seeds; ★ marks the best row. In "
+        "MLflow's artifact viewer, open `report.html` to see the figures.",
         "",
     ]
     if unfinished:  # never present a sweep that is still running as a finished one
@@ -225,15 +388,18 @@ def write_report(
             "partial.",
             "",
         ]
-    figures = []
+    ranked = ppl_metric if any(ppl_metric in r["metrics"] for r in rows) else metric
+    result_lines, figures, data = _results_sections(rows, axes, spec, ranked, tracking_uri, run_dir)
+    rows = data["trials"]  # the trials' values as their directories hold them
+    lines += result_lines
     for axis in axes:
-        used = ppl_metric if any(ppl_metric in r["metrics"] for r in rows) else metric
+        used = ranked
         table, best = axis_table(rows, axis, used)
         if not table:
             continue
         extra_cols = sorted({c for r in table for c in r[4] if c != used})
         lines += [
-            f"## {axis}",
+            f"## By {axis}",
             "",
             "| " + " | ".join([axis, used, "n"] + extra_cols) + " |",
             "|" + "---|" * (3 + len(extra_cols)),
@@ -265,10 +431,15 @@ def write_report(
     md = "\n".join(lines)
     path = run_dir / "report.md"
     atomic_write_text(path, md)
+    from recursive_lightning.sweep.report_html import markdown_to_html
+
+    html_path = run_dir / "report.html"
+    atomic_write_text(html_path, markdown_to_html(md, run_dir, title=f"sweep {spec.name}"))
     parent = attrs.get("mlflow_parent_run_id") or info.get("parent_run_id")
     if parent:
         try:
             log_artifact(tracking_uri, parent, path, subdir="report")
+            log_artifact(tracking_uri, parent, html_path, subdir="report")
             for f in figures:
                 log_artifact(tracking_uri, parent, f, subdir="report")
             from recursive_lightning.tracking import log_metrics
@@ -288,9 +459,13 @@ def write_report(
             print(f"warning: could not log the report to MLflow ({e})")
     return {
         "path": path,
+        "html": html_path,
         "markdown": md,
         "figures": figures,
         "rows": rows,
+        "table": data["table"],
+        "paired": data["paired"],
+        "best_row": data["best"],
         "failed": failed,
         "unfinished": unfinished,
     }

@@ -19,7 +19,8 @@
     pruning: {enabled: false, warmup_steps: 100}
     evaluate: {ppl: {name: path}, tasks: [], limit: 50, shots: [0],   # after each trial (evaluation/run.py)
                context_lengths: [256, 1024, 4096], ctx_set: name, ctx_max_tokens: 16384}
-    report: {plot: line, x: model.buffer}         # hints for the report's figures
+    report: {plot: line, x: model.buffer,         # hints for the report's figures; baseline: the row the
+             baseline: anchor}                    # report's paired differences (same seed) are taken to
 
 Every trial config is built and validated before anything trains, so a bad sweep fails in one sentence.
 """
@@ -53,6 +54,7 @@ TOP_KEYS = {
     "workers",
 }
 SCALAR = (str, int, float, bool, type(None))
+SEED_AXIS = "train.seed"
 # evaluate: of a sweep file -> evaluate_checkpoint arguments (evaluation/run.py)
 EVALUATE_KEYS = {
     "ppl",
@@ -130,6 +132,23 @@ class SweepSpec:
                     f"sweep '{self.name}'" + (f" at {where}" if where else "") + f": {e}"
                 ) from None
         return self
+
+
+def row_name(point: dict[str, Any], axes: list[str]) -> str:
+    """A report row's name: the labels of the grid point's axes other than the seed, joined by ", " (the
+    names ``report.baseline`` takes)."""
+    return ", ".join(str(point[a]) for a in axes if a in point and a != SEED_AXIS)
+
+
+def row_names(axes: list[Axis]) -> list[str]:
+    """Every row of a grid sweep's report, in grid order (empty when only seeds vary)."""
+    names = [a.name for a in axes if a.name != SEED_AXIS]
+    if not names:
+        return []
+    return [
+        row_name(dict(zip(names, combo)), names)
+        for combo in itertools.product(*[a.labels for a in axes if a.name != SEED_AXIS])
+    ]
 
 
 def point_key(point: dict[str, Any]) -> str:
@@ -245,6 +264,18 @@ def load_sweep(path: str | Path, relative_to: str | Path | None = None) -> Sweep
     name = raw.get("name") or path.stem
     if not isinstance(name, str):
         raise ConfigError(f"{where}: name must be a string.")
+    report = raw.get("report") or {}
+    if not isinstance(report, dict):
+        raise ConfigError(
+            f"{where}: report must be a mapping such as {{plot: bar, baseline: <row>}}, not {report!r}."
+        )
+    if report.get("baseline") is not None:
+        rows = row_names(axes)
+        if search is not None or str(report["baseline"]) not in rows:
+            valid = ", ".join(rows) if search is None and rows else "none (a search, or no axis but seeds)"
+            raise ConfigError(
+                f"{where}: report.baseline '{report['baseline']}' is not a row of this sweep; the rows are: {valid}."
+            )
     spec = SweepSpec(
         name=name,
         path=path,
@@ -256,7 +287,7 @@ def load_sweep(path: str | Path, relative_to: str | Path | None = None) -> Sweep
         max_retries=max_retries,
         pruning=dict(raw.get("pruning") or {}),
         evaluate=dict(evaluate),
-        report=dict(raw.get("report") or {}),
+        report=dict(report),
         workers=workers,
     )
     return spec.validate()

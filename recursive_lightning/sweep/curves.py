@@ -1,0 +1,200 @@
+"""Learning curves of a sweep: training loss and validation perplexity against tokens seen, one line per report
+row, the seeds of a row as a band.
+
+The per-step history is read back from each trial's MLflow child run (``get_metric_history`` of the sweep's
+tracking store, the SQLite ``mlflow.db`` inside the sweep directory): what the trial logged while it trained,
+not a copy kept elsewhere. A step logged twice (steps trained again after a resume) counts once, with its
+last value.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+VAL_PPL = re.compile(r"^val/([^/]+)/ppl$")
+
+
+def metric_history(
+    tracking_uri: str, run_id: str, keys: Sequence[str] | None = None
+) -> dict[str, dict[int, float]]:
+    """{metric: {step: value}} of one MLflow run: ``keys`` (default ``train/loss``, ``train/tokens_per_sec``
+    and every ``val/<set>/ppl`` the run has). A step logged more than once keeps its latest value."""
+    from recursive_lightning.tracking import client
+
+    c = client(tracking_uri)
+    if keys is None:
+        have = c.get_run(run_id).data.metrics
+        keys = ["train/loss", "train/tokens_per_sec", *sorted(k for k in have if VAL_PPL.match(k))]
+    out: dict[str, dict[int, float]] = {}
+    for key in keys:
+        points = sorted(c.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+        series = {int(m.step): float(m.value) for m in points}  # the latest of a repeated step wins
+        if series:
+            out[key] = series
+    return out
+
+
+def training_tokens_per_sec(history: Mapping[str, Mapping[int, float]]) -> float | None:
+    """Training throughput of a run: the harmonic mean of its per-step ``train/tokens_per_sec``, i.e. the
+    tokens of those steps over their summed step time (every step has the same tokens). Validation and
+    checkpointing are not inside any step's time; the step right after each of them (timed from its own start,
+    its backward's wait included or not) weighs as one step of many."""
+    values = [v for v in history.get("train/tokens_per_sec", {}).values() if math.isfinite(v) and v > 0]
+    if not values:
+        return None
+    return len(values) / sum(1.0 / v for v in values)
+
+
+def _running_mean(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _band(per_seed: list[dict[int, float]]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps, mean, min, max over the seeds that logged each step."""
+    steps = sorted({s for series in per_seed for s in series})
+    mean, lo, hi = [], [], []
+    for s in steps:
+        vals = [series[s] for series in per_seed if s in series and math.isfinite(series[s])]
+        if not vals:
+            vals = [math.nan]
+        mean.append(sum(vals) / len(vals))
+        lo.append(min(vals))
+        hi.append(max(vals))
+    return steps, mean, lo, hi
+
+
+def _tokens_formatter():
+    from matplotlib.ticker import FuncFormatter
+
+    def fmt(v: float, _: Any) -> str:
+        for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+            if abs(v) >= scale:
+                return f"{v / scale:.4g}{suffix}"
+        return f"{v:.4g}"
+
+    return FuncFormatter(fmt)
+
+
+def plot_learning_curves(
+    rows: Mapping[str, Sequence[Mapping[str, Any]]],
+    path: str | os.PathLike,
+    title: str = "learning curves",
+) -> Path | None:
+    """One PNG, two panels: training loss and validation perplexity (log scale) against tokens seen.
+
+    ``rows``: row name -> one entry per seed, each ``{"history": {metric: {step: value}}, "tokens_per_step":
+    int}``. A row's line is the mean over its seeds, its band the min-max over them; training loss is a
+    trailing running mean of each seed's per-step loss (window in the panel title) before that. Returns None
+    when no row has any history. Written atomically (a temporary file renamed over ``path``)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    n_steps = max(
+        (len(e["history"].get("train/loss", {})) for seeds in rows.values() for e in seeds), default=0
+    )
+    if n_steps == 0 and not any(
+        VAL_PPL.match(k) for seeds in rows.values() for e in seeds for k in e["history"]
+    ):
+        return None
+    window = max(1, round(n_steps / 25))
+    fig = Figure(figsize=(12.0, 4.4))
+    FigureCanvasAgg(fig)
+    ax_loss, ax_ppl = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    colors = [f"C{i % 10}" for i in range(len(rows))]
+    styles = ["-", "--", ":", "-."]
+    sets = sorted(
+        {
+            m.group(1)
+            for seeds in rows.values()
+            for e in seeds
+            for k in e["history"]
+            if (m := VAL_PPL.match(k))
+        }
+    )
+    max_seeds = max((len(s) for s in rows.values()), default=0)
+    late: list[float] = []  # training-loss values after the first 10 % of steps
+    ppl_values: list[float] = []
+    for color, (label, seeds) in zip(colors, rows.items()):
+        tps = [float(e["tokens_per_step"]) for e in seeds]
+        # training loss: step s consumed batch s, so s + 1 steps' tokens have been seen
+        per_seed = []
+        for e in seeds:
+            series = e["history"].get("train/loss", {})
+            steps = sorted(series)
+            smooth = _running_mean([series[s] for s in steps], window)
+            per_seed.append({s: v for s, v in zip(steps, smooth)})
+        steps, mean, lo, hi = _band(per_seed)
+        if steps:
+            x = [(s + 1) * tps[0] for s in steps]
+            start = max(1, len(steps) // 10)
+            late += [v for v in lo[start:] + hi[start:] if math.isfinite(v)]
+            ax_loss.plot(x, mean, color=color, lw=1.5, label=f"{label} (n={len(seeds)})")
+            if len(seeds) > 1:
+                ax_loss.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
+        # validation at global step G: after G steps' tokens
+        for style, name in zip(styles * 4, sets):
+            per_seed = [e["history"].get(f"val/{name}/ppl", {}) for e in seeds]
+            steps, mean, lo, hi = _band(per_seed)
+            if not steps:
+                continue
+            x = [s * tps[0] for s in steps]
+            ppl_values += [v for v in lo + hi if math.isfinite(v) and v > 0]
+            tag = label if len(sets) == 1 else f"{label}, {name}"
+            ax_ppl.plot(x, mean, color=color, ls=style, lw=1.5, marker="o", ms=3.5, label=tag)
+            if len(seeds) > 1:
+                ax_ppl.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
+    band = "lines: mean over seeds, bands: min-max over seeds" if max_seeds > 1 else "one seed per row"
+    smooth = f"running mean over {window} steps, " if window > 1 else ""
+    if late:  # the first 10 % of training (the drop from ln V) would flatten the differences between rows
+        lo, hi = min(late), max(late)
+        pad = 0.08 * (hi - lo or abs(hi) or 1.0)
+        ax_loss.set_ylim(lo - pad, hi + pad)
+    ax_loss.set_title(f"training loss ({smooth}y axis from 10 % of tokens)", fontsize=9)
+    ax_loss.set_ylabel("training loss (nats/token)")
+    which = f"val/{sets[0]}/ppl" if len(sets) == 1 else "val/<set>/ppl"
+    ax_ppl.set_title(f"validation perplexity {which} (log scale)", fontsize=9)
+    ax_ppl.set_ylabel("perplexity")
+    ax_ppl.set_yscale("log")
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:.4g}")
+    ax_ppl.yaxis.set_major_formatter(plain)
+    ppl_lo, ppl_hi = (min(ppl_values), max(ppl_values)) if ppl_values else (1.0, 1.0)
+    ax_ppl.yaxis.set_minor_formatter(plain if ppl_hi / ppl_lo < 10 else NullFormatter())
+    for ax in (ax_loss, ax_ppl):
+        ax.set_xlabel("tokens seen")
+        ax.xaxis.set_major_formatter(_tokens_formatter())
+        ax.grid(True, alpha=0.3, ls="--")
+    handles, labels = ax_loss.get_legend_handles_labels()
+    if not handles:
+        handles, labels = ax_ppl.get_legend_handles_labels()
+    fig.suptitle(f"{title} ({band})", fontsize=10)
+    if handles:
+        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.83, 0.5), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 0.82, 1))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    fig.savefig(tmp, dpi=130, format="png")
+    os.replace(tmp, out)
+    return out
+
+
+def group_histories(entries: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """[(row name, seed entry)] -> {row name: [seed entries]} in first-seen order."""
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for name, entry in entries:
+        out[name].append(entry)
+    return dict(out)

@@ -1,0 +1,274 @@
+"""The sweep report's results tables (MeSH Tables 1-2): one row per grid point, aggregated over its seeds, and
+the paired difference of every row to a baseline row.
+
+Every value comes from what a trial left on disk (see ``load_trial``); a value a row lacks is ``None`` here
+and shown as missing in the report, never filled in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recursive_lightning.sweep.spec import SEED_AXIS, row_name
+
+SWEEP_RESULT = "sweep_result.json"
+TASK_METRIC = re.compile(r"^eval/(?P<task>[^/]+)/(?P<shots>\d+)shot/(?P<metric>[^/]+)$")
+AVG_METRIC = re.compile(r"^eval/avg/(?P<shots>\d+)shot$")
+NOT_TASKS = {"avg", "ppl", "bpb", "ppl_ctx", "ppl_ctx_last"}
+MISSING = "—"
+CONFIDENCE = 0.95  # of the paired differences' t-intervals
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _finite(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+# --------------------------------------------------------------------------------------------- trials
+def load_trial(
+    run_dir: Path, row: dict[str, Any], spec: Any, describe_cache: dict[str, dict]
+) -> dict[str, Any]:
+    """Complete a finished trial's row (from the study) with what its directory holds.
+
+    ``metrics``: ``trials/<point>/sweep_result.json`` (the sweep's record: training's final validation plus
+    ``evaluate:``), else the study's copy; ``seconds`` / ``tokens`` / ``steps``: ``result.json`` (written by
+    ``train``); ``describe``: parameters and FLOPs counted by ``model.accounting.describe`` on the trial's
+    ``config.yaml`` (else the sweep file's config of the point); ``mlflow_run_id`` from the record."""
+    trial_dir = run_dir / "trials" / str(row.get("key"))
+    record = _read_json(trial_dir / SWEEP_RESULT)
+    result = _read_json(trial_dir / "result.json") or {}
+    out = dict(row)
+    out["trial_dir"] = trial_dir
+    if record is not None and isinstance(record.get("metrics"), dict):
+        out["metrics"] = dict(record["metrics"])
+        out["metrics_source"] = SWEEP_RESULT
+    else:
+        out["metrics_source"] = "optuna study"
+    out["mlflow_run_id"] = (
+        (record or {}).get("mlflow_run_id") or result.get("mlflow_run_id") or row.get("mlflow_run_id")
+    )
+    out["seconds"] = _finite(result.get("seconds"))
+    out["tokens"] = _finite(result.get("tokens"))
+    out["steps"] = _finite(result.get("steps"))
+    cfg = _trial_config(trial_dir, row, spec)
+    out["config"] = cfg
+    out["describe"] = _describe(cfg, describe_cache) if cfg is not None else None
+    return out
+
+
+def _trial_config(trial_dir: Path, row: dict[str, Any], spec: Any):
+    from recursive_lightning.config import load_run_config
+    from recursive_lightning.errors import ConfigError
+
+    if (trial_dir / "config.yaml").is_file():
+        try:
+            return load_run_config(trial_dir / "config.yaml")
+        except ConfigError:
+            pass
+    try:
+        return spec.trial_config(row["params"])
+    except (ConfigError, KeyError, TypeError):
+        return None
+
+
+def _describe(cfg: Any, cache: dict[str, dict]) -> dict[str, Any] | None:
+    from recursive_lightning.model.accounting import describe
+
+    key = json.dumps([cfg.to_dict()["model"], cfg.data.seq_len], sort_keys=True, default=str)
+    if key not in cache:
+        try:
+            cache[key] = describe(cfg.model, seq_len=cfg.data.seq_len)
+        except Exception:  # a config the counter cannot build: the columns stay missing
+            cache[key] = None
+    return cache[key]
+
+
+def tokens_per_step(trial: dict[str, Any]) -> float | None:
+    """Tokens one optimizer step consumed: ``result.json``'s tokens over steps, else the config's
+    batch × sequence × accumulation (one device)."""
+    if trial.get("tokens") and trial.get("steps"):
+        return trial["tokens"] / trial["steps"]
+    cfg = trial.get("config")
+    if cfg is None:
+        return None
+    return float(cfg.data.batch_size * cfg.data.seq_len * cfg.train.accumulate)
+
+
+# --------------------------------------------------------------------------------------------- columns
+@dataclass
+class Column:
+    key: str  # the per-trial value: a metric name, or one of the derived keys below
+    title: str
+    kind: str  # "count", "flops", "rate", "seconds", "ppl", "acc"
+    paired: bool = False  # part of the paired-difference table
+
+
+@dataclass
+class Row:
+    name: str
+    params: dict[str, Any]
+    trials: list[dict[str, Any]] = field(default_factory=list)
+
+    def values(self, key: str) -> list[float | None]:
+        return [trial_value(t, key) for t in self.trials]
+
+
+def trial_value(trial: dict[str, Any], key: str) -> float | None:
+    d = trial.get("describe") or {}
+    if key == "params_non_embedding":
+        return _finite(d.get("params_non_embedding"))
+    if key == "flops_per_token":
+        f, n = _finite(d.get("flops_forward")), d.get("seq_len")
+        return f / n if f is not None and n else None
+    if key == "tokens_per_sec":
+        return _finite(trial.get("tokens_per_sec"))
+    if key == "seconds":
+        return _finite(trial.get("seconds"))
+    v = _finite((trial.get("metrics") or {}).get(key))
+    if v is not None and is_accuracy(key):
+        return 100.0 * v  # accuracies in %, as the papers print them
+    return v
+
+
+def is_accuracy(key: str) -> bool:
+    m = TASK_METRIC.match(key)
+    return bool(AVG_METRIC.match(key) or (m and m["task"] not in NOT_TASKS))
+
+
+def headline_metrics(trials: Sequence[dict[str, Any]]) -> dict[tuple[str, str], str]:
+    """(task, shots) -> the metric key the papers report for it (``evaluation.run.headline``: acc_norm for
+    PIQA, HellaSwag, ARC, SciQ; acc for LAMBADA, WinoGrande, cMMLU; else acc, acc_norm, exact_match)."""
+    from recursive_lightning.evaluation.run import headline
+
+    names: dict[tuple[str, str], dict[str, float]] = {}
+    for t in trials:
+        for k in t.get("metrics") or {}:
+            m = TASK_METRIC.match(k)
+            if m and m["task"] not in NOT_TASKS:
+                names.setdefault((m["task"], m["shots"]), {})[m["metric"]] = 0.0
+    out = {}
+    for (task, shots), metrics in sorted(names.items(), key=lambda kv: (int(kv[0][1]), kv[0][0])):
+        h = headline(task, {m: v for m, v in metrics.items() if "stderr" not in m})
+        if h is not None:
+            out[(task, shots)] = f"eval/{task}/{shots}shot/{h[0]}"
+    return out
+
+
+def columns(
+    trials: Sequence[dict[str, Any]], ranked: str
+) -> tuple[list[Column], dict[tuple[str, str], str], list[str]]:
+    """(results-table columns, (task, shots) -> headline metric key, shot counts)."""
+    keys = {k for t in trials for k in (t.get("metrics") or {})}
+    ppl = [ranked] if ranked in keys else []
+    ppl += sorted(k for k in keys if k.startswith("val/") and k.endswith("/ppl") and k != ranked)
+    ppl += sorted(k for k in keys if k.startswith("eval/ppl/"))
+    shots = sorted({m["shots"] for k in keys if (m := AVG_METRIC.match(k))}, key=int)
+    heads = headline_metrics(trials)
+    shots = sorted(set(shots) | {s for _, s in heads}, key=int)
+    main = [
+        Column("params_non_embedding", "params (non-emb.)", "count"),
+        Column("flops_per_token", "fwd FLOPs/token", "flops"),
+        Column("tokens_per_sec", "train tokens/s", "rate"),
+        Column("seconds", "wall-clock (s)", "seconds"),
+        *(Column(k, k, "ppl", True) for k in ppl),
+        *(Column(f"eval/avg/{s}shot", f"avg acc {s}-shot (%)", "acc", True) for s in shots),
+    ]
+    return main, heads, shots
+
+
+def build_rows(trials: Sequence[dict[str, Any]], axes: Sequence[str], order: Sequence[str] = ()) -> list[Row]:
+    """Trials grouped by their axes other than the seed; rows in ``order`` first (the grid's), then as seen."""
+    rows: dict[str, Row] = {}
+    for t in trials:
+        params = {k: v for k, v in t["params"].items() if k != SEED_AXIS}
+        name = row_name(params, list(axes)) or "all"
+        rows.setdefault(name, Row(name, params)).trials.append(t)
+    for r in rows.values():
+        r.trials.sort(key=lambda t: str(t["params"].get(SEED_AXIS)))
+    rank = {n: i for i, n in enumerate(order)}
+    return sorted(rows.values(), key=lambda r: rank.get(r.name, len(rank)))
+
+
+# --------------------------------------------------------------------------------------------- statistics
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    m = sum(values) / len(values)
+    s = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return m, s
+
+
+def paired_difference(row: Row, base: Row, key: str, confidence: float = CONFIDENCE) -> dict[str, Any] | None:
+    """The difference row - baseline of ``key`` over the seeds both rows finished (same seed, one pair each):
+    its mean and the two-sided Student-t interval mean ± t_{(1+c)/2, n-1} · sd / √n (None for n = 1)."""
+    from scipy import stats
+
+    mine = {t["params"].get(SEED_AXIS): trial_value(t, key) for t in row.trials}
+    theirs = {t["params"].get(SEED_AXIS): trial_value(t, key) for t in base.trials}
+    seeds = sorted(
+        (s for s in mine.keys() & theirs.keys() if mine[s] is not None and theirs[s] is not None), key=str
+    )
+    if not seeds:
+        return None
+    d = [mine[s] - theirs[s] for s in seeds]
+    m, sd = mean_std(d)
+    out = {"n": len(d), "mean": m, "sd": sd, "seeds": seeds, "differences": d, "lo": None, "hi": None}
+    if len(d) > 1:
+        half = float(stats.t.ppf((1 + confidence) / 2, len(d) - 1)) * sd / math.sqrt(len(d))
+        out["lo"], out["hi"] = m - half, m + half
+    return out
+
+
+# --------------------------------------------------------------------------------------------- formatting
+def fmt_value(v: float, kind: str) -> str:
+    if kind == "count":
+        return f"{v:,.0f}"
+    if kind == "flops":
+        for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+            if abs(v) >= scale:
+                return f"{v / scale:.3g}{suffix}"
+        return f"{v:.3g}"
+    if kind in ("rate", "seconds"):
+        return f"{v:,.0f}"
+    return f"{v:.2f}"
+
+
+def fmt_cell(values: Sequence[float | None], kind: str) -> str:
+    """mean ± std over the seeds that have the value; "(m/n seeds)" when some lack it; missing when none."""
+    have = [v for v in values if v is not None]
+    if not have:
+        return MISSING
+    if kind in ("count", "flops") and len(set(have)) == 1:
+        text = fmt_value(have[0], kind)
+    else:
+        m, s = mean_std(have)
+        text = fmt_value(m, kind) + (f" ± {fmt_value(s, kind)}" if len(have) > 1 else "")
+    if len(have) < len(values):
+        text += f" ({len(have)}/{len(values)} seeds)"
+    return text
+
+
+def fmt_signed(v: float, kind: str) -> str:
+    return ("+" if v >= 0 else "−") + fmt_value(abs(v), kind)
+
+
+def fmt_difference(d: dict[str, Any] | None, kind: str) -> str:
+    if d is None:
+        return MISSING
+    text = fmt_signed(d["mean"], kind)
+    if d["lo"] is None:
+        return text + " (1 pair, no interval)"
+    return f"{text} [{fmt_signed(d['lo'], kind)}, {fmt_signed(d['hi'], kind)}]"
