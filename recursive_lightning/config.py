@@ -62,6 +62,12 @@ class TrainConfig:
     progress: bool = True
     # glibc: reuse freed memory instead of page-faulting it in again every step (training/host.py)
     keep_host_memory: bool = True
+    # uptraining (training/uptrain.py): initialise from a pretrained vanilla model at step 0 (never on --resume)
+    init_from: str | None = None  # a checkpoint or run dir of ours, a local HF GPT-NeoX / LLaMA dir, Hub name
+    init_strategy: str = "stepwise"  # stepwise | average | lower | select:LAYERS (Bae et al. 2024)
+    # train only these parts for the first train_only_steps steps, then everything (training/partial.py)
+    train_only: list[str] | None = None  # of embed, prelude, core, coda, norm, head, topology, resolution
+    train_only_steps: int = 0
 
 
 @dataclass
@@ -148,6 +154,14 @@ class RunConfig:
             )
         if t.strategy not in ("auto", "ddp", "fsdp"):
             raise ConfigError(f"train.strategy '{t.strategy}' is unknown; choose auto, ddp or fsdp.")
+        if t.init_from is not None or t.init_strategy != "stepwise":  # uptraining (issue 19)
+            from recursive_lightning.training.uptrain import parse_strategy
+
+            parse_strategy(t.init_strategy)
+        if t.train_only is not None or t.train_only_steps:
+            from recursive_lightning.training.partial import check_train_only
+
+            check_train_only(t.train_only, t.train_only_steps, t.max_steps)
         if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):
             raise ConfigError(
                 f"train.precision '{t.precision}' is unknown; choose auto, 32-true, bf16-mixed, 16-mixed or bf16-true."

@@ -73,7 +73,8 @@ class TrainResult:
         }
 
 
-def build_datamodule(cfg: RunConfig):
+def build_datamodule(cfg: RunConfig, tokenizer: str | None = None):
+    """``tokenizer`` replaces ``data.tokenizer`` (an uptraining run's ``init``: its source's copy)."""
     from recursive_lightning.data.datamodule import TextDataModule
 
     d = cfg.data
@@ -84,7 +85,7 @@ def build_datamodule(cfg: RunConfig):
     )
     return TextDataModule(
         data=d.path,
-        tokenizer=d.tokenizer,
+        tokenizer=tokenizer or d.tokenizer,
         seq_len=d.seq_len,
         batch_size=d.batch_size,
         cache_dir=cache,
@@ -202,10 +203,19 @@ def train(
                 flush=True,
             )
 
+    source = None  # uptraining (training/uptrain.py): the source is read only when the run starts at step 0
+    if cfg.train.init_from:
+        from recursive_lightning.training import uptrain
+
+        if resume_from is None:
+            source = uptrain.load_source(cfg.train.init_from)
+            uptrain.keep_tokenizer(cfg, source, run_dir)
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
-    dm = build_datamodule(cfg)
+    dm = build_datamodule(cfg, uptrain.tokenizer_spec(cfg, run_dir) if cfg.train.init_from else None)
     dm.prepare_data()
     dm.setup("fit")
+    if source is not None:
+        uptrain.check_tokenizer(cfg, source, dm.tokenizer)
     vocab = dm.vocab_size
     if vocab > cfg.model.vocab_size:
         raise ConfigError(
@@ -239,6 +249,16 @@ def train(
     )  # init must not depend on what data prep consumed
     module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
     module.mlflow_run_id = run_id
+    extra_cbs = []
+    if cfg.train.init_from:  # the record rides in every checkpoint; a resume restores it from there
+        record = uptrain.initialise(module.model, source, cfg.train.init_strategy) if source else None
+        if record is not None:
+            uptrain.log_record(tracking_uri, run_id, record)
+        extra_cbs.append(uptrain.Record(record))
+    if cfg.train.train_only_steps:
+        from recursive_lightning.training.partial import TrainOnly
+
+        extra_cbs.append(TrainOnly(cfg.train.train_only, cfg.train.train_only_steps))
     logger = _logger_class(MLFlowLogger)(
         experiment_name=experiment or cfg.name, tracking_uri=tracking_uri, run_id=run_id, log_model=False
     )
@@ -264,7 +284,7 @@ def train(
         auto_insert_metric_name=False,
         enable_version_counter=False,
     )
-    cbs = [periodic, best, *(callbacks or [])]
+    cbs = [periodic, best, *extra_cbs, *(callbacks or [])]
     if t.progress:
         from lightning.pytorch.callbacks import TQDMProgressBar
 
@@ -438,6 +458,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--parent-run-id", help="MLflow parent run (sweeps start multi-device trials this way)")
     p.add_argument("--run-name", help="MLflow run name (default: the config's name)")
     p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="MLflow tag of a new run")
+    p.add_argument(
+        "--init-from",
+        help="train.init_from: start from a pretrained vanilla model (a checkpoint or run dir of ours, a local "
+        "HF GPT-NeoX/LLaMA dir, a Hub name); its tokenizer comes with it",
+    )
+    p.add_argument(
+        "--init-strategy", help="train.init_strategy: stepwise (default), average, lower, select:LAYERS"
+    )
     args, rest = p.parse_known_args(argv)
     config = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)
     overrides = list(rest)
@@ -446,9 +474,15 @@ def main(argv: list[str]) -> int:
         ("max_steps", "train.max_steps"),
         ("checkpoint_every", "train.checkpoint_every"),
         ("seed", "train.seed"),
+        ("init_from", "train.init_from"),
+        ("init_strategy", "train.init_strategy"),
     ):
         if getattr(args, flag) is not None:
             overrides += [f"--{key}", str(getattr(args, flag))]
+    if args.init_from is not None:
+        from recursive_lightning.training.uptrain import cli_overrides
+
+        overrides = cli_overrides(args.init_from, config, overrides)
     cfg = load_run_config(config, overrides)
     run_dir = Path(args.run_dir or Path("runs") / cfg.name)
     if args.resume and not run_dir.exists():
