@@ -61,8 +61,21 @@ def _running_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
-def _band(per_seed: list[dict[int, float]]) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Steps, mean, min, max over the seeds that logged each step."""
+def against_tokens(entry: Mapping[str, Any], key: str) -> dict[float, float]:
+    """{tokens seen: value} of one run's metric ``key``. ``entry``: ``{"history": {metric: {step: value}},
+    "tokens_per_step": float, "steps": the run's optimizer steps}``.
+
+    A training step s logs the loss of batch s: s + 1 steps' tokens. Lightning logs a validation inside fit
+    at step G - 1 after G optimizer steps, and one run after fit (train's final validation when max_steps is
+    not a multiple of val_every) at G = max_steps: min(step + 1, steps) steps' tokens."""
+    series = entry["history"].get(key, {})
+    tps, total = float(entry["tokens_per_step"]), int(entry.get("steps") or 0)
+    cap = total if key.startswith("val/") and total else None
+    return {(min(s + 1, cap) if cap else s + 1) * tps: v for s, v in sorted(series.items())}
+
+
+def _band(per_seed: list[dict[float, float]]) -> tuple[list[float], list[float], list[float], list[float]]:
+    """x, mean, min, max over the seeds that logged each x."""
     steps = sorted({s for series in per_seed for s in series})
     mean, lo, hi = [], [], []
     for s in steps:
@@ -94,8 +107,7 @@ def plot_learning_curves(
 ) -> Path | None:
     """One PNG, two panels: training loss and validation perplexity (log scale) against tokens seen.
 
-    ``rows``: row name -> one entry per seed, each ``{"history": {metric: {step: value}}, "tokens_per_step":
-    int}``. A row's line is the mean over its seeds, its band the min-max over them; training loss is a
+    ``rows``: row name -> one entry per seed (see ``against_tokens``). A row's line is the mean over its seeds, its band the min-max over them; training loss is a
     trailing running mean of each seed's per-step loss (window in the panel title) before that. Returns None
     when no row has any history. Written atomically (a temporary file renamed over ``path``)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -127,29 +139,22 @@ def plot_learning_curves(
     late: list[float] = []  # training-loss values after the first 10 % of steps
     ppl_values: list[float] = []
     for color, (label, seeds) in zip(colors, rows.items()):
-        tps = [float(e["tokens_per_step"]) for e in seeds]
-        # training loss: step s consumed batch s, so s + 1 steps' tokens have been seen
         per_seed = []
         for e in seeds:
-            series = e["history"].get("train/loss", {})
-            steps = sorted(series)
-            smooth = _running_mean([series[s] for s in steps], window)
-            per_seed.append({s: v for s, v in zip(steps, smooth)})
-        steps, mean, lo, hi = _band(per_seed)
-        if steps:
-            x = [(s + 1) * tps[0] for s in steps]
-            start = max(1, len(steps) // 10)
+            series = against_tokens(e, "train/loss")
+            xs = sorted(series)
+            per_seed.append(dict(zip(xs, _running_mean([series[x] for x in xs], window))))
+        x, mean, lo, hi = _band(per_seed)
+        if x:
+            start = max(1, len(x) // 10)
             late += [v for v in lo[start:] + hi[start:] if math.isfinite(v)]
             ax_loss.plot(x, mean, color=color, lw=1.5, label=f"{label} (n={len(seeds)})")
             if len(seeds) > 1:
                 ax_loss.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
-        # validation at global step G: after G steps' tokens
         for style, name in zip(styles * 4, sets):
-            per_seed = [e["history"].get(f"val/{name}/ppl", {}) for e in seeds]
-            steps, mean, lo, hi = _band(per_seed)
-            if not steps:
+            x, mean, lo, hi = _band([against_tokens(e, f"val/{name}/ppl") for e in seeds])
+            if not x:
                 continue
-            x = [s * tps[0] for s in steps]
             ppl_values += [v for v in lo + hi if math.isfinite(v) and v > 0]
             tag = label if len(sets) == 1 else f"{label}, {name}"
             ax_ppl.plot(x, mean, color=color, ls=style, lw=1.5, marker="o", ms=3.5, label=tag)

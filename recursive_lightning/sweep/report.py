@@ -318,7 +318,11 @@ def _results_sections(
     figures = []
     curve_rows = {
         r.name: [
-            {"history": t["history"], "tokens_per_step": results.tokens_per_step(t) or 0.0}
+            {
+                "history": t["history"],
+                "tokens_per_step": results.tokens_per_step(t) or 0.0,
+                "steps": t.get("steps"),
+            }
             for t in r.trials
             if t["history"]
         ]
@@ -347,8 +351,14 @@ def _results_sections(
 
 
 def write_report(
-    run_dir: str | Path, spec=None, storage_url: str | None = None, tracking_uri: str | None = None
+    run_dir: str | Path,
+    spec=None,
+    storage_url: str | None = None,
+    tracking_uri: str | None = None,
+    log: bool = True,
 ) -> dict:
+    """Write ``report.md``, ``report.html`` and the figures into ``run_dir``; with ``log`` also log them (and
+    the best trial's metric) to the sweep's MLflow parent run."""
     run_dir = Path(run_dir).resolve()
     info_file = run_dir / "sweep.json"
     if not info_file.exists():
@@ -436,7 +446,7 @@ def write_report(
     html_path = run_dir / "report.html"
     atomic_write_text(html_path, markdown_to_html(md, run_dir, title=f"sweep {spec.name}"))
     parent = attrs.get("mlflow_parent_run_id") or info.get("parent_run_id")
-    if parent:
+    if parent and log:
         try:
             log_artifact(tracking_uri, parent, path, subdir="report")
             log_artifact(tracking_uri, parent, html_path, subdir="report")
