@@ -1,6 +1,6 @@
 """``python -m recursive_lightning eval CHECKPOINT``: perplexity, perplexity by context length, lm-eval accuracy.
 
-    python -m recursive_lightning eval runs/looped-mesh                       # the papers' nine tasks, 0/5-shot
+    python -m recursive_lightning eval runs/looped-mesh                       # the default tasks, 0/5-shot
     python -m recursive_lightning eval runs/x/checkpoints/last.ckpt --ppl wiki=wiki.txt \\
         --context-lengths 256,512,1024,2048 --tasks lambada_openai,piqa --shots 0 --limit 200
 
@@ -12,7 +12,14 @@ step = the checkpoint's global step, the JSON as an artifact under ``eval/``).
 Downstream protocol (MeSH App. B, SpiralFormer App. F): LAMBADA OpenAI/Standard, HellaSwag, PIQA, WinoGrande,
 ARC-E, ARC-C, SciQ and MMLU-continuation through the LM Evaluation Harness, 0-shot and 5-shot; the headline
 metric is ``acc_norm`` (accuracy normalised by the byte length of the target) for PIQA, HellaSwag, ARC-E,
-ARC-C and SciQ and ``acc`` for LAMBADA, WinoGrande and cMMLU; the average is over those nine (MeSH Table 2).
+ARC-C and SciQ and ``acc`` for LAMBADA, WinoGrande and cMMLU (MeSH Table 2).
+
+Without ``--tasks`` (or with the name ``default`` in it) the tasks are ``DEFAULT_TASKS``: those nine plus the two
+tasks built from the embedded corpus's held-out documents, ``embedded_lastword`` (``acc``) and
+``embedded_nextsent`` (``acc_norm``; ``data/embedded_tasks.py``, configs in ``evaluation/tasks/``), which need no
+network. A default task whose data cannot be had (a Hub dataset not cached on an offline machine) is skipped, and
+one line says which and why; a task named explicitly that cannot be had is an error. ``eval/avg/<k>shot`` is the
+mean headline accuracy over the tasks that ran.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from recursive_lightning.errors import UserError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TASKS = (
+PAPER_TASKS = (
     "lambada_openai",
     "lambada_standard",
     "hellaswag",
@@ -44,6 +51,10 @@ DEFAULT_TASKS = (
     "sciq",
     "mmlu_continuation",
 )
+# built from the embedded corpus (data/embedded_tasks.py, not imported here: it pulls in the data pipeline)
+EMBEDDED_TASKS = ("embedded_lastword", "embedded_nextsent")
+DEFAULT_TASKS = (*PAPER_TASKS, *EMBEDDED_TASKS)
+DEFAULT_ALIAS = "default"  # in a task list: DEFAULT_TASKS, each skipped when its data cannot be had
 DEFAULT_SHOTS = (0, 5)
 # MeSH Table 2 / SpiralFormer Table 3: length-normalised accuracy for five tasks, accuracy for the rest.
 PAPER_METRIC = {
@@ -56,6 +67,8 @@ PAPER_METRIC = {
     "arc_challenge": "acc_norm",
     "sciq": "acc_norm",
     "mmlu_continuation": "acc",
+    "embedded_lastword": "acc",
+    "embedded_nextsent": "acc_norm",
 }
 # Built-in task folders, so that the paper's tasks are indexed in milliseconds instead of the ~15 s that
 # lm-eval needs to index all of its thousands of task YAMLs.
@@ -82,15 +95,21 @@ LOCAL_BUILDERS = {
     "imagefolder",
     "audiofolder",
 }
+# the lm-eval configs of the embedded tasks (and their tag ``embedded``)
+EMBEDDED_DIR = Path(__file__).parent / "tasks"
+EMBEDDED_NAMES = {*EMBEDDED_TASKS, "embedded"}
 NOT_ACCURACY = ("perplexity", "bits_per_byte", "byte_perplexity", "word_perplexity", "bpb")
 
 
 # ---------------------------------------------------------------------------------------------- tasks
 def task_manager(
-    tasks: Sequence[str], include_path: str | os.PathLike | Sequence[str | os.PathLike] | None = None
-):
+    tasks: Sequence[str],
+    include_path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> Any:
     """An lm-eval ``TaskManager`` that indexes only what ``tasks`` need when it can (local folders, the
-    built-in folders of the papers' tasks), and all of lm-eval's tasks otherwise."""
+    built-in folders of the papers' tasks, the embedded tasks' folder), and all of lm-eval's tasks otherwise.
+    ``metadata`` reaches every task's config (the embedded tasks read ``cache_dir`` from it)."""
     from lm_eval.tasks import TaskManager
 
     paths = [str(p) for p in _as_list(include_path)]
@@ -98,7 +117,10 @@ def task_manager(
         if not Path(p).exists():
             raise UserError(f"--include-path '{p}' does not exist; pass a folder of task YAML files.")
     named = [t for t in tasks if not _is_yaml_path(t)]
-    local = TaskManager(include_path=paths, include_defaults=False) if paths else None
+    if any(t in EMBEDDED_NAMES for t in named):
+        paths.append(str(EMBEDDED_DIR))
+        _quiet_custom_dataset_warning()
+    local = TaskManager(include_path=paths, include_defaults=False, metadata=metadata) if paths else None
     missing = [t for t in named if local is None or t not in local.all_tasks]
     if not missing and local is not None:
         return local
@@ -107,9 +129,24 @@ def task_manager(
     root = Path(lm_tasks.__file__).parent
     if all(t in BUILTIN_DIRS for t in missing):
         dirs = sorted({str(root / BUILTIN_DIRS[t]) for t in missing})
-        return TaskManager(include_path=dirs + paths, include_defaults=False)
+        return TaskManager(include_path=dirs + paths, include_defaults=False, metadata=metadata)
     _fail_unknown([t for t in missing if t not in BUILTIN_DIRS], [root, *map(Path, paths)])
-    return TaskManager(include_path=paths or None)
+    return TaskManager(include_path=paths or None, metadata=metadata)
+
+
+class _CustomDatasetNote(logging.Filter):
+    """Drops lm-eval's warning that a ``custom_dataset`` task takes ``--metadata`` (printed for every load of
+    the embedded tasks, whose metadata we pass ourselves)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (msg.startswith(EMBEDDED_TASKS) and "Custom kwargs can be passed" in msg)
+
+
+def _quiet_custom_dataset_warning() -> None:
+    lm_log = logging.getLogger("lm_eval.api.task")
+    if not any(isinstance(f, _CustomDatasetNote) for f in lm_log.filters):
+        lm_log.addFilter(_CustomDatasetNote())
 
 
 _NAME_RE = re.compile(r"^\s*-?\s*['\"]?(?:task|group|tag)['\"]?\s*:\s*['\"]?([^\s'\"#\[\],]+)", re.M)
@@ -211,6 +248,72 @@ def _offline_sentence(tm: Any, name: str, err: BaseException) -> str:
     )
 
 
+def expand_tasks(tasks: str | Sequence[str] | None) -> tuple[list[str], set[str]]:
+    """The task names of ``tasks`` (a list, or one comma-separated string) with ``default`` expanded to
+    ``DEFAULT_TASKS`` and ``none`` dropped, and the set of those that came only from ``default`` (they may be
+    skipped when their data cannot be had; a task named explicitly may not)."""
+    if isinstance(tasks, str):
+        tasks = tasks.split(",")
+    names = [str(t).strip() for t in (tasks or [])]
+    names = [t for t in names if t and t.lower() != "none"]
+    explicit = {t for t in names if t.lower() != DEFAULT_ALIAS}
+    out: list[str] = []
+    for t in names:
+        for name in DEFAULT_TASKS if t.lower() == DEFAULT_ALIAS else (t,):
+            if name not in out:
+                out.append(name)
+    return out, {t for t in out if t not in explicit}
+
+
+def _offline() -> bool:
+    return any(
+        os.environ.get(k, "").lower() in ("1", "true", "yes", "on")
+        for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    )
+
+
+def _skip_reason(tm: Any, name: str, err: BaseException) -> str:
+    ds = _dataset_of(tm, name)
+    if ds in LOCAL_BUILDERS or (ds and Path(ds).exists()):
+        return (str(err).splitlines() or [type(err).__name__])[0][:160]
+    if _offline() or type(err).__name__ in ("OfflineModeIsEnabled", "LocalEntryNotFoundError"):
+        return "their Hugging Face datasets are not in the local cache and this machine is offline"
+    return f"their Hugging Face datasets could not be downloaded ({type(err).__name__})"
+
+
+def drop_unavailable(tm: Any, tasks: Sequence[str], optional: set[str]) -> tuple[list[str], dict[str, str]]:
+    """``tasks`` less the ``optional`` ones whose data cannot be loaded, and ``{skipped task: why}``; a task that
+    is not optional is kept either way (``run_tasks`` then fails in one sentence naming it)."""
+    kept, skipped = [], {}
+    for t in tasks:
+        if t in optional:
+            try:
+                tm.load([t])
+            except UserError as e:
+                skipped[t] = str(e)
+                continue
+            except Exception as e:
+                err = _data_error(e)
+                if err is None:
+                    raise
+                skipped[t] = _skip_reason(tm, t, err)
+                continue
+        kept.append(t)
+    return kept, skipped
+
+
+def skipped_line(skipped: dict[str, str]) -> str:
+    """One line naming the skipped default tasks and why (tasks with the same reason together)."""
+    by_reason: dict[str, list[str]] = {}
+    for t, why in skipped.items():
+        by_reason.setdefault(why, []).append(t)
+    parts = [f"{', '.join(ts)} ({why})" for why, ts in by_reason.items()]
+    return (
+        f"skipped default tasks {'; '.join(parts)}; run once with network access to cache their data, "
+        "or name the tasks to run with --tasks (embedded_lastword, embedded_nextsent need no network)."
+    )
+
+
 def run_tasks(
     lm: Any, tasks: Sequence[str], shots: int, limit: int | float | None, tm: Any
 ) -> dict[str, Any]:
@@ -306,7 +409,7 @@ def _parse_sets(ppl_sets: dict[str, str] | Sequence[str] | None) -> dict[str, st
 def evaluate_checkpoint(
     path: str | os.PathLike,
     ppl_sets: dict[str, str] | Sequence[str] | None = None,
-    tasks: Sequence[str] | None = DEFAULT_TASKS,
+    tasks: str | Sequence[str] | None = (DEFAULT_ALIAS,),
     shots: Sequence[int] = DEFAULT_SHOTS,
     limit: int | float | None = None,
     *,
@@ -330,7 +433,9 @@ def evaluate_checkpoint(
 
     ``ppl_sets`` maps a name to a text set (see ``perplexity.read_texts``); ``context_lengths`` evaluates the
     set ``ctx_set`` (default: the first) at each length (``perplexity.perplexity_by_context_length``);
-    ``tasks`` are lm-eval task names (local ones with ``include_path``), each run at every ``shots`` value.
+    ``tasks`` are lm-eval task names (local ones with ``include_path``), each run at every ``shots`` value;
+    ``default`` among them stands for ``DEFAULT_TASKS``, those of which whose data cannot be had are skipped
+    (``result["skipped_tasks"]``, one line in ``result["notes"]``, printed or logged).
     Returns the JSON-ready result, with ``json_path`` and, unless ``mlflow=False``, ``mlflow`` (tracking URI
     and run id) filled in.
     """
@@ -349,7 +454,7 @@ def evaluate_checkpoint(
         "eval", out, out_dir is not None, (tracking_uri or default_tracking_uri(run_dir)) if mlflow else None
     )
     sets = _parse_sets(ppl_sets)
-    tasks = [t for t in (tasks or []) if t and t.lower() != "none"]
+    tasks, optional = expand_tasks(tasks)
     shots = [int(s) for s in shots] if tasks else []
     if any(s < 0 for s in shots):
         raise UserError(f"shots must be >= 0, not {shots}.")
@@ -362,9 +467,21 @@ def evaluate_checkpoint(
         if not docs:
             raise UserError(f"perplexity set '{name}' ({sets[name]}) holds no text.")
     tm = None
+    skipped: dict[str, str] = {}
+    notes: list[str] = []
     if tasks:
-        tm = task_manager(tasks, include_path)
+        tm = task_manager(tasks, include_path, metadata=_embedded_metadata(loaded, tasks, notes))
         check_tasks(tm, tasks)
+        tasks, skipped = drop_unavailable(tm, tasks, optional)
+        if skipped:
+            notes.insert(0, skipped_line(skipped))
+        if not tasks:
+            shots = []
+    for line in notes:  # before the (long) evaluation starts
+        if show:
+            print(f"note: {line}", file=sys.stderr)
+        else:
+            log.warning("%s", line)
 
     result: dict[str, Any] = {
         "checkpoint": str(ckpt),
@@ -385,6 +502,8 @@ def evaluate_checkpoint(
         "headline": {},
         "avg": {},
         "limit": limit,
+        "skipped_tasks": skipped,
+        "notes": notes,
     }
     for name, docs in texts.items():
         r = perplexity(model, tok, docs, max_length=lm.max_length, stride=stride, batch_size=lm.batch_size)
@@ -453,6 +572,25 @@ def evaluate_checkpoint(
 
 
 # ---------------------------------------------------------------------------------------------- MLflow
+def _embedded_metadata(loaded: Any, tasks: Sequence[str], notes: list[str]) -> dict[str, Any] | None:
+    """lm-eval metadata for the embedded tasks: the cache folder of the checkpoint's run (``data.cache_dir``, else
+    ``$RECURSIVE_LIGHTNING_CACHE`` or ``~/.cache/recursive_lightning``); a note in ``notes`` when the checkpoint
+    trained on the embedded corpus with fewer held-out documents than the tasks are built from."""
+    if not any(t in EMBEDDED_NAMES for t in tasks):
+        return None
+    from recursive_lightning.data.embedded_tasks import HELDOUT_FRACTION, default_cache_dir
+
+    data = getattr(loaded.run, "data", None)
+    if data is not None and data.path is None and float(data.val_fraction) < HELDOUT_FRACTION:
+        notes.append(
+            f"the checkpoint trained on the embedded corpus with data.val_fraction={data.val_fraction}, below the "
+            f"{HELDOUT_FRACTION} the embedded tasks are built from, so some of their documents were in its training "
+            f"split; train with data.val_fraction >= {HELDOUT_FRACTION} for a clean score."
+        )
+    cache = Path(data.cache_dir).expanduser().resolve() if data is not None and data.cache_dir else None
+    return {"cache_dir": str(cache or default_cache_dir())}
+
+
 def _mlflow_target(loaded: Any, run_dir: Path, tracking_uri: str | None) -> dict[str, Any]:
     """The checkpoint's training run in the tracking store, or a new run tagged with the checkpoint."""
     from recursive_lightning.tracking import (
@@ -520,6 +658,10 @@ def _log_mlflow(result: dict[str, Any], json_path: Path) -> None:
     target = result["mlflow"]
     uri, run_id = target["tracking_uri"], target["run_id"]
     log_metrics(uri, run_id, flat_metrics(result), step=int(result.get("global_step") or 0))
+    if result.get("skipped_tasks"):
+        from recursive_lightning.tracking import client
+
+        client(uri).set_tag(run_id, "eval.skipped_tasks", ", ".join(result["skipped_tasks"]))
     log_artifact(uri, run_id, json_path, subdir="eval")
     if result.get("ppl_ctx", {}).get("plot"):
         log_artifact(uri, run_id, result["ppl_ctx"]["plot"], subdir="eval")
@@ -652,7 +794,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tasks",
         nargs="+",
         default=None,
-        help=f"lm-eval tasks, comma-separated (default: {','.join(DEFAULT_TASKS)}); 'none' for no tasks",
+        help=f"lm-eval tasks, comma-separated (default: {','.join(DEFAULT_TASKS)}, each skipped with a note when "
+        "its data cannot be had; 'default' names that list); 'none' for no tasks",
     )
     p.add_argument("--shots", default="0,5", help="few-shot counts, comma-separated (default 0,5)")
     p.add_argument("--limit", default=None, help="at most N examples per task (a fraction if below 1)")
@@ -723,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluate_checkpoint(
         args.checkpoint,
         ppl_sets=args.ppl,
-        tasks=DEFAULT_TASKS if tasks is None else tasks,
+        tasks=[DEFAULT_ALIAS] if tasks is None else tasks,
         shots=_ints(args.shots, "--shots"),
         limit=_limit(args.limit),
         context_lengths=_ints(args.context_lengths, "--context-lengths") if args.context_lengths else None,
