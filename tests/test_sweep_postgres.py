@@ -1,0 +1,333 @@
+"""Sweeps beyond one machine: an Optuna study on a real PostgreSQL server, a real `mlflow server` on a PostgreSQL
+backend store with served artifacts, and `sweep --attach` workers as a scheduler would start them.
+
+The module starts its own throwaway PostgreSQL cluster (initdb in a temporary folder, as the `postgres` system
+user when run as root, on a free loopback port) and its own `mlflow server` on 127.0.0.1; it is skipped only
+where PostgreSQL's server binaries are not installed. Heartbeats are shortened (1 s, stale after 8 s) so that
+a dead worker's trial is taken over within the test; the kill itself is a named fault point, not a timing.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from recursive_lightning.sweep import servers
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {
+    **os.environ,
+    "PYTHONPATH": str(ROOT),
+    "OMP_NUM_THREADS": "1",
+    "RECURSIVE_LIGHTNING_HEARTBEAT": "1,8",
+}
+ENV.pop("RECURSIVE_LIGHTNING_FAULT", None)
+COMPLETE, FAIL = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL
+
+pytestmark = pytest.mark.skipif(
+    servers.postgres_bindir() is None,
+    reason="PostgreSQL's server binaries (initdb, pg_ctl) are not installed",
+)
+
+
+@pytest.fixture(scope="module")
+def pg():
+    with servers.LocalPostgres(fast=True) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def tracking(pg, tmp_path_factory):
+    """An `mlflow server` whose backend store is a PostgreSQL database, artifacts served from a folder."""
+    backend = pg.create_database("mlflow")
+    with servers.LocalMlflowServer(backend, tmp_path_factory.mktemp("mlflow") / "artifacts") as server:
+        yield server.uri
+
+
+def write_sweep(tmp: Path, cache: str, name: str, variants=("anchor", "mesh", "base"), seeds=(0, 1)) -> Path:
+    spec = {
+        "name": name,
+        "base": str(ROOT / "experiments/cpu/looped-mesh.yaml"),
+        "overrides": {
+            "model.preset": "cpu-tiny",
+            "model.layout": "1+1R2+1",
+            "data.seq_len": 32,
+            "data.batch_size": 4,
+            "data.val_batches": 2,
+            "data.cache_dir": cache,
+            "train.max_steps": 6,
+            "train.val_every": 3,
+            "train.checkpoint_every": 2,
+            "train.progress": False,
+        },
+        "axes": {"variant": {v: {"model.topology": v} for v in variants}},
+        "seeds": list(seeds),
+        "max_retries": 1,
+    }
+    p = tmp / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(spec))
+    return p
+
+
+def sweep(*args, env=None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "recursive_lightning", "sweep", *map(str, args)],
+        env=env or ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def prepare(spec: Path, run_dir: Path, storage: str, tracking: str) -> None:
+    """`sweep FILE --prepare` (in this process: it saves a process start on a 2-core CI machine)."""
+    from recursive_lightning.sweep import runner
+
+    args = [spec, "--run-dir", run_dir, "--storage", storage, "--tracking-uri", tracking, "--prepare"]
+    assert runner.main([str(a) for a in args]) == 0
+    assert not (run_dir / "trials").exists()  # prepared: nothing trained yet
+
+
+def finish(p: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, out
+
+
+def runs_of(tracking: str, name: str):
+    c = MlflowClient(tracking)
+    runs = c.search_runs([c.get_experiment_by_name(name).experiment_id])
+    parents = [r for r in runs if r.data.tags.get("kind") == "sweep"]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return c, parents, children
+
+
+@pytest.fixture(scope="module")
+def grid(pg, tracking, tmp_path_factory, data_cache):
+    """A six-point sweep prepared once, then run by three `sweep --attach` workers started together, each
+    told only the study's URL (the run directory and tracking server come from the study)."""
+    tmp = tmp_path_factory.mktemp("grid")
+    spec = write_sweep(tmp, data_cache, "pg-grid")
+    storage, run_dir = pg.create_database("grid"), tmp / "run"
+    prepare(spec, run_dir, storage, tracking)
+    workers = [sweep(spec, "--attach", "--storage", storage) for _ in range(3)]
+    outs = [finish(w) for w in workers]
+    assert [c for c, _ in outs] == [0, 0, 0], "\n".join(o for _, o in outs)
+    study = optuna.load_study(study_name="pg-grid", storage=storage)
+    return {
+        "storage": storage,
+        "run_dir": run_dir,
+        "study": study,
+        "outs": [o for _, o in outs],
+        "spec": spec,
+    }
+
+
+def test_three_attached_workers_finish_the_grid_each_point_once(grid, tracking):
+    trials = grid["study"].get_trials()
+    keys = [t.user_attrs["point_key"] for t in trials]
+    assert len(trials) == 6 and len(set(keys)) == 6  # six grid points, one trial each: no duplicate claim
+    assert all(t.state == COMPLETE for t in trials)
+    assert sorted((t.params["variant"], t.params["train.seed"]) for t in trials) == sorted(
+        (v, s) for v in ("anchor", "mesh", "base") for s in (0, 1)
+    )
+    started = sum(o.count("] trial ") for o in grid["outs"])
+    assert started == 6  # every point trained by exactly one worker, none started twice
+    # the workers found the run directory of the study (none was given one)
+    assert sorted(p.name for p in (grid["run_dir"] / "trials").iterdir()) == sorted(keys)
+
+    c, parents, children = runs_of(tracking, "pg-grid")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert sorted(r.data.tags["point_key"] for r in children) == sorted(keys)  # one child run per point
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+    assert {r.info.status for r in children} == {"FINISHED"}
+    for r in children:  # trained once: one loss per step in the child run
+        steps = [m.step for m in c.get_metric_history(r.info.run_id, "train/loss")]
+        assert sorted(steps) == list(range(6))
+    # the report went to the parent run's artifacts through the server
+    assert "report.md" in {Path(a.path).name for a in c.list_artifacts(parents[0].info.run_id, "report")}
+    assert json.loads((grid["run_dir"] / "sweep.json").read_text())["storage"] == grid["storage"]
+
+
+def test_report_reads_the_server_backed_study(grid, tracking):
+    """`report --run-dir` of a sweep whose study and runs live on servers reads them there."""
+    from recursive_lightning.sweep import report
+
+    (grid["run_dir"] / "report.md").unlink()
+    assert report.main(["--run-dir", str(grid["run_dir"])]) == 0
+    report = (grid["run_dir"] / "report.md").read_text()
+    assert all(v in report for v in ("anchor", "mesh", "base")) and "not finished" not in report
+
+
+def test_a_sigkilled_workers_trial_is_resumed_by_another_worker(grid, pg, tracking, tmp_path, data_cache):
+    """Worker A is SIGKILLed in its trial after the trial's first checkpoint (a named fault point). Worker B,
+    started after, runs the other point, sees A's trial miss its heartbeats, takes it over once Optuna
+    declares it stale, and resumes it from A's checkpoint in the shared run directory into the same MLflow
+    child run: the metric equals the uninterrupted sweep's for that point, bit for bit."""
+    spec = write_sweep(tmp_path, data_cache, "pg-kill", variants=("anchor", "mesh"), seeds=(0,))
+    storage, run_dir = pg.create_database("kill"), tmp_path / "run"
+    prepare(spec, run_dir, storage, tracking)
+    code, out_a = finish(
+        sweep(
+            spec, "--attach", "--storage", storage, env={**ENV, "RECURSIVE_LIGHTNING_FAULT": "mid_training"}
+        )
+    )
+    assert code == -9, out_a
+    (killed,) = [d for d in (run_dir / "trials").iterdir()]
+    assert any((killed / "checkpoints").glob("*.ckpt")) and not (killed / "result.json").exists()
+    run_id = (killed / "mlflow_run_id").read_text()
+
+    code, out_b = finish(sweep(spec, "--attach", "--storage", storage))
+    assert code == 0, out_b
+    assert "(resuming)" in out_b
+
+    study = optuna.load_study(study_name="pg-kill", storage=storage)
+    by_key: dict[str, list] = {}
+    for t in study.get_trials():
+        by_key.setdefault(t.user_attrs["point_key"], []).append(t.state)
+    assert by_key[killed.name] == [FAIL, COMPLETE]  # the dead worker's trial, failed as stale, then its retry
+    assert [s for k, s in by_key.items() if k != killed.name] == [[COMPLETE]]
+    baseline = {t.user_attrs["point_key"]: t.value for t in grid["study"].get_trials()}
+    got = {t.user_attrs["point_key"]: t.value for t in study.get_trials() if t.state == COMPLETE}
+    assert got == {k: baseline[k] for k in got}  # the uninterrupted sweep's metrics
+
+    assert (killed / "mlflow_run_id").read_text() == run_id
+    _, parents, children = runs_of(tracking, "pg-kill")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert sorted(r.info.run_id for r in children if r.data.tags["point_key"] == killed.name) == [run_id]
+    assert len(children) == 2 and {r.info.status for r in children} == {"FINISHED"}
+
+
+def test_bad_storage_or_tracking_urls_get_one_sentence_before_any_work(pg, tracking, tmp_path, data_cache):
+    from recursive_lightning.errors import ConfigError
+    from recursive_lightning.sweep import runner
+
+    spec = write_sweep(tmp_path, data_cache, "pg-bad", variants=("mesh",), seeds=(0,))
+    closed = servers.free_port()
+    good = pg.create_database("bad")
+    cases = [
+        (["--storage", f"postgresql+psycopg://postgres@127.0.0.1:{closed}/x"], f"127.0.0.1:{closed}/x"),
+        (["--storage", f"postgresql://postgres@127.0.0.1:{pg.port}/bad"], "postgresql+psycopg://"),
+        (["--storage", pg.url("nosuch")], "createdb nosuch"),
+        (["--storage", "postgres:/nonsense"], "--storage 'postgres:/nonsense' is not a database URL"),
+        (["--storage", good, "--tracking-uri", f"http://127.0.0.1:{closed}"], f"http://127.0.0.1:{closed}"),
+        (["--storage", good, "--tracking-uri", f"http://127.0.0.1:{pg.port}"], "MLflow tracking server"),
+        (["--storage", good, "--tracking-uri", tracking + "/nothing"], "HTTP 404"),
+    ]
+    for args, named in cases:
+        t0 = time.time()
+        with pytest.raises(ConfigError) as e:
+            runner.main([str(spec), "--run-dir", str(tmp_path / "run"), *args])
+        msg = str(e.value)
+        assert named in msg and msg.endswith(".") and "\n" not in msg, msg  # one sentence naming it
+        assert time.time() - t0 < 30  # not MLflow's minutes of retries
+    assert not (tmp_path / "run").exists()  # nothing made, nothing trained
+    assert optuna.get_all_study_names(storage=good) == []  # refused before the study was made
+
+    # an attached worker told another tracking server than the study's: its child runs would lose their parent
+    prepare(spec, tmp_path / "run", good, tracking)
+    with pytest.raises(ConfigError, match="is not the tracking store the study 'pg-bad' logs to"):
+        runner.main(
+            [str(spec), "--attach", "--storage", good, "--tracking-uri", f"http://localhost:{closed}"]
+        )
+    assert not (tmp_path / "run" / "trials").exists()
+
+
+_CLAIMER = """
+import sys, time
+from recursive_lightning.sweep.runner import _claim, _storage
+import optuna
+url, start = sys.argv[1], float(sys.argv[2])
+storage = _storage(url, 0)
+study = optuna.load_study(study_name="claims", storage=storage)
+while time.time() < start:
+    time.sleep(0.001)
+got = []
+while (trial_id := _claim(study, storage, url)) is not None:
+    got.append(trial_id)
+print(" ".join(map(str, got)))
+"""
+
+_PREPARER = """
+import sys, time
+from pathlib import Path
+from recursive_lightning.sweep.runner import prepare_study
+from recursive_lightning.sweep.spec import load_sweep
+spec, run_dir, storage, tracking, start = load_sweep(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:5], float(sys.argv[5])
+while time.time() < start:
+    time.sleep(0.001)
+study, parent = prepare_study(spec, run_dir, storage, tracking)
+print(parent)
+"""
+
+
+def test_claims_and_preparation_race_across_machines_without_duplicates(pg, tracking, tmp_path, data_cache):
+    """Four processes claim 40 waiting trials of one PostgreSQL study at once: each trial once. Three sweep
+    commands prepare one study at once from separate run directories (as on three machines, where the run
+    directory's file lock does not serialise them): one MLflow parent run, every grid point enqueued once."""
+    url = pg.create_database("claims")
+    study = optuna.create_study(study_name="claims", storage=url)
+    for i in range(40):
+        study.enqueue_trial({"x": i})
+    spec = write_sweep(tmp_path, data_cache, "pg-prep")
+    prep_url = pg.create_database("prep")
+    start = time.time() + 6  # every process imports first, then all start at once
+    claimers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CLAIMER, url, str(start)], env=ENV, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(4)
+    ]
+    preparers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _PREPARER,
+                str(spec),
+                str(tmp_path / f"machine{i}"),
+                prep_url,
+                tracking,
+                str(start),
+            ],
+            env=ENV,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(3)
+    ]
+    claimed = []
+    for p in claimers:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0
+        claimed += [int(x) for x in out.split()]
+    assert len(claimed) == 40 and len(set(claimed)) == 40, sorted(claimed)
+    parents = [p.communicate(timeout=300)[0].strip().splitlines()[-1] for p in preparers]
+    assert len(set(parents)) == 1, parents
+    trials = optuna.load_study(study_name="pg-prep", storage=prep_url).get_trials()
+    assert len(trials) == 6 and len({t.user_attrs["point_key"] for t in trials}) == 6
+
+
+def test_a_multi_device_trial_is_started_by_srun_inside_slurm(tmp_path, tiny_run):
+    from recursive_lightning.config import RunConfig
+    from recursive_lightning.sweep.runner import slurm_launcher
+
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir()
+    srun.write_text("#!/bin/sh\n")
+    srun.chmod(0o755)
+    raw = tiny_run()
+    raw["train"].update({"strategy": "fsdp", "devices": 4, "num_nodes": 2})
+    cfg = RunConfig.from_dict(raw)
+    slurm = {"SLURM_JOB_ID": "7", "PATH": str(srun.parent)}
+    assert slurm_launcher(cfg, slurm)[:4] == ["srun", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4"]
+    assert (
+        slurm_launcher(cfg, {"PATH": str(srun.parent)}) == []
+    )  # not in an allocation: Lightning starts the ranks
+    assert slurm_launcher(cfg, {"SLURM_JOB_ID": "7", "PATH": str(tmp_path)}) == []  # no srun
