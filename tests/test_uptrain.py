@@ -21,7 +21,16 @@ from recursive_lightning.model.model import RecursiveLM  # noqa: E402
 from recursive_lightning.training import uptrain  # noqa: E402
 from recursive_lightning.training.uptrain import Source, initialise, layer_map  # noqa: E402
 
-SMALL = {"preset": "cpu-tiny", "max_seq_len": 64}
+SMALL = {"preset": "cpu-tiny", "max_seq_len": 64, "vocab_size": 512}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: one thread is several times faster than two on a shared, busy CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _one_sentence(err: pytest.ExceptionInfo) -> str:
@@ -113,7 +122,7 @@ def _stacked(source: Source, layers: list[int]) -> RecursiveLM:
     return model
 
 
-IDX = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(1))
+IDX = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("topology", ["base", "static", "dynamic"])
@@ -256,22 +265,47 @@ def test_a_hub_name_offline_is_one_sentence():
 
 
 # ------------------------------------------------------------------------------------------ train --init-from
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    """A small text folder (fast to tokenise; the embedded corpus would cost a BPE training here)."""
+    import random
+
+    rng = random.Random(0)
+    words = (
+        "the shared core loops over middle layers while prelude and coda keep their first and last".split()
+    )
+    root = tmp_path_factory.mktemp("docs")
+    for i in range(80):
+        (root / f"{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(400)) + f" {i}.")
+    return root
+
+
+def _small_data(cfg: dict, docs, tokenizer: str = "bpe:300") -> dict:
+    cfg["data"].update(path=str(docs), tokenizer=tokenizer, val_batches=2)
+    return cfg
+
+
 def _state(ckpt) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()}
 
 
-def test_train_init_from_a_checkpoint_records_freezes_and_resumes_exactly(tmp_path, tiny_run):
+def test_train_init_from_a_checkpoint_records_freezes_and_resumes_exactly(tmp_path, tiny_run, docs):
     from mlflow.tracking import MlflowClient
 
-    from recursive_lightning.training.checkpoint import read_checkpoint
+    from recursive_lightning.training.checkpoint import read_checkpoint, save_model_checkpoint
     from recursive_lightning.training.run import train
 
-    vanilla_cfg = tiny_run(layout="4", topology="base")
-    vanilla_cfg["train"].update(max_steps=4, val_every=4)
-    train(RunConfig.from_dict(vanilla_cfg), tmp_path / "vanilla")
+    vanilla_run = RunConfig.from_dict(_small_data(tiny_run(layout="4", topology="base"), docs))
+    torch.manual_seed(0)  # a vanilla checkpoint of ours (as train writes it), with its tokenizer
+    save_model_checkpoint(
+        tmp_path / "vanilla" / "checkpoints" / "last.ckpt",
+        RecursiveLM(vanilla_run.model),
+        vanilla_run,
+        _bpe(300),
+    )
     source_ckpt = read_checkpoint(tmp_path / "vanilla" / "checkpoints" / "last.ckpt")
 
-    cfg = tiny_run(layout="1+2R2+1", topology="mesh")
+    cfg = _small_data(tiny_run(layout="1+2R2+1", topology="mesh"), docs, tokenizer="init")
     cfg["train"].update(
         max_steps=4,
         checkpoint_every=2,
@@ -321,25 +355,21 @@ def test_train_init_from_a_checkpoint_records_freezes_and_resumes_exactly(tmp_pa
     ]
 
 
-def test_train_takes_the_source_tokenizer_and_refuses_another(tmp_path, tiny_run, hf_dirs):
+def test_train_takes_the_source_tokenizer_and_refuses_another(tmp_path, tiny_run, hf_dirs, docs):
     from recursive_lightning.model import convert
     from recursive_lightning.training.run import train
 
     path, hf = hf_dirs["neox"]
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i in range(30):
-        (docs / f"{i}.txt").write_text(f"document {i}: the shared core loops over the middle layers. " * 30)
     cfg = tiny_run()
     model = {**convert.config_from_gpt_neox(hf.config).to_dict(), "layout": "1+2R2+1", "topology": "static"}
     model.pop("n_layers_hint")
     cfg.update(model=model)
-    cfg["data"].update(path=str(docs), tokenizer="bpe:4096", batch_size=2, val_batches=1)
+    cfg["data"].update(path=str(docs), tokenizer="bpe:300", batch_size=2, val_batches=1)
     cfg["train"].update(max_steps=1, val_every=1, init_from=str(path))
     with pytest.raises(ConfigError) as err:
         train(RunConfig.from_dict(cfg), tmp_path / "refused")
     text = _one_sentence(err)
-    assert "'bpe:4096'" in text and str(path) in text  # names both tokenizers
+    assert "'bpe:300'" in text and str(path) in text  # names both tokenizers
     cfg["data"]["tokenizer"] = "init"
     result = train(RunConfig.from_dict(cfg), tmp_path / "run")
     assert result.steps == 1
