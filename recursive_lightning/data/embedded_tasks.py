@@ -12,8 +12,9 @@ default; its validation batches come from the same documents):
   ``acc_norm`` (log-likelihood normalised by the choice's byte length).
 
 Only prose is used (no indented code, doctest lines or section underlines), whitespace is collapsed, and an item
-whose answer sentence occurs anywhere in a training document (whitespace collapsed the same way) is dropped, so
-nothing a model trained on the training split has seen gives the answer away. A run with ``data.val_fraction``
+whose answer sentence or whole text (context and answer) occurs anywhere in a training document (whitespace
+collapsed the same way) is dropped, so nothing a model trained on the training split has seen gives the answer
+away. A run with ``data.val_fraction``
 >= :data:`HELDOUT_FRACTION` on the embedded corpus never trained on these documents (the held-out documents of a
 smaller fraction are a subset of those of a larger one).
 
@@ -47,7 +48,7 @@ __all__ = [
     "sentences",
 ]
 
-TASK_FORMAT_VERSION = 1
+TASK_FORMAT_VERSION = 2
 LASTWORD = "embedded_lastword"
 NEXTSENT = "embedded_nextsent"
 EMBEDDED_TASKS = (LASTWORD, NEXTSENT)
@@ -128,7 +129,8 @@ def build_items(
                 if m and len(words) >= 6 and sent not in seen and not _in_training(sent, train_text):
                     seen.add(sent)
                     context = _tail_words(" ".join([*sents[:i], m.group(1)]), CONTEXT_WORDS)
-                    lastword.append({"context": context, "target": m.group(2), "doc": doc_index})
+                    if not _in_training(f"{context} {m.group(2)}", train_text):
+                        lastword.append({"context": context, "target": m.group(2), "doc": doc_index})
                 if i + 1 < len(sents):
                     nxt = sents[i + 1]
                     if (
@@ -141,7 +143,7 @@ def build_items(
     nextsent: list[dict[str, Any]] = []
     seen_pairs: set[tuple[str, str]] = set()
     for doc_index, context, answer in pairs:
-        if (context, answer) in seen_pairs:
+        if (context, answer) in seen_pairs or _in_training(f"{context} {answer}", train_text):
             continue
         seen_pairs.add((context, answer))
         n = len(answer.split(" "))

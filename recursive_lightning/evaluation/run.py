@@ -250,16 +250,18 @@ def _offline_sentence(tm: Any, name: str, err: BaseException) -> str:
 
 def expand_tasks(tasks: str | Sequence[str] | None) -> tuple[list[str], set[str]]:
     """The task names of ``tasks`` (a list, or one comma-separated string) with ``default`` expanded to
-    ``DEFAULT_TASKS`` and ``none`` dropped, and the set of those that came only from ``default`` (they may be
+    ``DEFAULT_TASKS`` (and the tag ``embedded`` to the embedded tasks) and ``none`` dropped, and the set of those that came only from ``default`` (they may be
     skipped when their data cannot be had; a task named explicitly may not)."""
     if isinstance(tasks, str):
         tasks = tasks.split(",")
     names = [str(t).strip() for t in (tasks or [])]
     names = [t for t in names if t and t.lower() != "none"]
     explicit = {t for t in names if t.lower() != DEFAULT_ALIAS}
+    explicit |= set(EMBEDDED_TASKS) if "embedded" in explicit else set()
     out: list[str] = []
     for t in names:
-        for name in DEFAULT_TASKS if t.lower() == DEFAULT_ALIAS else (t,):
+        group = {DEFAULT_ALIAS: DEFAULT_TASKS, "embedded": EMBEDDED_TASKS}.get(t.lower(), (t,))
+        for name in group:
             if name not in out:
                 out.append(name)
     return out, {t for t in out if t not in explicit}
