@@ -136,6 +136,7 @@ COMMANDS = {
     "report": ("recursive_lightning.sweep.report", "main"),
     "eval": ("recursive_lightning.evaluation.run", "main"),
     "probe": ("recursive_lightning.probes.run", "main"),
+    "ui": ("recursive_lightning.ui", "main"),
 }
 
 USAGE = """usage: python -m recursive_lightning <command> [options]
@@ -148,6 +149,7 @@ commands:
   eval       perplexity and lm-eval downstream accuracy of a checkpoint
   probe      the papers' diagnostic probes of a checkpoint, as figures and JSON
   generate   continuation of a prompt by a checkpoint (greedy or sampled, cached decoding)
+  ui         the MLflow UI of a run or sweep directory (moved or copied ones too), on 127.0.0.1
 
 `python -m recursive_lightning <command> --help` for the options of each command.
 

@@ -77,10 +77,12 @@ def default_tracking_uri(run_dir: str | os.PathLike) -> str:
     return f"sqlite:///{run_dir / 'mlflow.db'}"
 
 
-def ui_command(tracking_uri: str) -> str:
-    if tracking_uri.startswith("sqlite:"):
-        return f"mlflow ui --backend-store-uri {tracking_uri}"
-    return f"open {tracking_uri} in a browser"
+def ui_command(run_dir: str | os.PathLike, tracking_uri: str) -> str:
+    """How to look at a run or sweep directory's runs in the MLflow UI."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"open {tracking_uri} in a browser"
+    shown = os.path.relpath(run_dir) if not os.path.relpath(run_dir).startswith("..") else str(run_dir)
+    return f"python -m recursive_lightning ui {shown}"
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -99,17 +101,22 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+# MLflow 3 opens an experiment without this tag on its GenAI overview (traces, prompts): ours are model training
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 ARTIFACT_ROOT_TAG = "recursive_lightning.artifact_root"  # artifact root relative to the SQLite file's folder
 _relocated: set[str] = set()
 
 
-def relocate_artifacts(tracking_uri: str) -> None:
+def relocate_artifacts(tracking_uri: str, root: str | os.PathLike | None = None) -> None:
     """Point the artifact roots of a moved or copied SQLite store back beside it.
 
     MLflow keeps absolute artifact URIs in the database; an experiment created by ``ensure_experiment`` with
     its artifacts beside the database carries ``ARTIFACT_ROOT_TAG`` (the root relative to the database's
     folder), and where that no longer matches the database's location its experiment and runs are rewritten,
-    so a moved directory does not write artifacts to its old path, nor a copy into the original's."""
+    so a moved directory does not write artifacts to its old path, nor a copy into the original's.
+
+    ``root``: the folder the roots are relative to, when the database read is a private copy of the one in
+    that folder (``ui`` on a read-only directory)."""
     parts = _sqlite_parts(tracking_uri)
     if parts is None or tracking_uri in _relocated:
         return
@@ -128,7 +135,7 @@ def relocate_artifacts(tracking_uri: str) -> None:
                 (ARTIFACT_ROOT_TAG,),
             ).fetchall()
             for exp_id, location, rel in rows:
-                want = (db.parent / rel).as_uri()
+                want = (Path(root or db.parent).resolve() / rel).as_uri()
                 if location == want:
                     continue
                 with con:
@@ -204,14 +211,16 @@ def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | os.Path
     c = client(tracking_uri)
     exp = c.get_experiment_by_name(name)
     if exp is not None:
+        if exp.tags.get(EXPERIMENT_KIND_TAG) is None:  # made before the tag was set
+            c.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return exp.experiment_id
-    location, tags = None, None
+    location, tags = None, {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
     if artifact_root is not None and tracking_uri.startswith("sqlite:"):
         root = Path(artifact_root).resolve()
         location = root.as_uri()
         parts = _sqlite_parts(tracking_uri)
         if parts is not None and Path(parts[0]).parent in (root, *root.parents):
-            tags = {ARTIFACT_ROOT_TAG: os.path.relpath(root, Path(parts[0]).parent)}
+            tags[ARTIFACT_ROOT_TAG] = os.path.relpath(root, Path(parts[0]).parent)
     try:
         return c.create_experiment(name, artifact_location=location, tags=tags)
     except Exception:  # created concurrently by another worker
@@ -256,6 +265,36 @@ def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step:
     items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if v is not None]
     for i in range(0, len(items), 500):
         c.log_batch(run_id, metrics=items[i : i + 500])
+
+
+def log_corpus(tracking_uri: str, run_id: str, corpus: dict[str, Any]) -> None:
+    """The corpus as the run's dataset inputs (MLflow's Datasets column and the run's "Datasets used"): one per
+    split (context ``training`` / ``validation``), digest = corpus and tokenizer fingerprints, profile = its
+    documents and tokens. ``corpus`` is ``TextDataModule.corpus_summary()``."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    if corpus["kind"] == "hf":
+        source_type, source = "hugging_face", {"path": corpus["location"]}
+    else:
+        source_type, source = "local", {"uri": corpus["location"]}
+    digest = f"{corpus['corpus_fingerprint'] or ''}{(corpus['tokenizer_fingerprint'] or '')[:8]}"[:36]
+    inputs = []
+    for split, context in (("train", "training"), ("heldout", "validation")):
+        profile = {
+            **corpus["splits"][split],
+            "tokenizer": corpus["tokenizer"],
+            "vocab_size": corpus["vocab_size"],
+            "corpus_fingerprint": corpus["corpus_fingerprint"],
+        }
+        dataset = Dataset(
+            name=f"{corpus['name']}/{split}",
+            digest=digest or "unknown",
+            source_type=source_type,
+            source=json.dumps(source),
+            profile=json.dumps(profile),
+        )
+        inputs.append(DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)]))
+    client(tracking_uri).log_inputs(run_id, datasets=inputs)
 
 
 def _forget_artifact_repo(run_id: str) -> None:

@@ -70,8 +70,8 @@ def test_resume_with_a_larger_max_steps_extends_a_finished_run(finished, tmp_pat
     assert "trained 16 steps" in capsys.readouterr().out
     run = _run_of(run_dir)
     assert run.info.status == "FINISHED"  # not FAILED on "Changing param values is not allowed"
-    assert run.data.params["run/train/max_steps"] == "12"  # MLflow params never change ...
-    assert run.data.tags["resumed/run/train/max_steps"] == "16"  # ... the extension is recorded as a tag
+    assert run.data.params["train.max_steps"] == "12"  # MLflow params never change ...
+    assert run.data.tags["resumed/train.max_steps"] == "16"  # ... the extension is recorded as a tag
     assert json.loads((run_dir / "result.json").read_text())["steps"] == 16
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"] == 16  # resume uses it
 

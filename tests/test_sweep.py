@@ -4,6 +4,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -143,61 +144,66 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_mlflow_server_reads_parent_and_children(two_worker_sweep):
-    port = _free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{two_worker_sweep / 'mlflow.db'}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
+def _get(url: str, data: dict | None = None):
+    req = urllib.request.Request(
+        url,
+        data=None if data is None else json.dumps(data).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        body = r.read()
+    return json.loads(body) if r.headers.get_content_type() == "application/json" else body
+
+
+def test_ui_serves_a_copied_sweep_directory(two_worker_sweep, tmp_path):
+    """`ui` on a copy of the sweep directory, the original moved away: the UI lists the parent and its children
+    from the copy and reads a child run's artifacts from the copy (MLflow stores absolute artifact paths)."""
+    copy = tmp_path / "laptop" / "sweep"
+    shutil.copytree(two_worker_sweep, copy)
+    away = two_worker_sweep.with_name("moved-away")
+    two_worker_sweep.rename(away)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recursive_lightning", "ui", str(copy), "--port", str(_free_port())],
         env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
-    base = f"http://127.0.0.1:{port}/api/2.0/mlflow"
     try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except Exception:
-                time.sleep(0.5)
-        with urllib.request.urlopen(
-            f"{base}/experiments/get-by-name?experiment_name=tiny-sweep", timeout=10
-        ) as r:
-            exp_id = json.load(r)["experiment"]["experiment_id"]
-        req = urllib.request.Request(
-            f"{base}/runs/search",
-            data=json.dumps({"experiment_ids": [exp_id]}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=10) as r:
-            runs = json.load(r)["runs"]
+        line = proc.stdout.readline()
+        assert line.startswith("MLflow UI at http://127.0.0.1:"), line
+        url = line.split()[3]
+        base = f"{url}/api/2.0/mlflow"
+        exp = _get(f"{base}/experiments/get-by-name?experiment_name=tiny-sweep")["experiment"]
+        exp_tags = {t["key"]: t["value"] for t in exp.get("tags", [])}
+        assert exp_tags["mlflow.experimentKind"] == "custom_model_development"  # opens on the runs, not GenAI
+        runs = _get(f"{base}/runs/search", {"experiment_ids": [exp["experiment_id"]]})["runs"]
+        tags = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs]
+        parents = [r for r, t in zip(runs, tags) if t.get("kind") == "sweep"]
+        children = [(r, t) for r, t in zip(runs, tags) if "mlflow.parentRunId" in t]
+        assert len(parents) == 1 and len(children) == 4
+        assert parents[0]["info"]["status"] == "FINISHED"  # the sweep ended, and says so in the UI
+        assert all(t["mlflow.parentRunId"] == parents[0]["info"]["run_id"] for _, t in children)
+        points = set()
+        for r, _ in children:
+            metrics = {m["key"]: m["value"] for m in r["data"]["metrics"]}
+            assert metrics["val/heldout/ppl"] > 1 and "train/loss" in metrics
+            params = {p["key"]: p["value"] for p in r["data"]["params"]}
+            assert params["model.preset"] == "cpu-tiny" and "describe.params_total" in params
+            points.add((params["variant"], params["train.seed"]))  # every axis of the sweep is a param
+            assert params["variant"] == params["model.topology"]
+        assert points == {("base", "0"), ("base", "1"), ("mesh", "0"), ("mesh", "1")}
+        child = children[0][0]["info"]
+        assert str(copy) in child["artifact_uri"]
+        listed = _get(f"{base}/artifacts/list?run_id={child['run_id']}")
+        assert "config.yaml" in {f["path"] for f in listed["files"]}
+        text = _get(f"{url}/get-artifact?path=config.yaml&run_uuid={child['run_id']}").decode()
+        assert "cpu-tiny" in text
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
-    tags = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs]
-    parents = [r for r, t in zip(runs, tags) if t.get("kind") == "sweep"]
-    children = [(r, t) for r, t in zip(runs, tags) if "mlflow.parentRunId" in t]
-    assert len(parents) == 1 and len(children) == 4
-    assert parents[0]["info"]["status"] == "FINISHED"  # the sweep ended, and says so in the UI
-    assert all(t["mlflow.parentRunId"] == parents[0]["info"]["run_id"] for _, t in children)
-    for r, _ in children:
-        metrics = {m["key"]: m["value"] for m in r["data"]["metrics"]}
-        assert metrics["val/heldout/ppl"] > 1 and "train/loss" in metrics
-        params = {p["key"]: p["value"] for p in r["data"]["params"]}
-        assert params["model.preset"] == "cpu-tiny" and "describe.params_total" in params
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        away.rename(two_worker_sweep)
 
 
 def test_sweep_evaluates_finished_trials(tmp_path, data_cache):

@@ -156,6 +156,40 @@ class TextDataModule(L.LightningDataModule):
 
         return documents
 
+    def corpus_summary(self) -> dict[str, Any]:
+        """What the run trains on, for the tracking store (available after :meth:`setup`): name, source kind
+        and location, corpus and tokenizer fingerprints, and the documents and tokens of each split."""
+        import json
+
+        meta_file = self.shards.path / "meta.json" if self.shards is not None else None
+        meta = json.loads(meta_file.read_text()) if meta_file is not None and meta_file.is_file() else {}
+        if self._prebuilt_dir() is not None:
+            kind, name, location = "shards", Path(self.data).name, str(Path(self.data).resolve())
+        else:
+            source = resolve_source(self.data, embedded_dir=self.cache_dir / "corpus")
+            kind = source.kind
+            if kind == "hf":
+                name = source.hf_name + (f":{source.hf_config}" if source.hf_config else "")
+                location = name
+            elif kind == "embedded":
+                name, location = "embedded-corpus", str(source.files[0])
+            else:
+                name = Path(source.spec).name
+                location = str(Path(source.spec).resolve())
+        return {
+            "name": name,
+            "kind": kind,
+            "location": location,
+            "corpus_fingerprint": meta.get("corpus_fingerprint"),
+            "tokenizer": self.tokenizer_spec,
+            "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
+            "vocab_size": meta.get("vocab_size"),
+            "splits": {
+                "train": {"documents": meta.get("train_documents"), "tokens": meta.get("train_tokens")},
+                "heldout": {"documents": meta.get("val_documents"), "tokens": meta.get("val_tokens")},
+            },
+        }
+
     def prepare_data(self) -> None:
         """Build (or find in the cache) the tokenizer and the token shards; runs once per node."""
         self._build()

@@ -160,6 +160,16 @@ def normalize_topology(name: str) -> str:
     return name
 
 
+# fields that act on one family only (ModelConfig.resolved leaves the others out)
+_MULTIRES_FIELDS = ("downscale", "upscale", "offset", "shift", "gain", "allow_noncausal")
+_RECURSIVE_FIELDS = ("topology", "buffer", "mesh_transition_input", *_MULTIRES_FIELDS)
+_MELA_FIELDS = (
+    "patch_size", "chunk_size", "h_cycles", "l_cycles", "h_layers", "l_layers", "hmm_d_model", "hmm_heads",
+    "memory_heads", "memory_depth", "memory_expansion", "memory_update", "ns_steps", "memory_read",
+    "memory_max_lr", "hmm_attention", "hmm_gate", "neural_memory", "fusion", "memstack",
+)  # fmt: skip
+
+
 @dataclass
 class ModelConfig:
     """Everything that defines a model's architecture. Serialises to and from YAML."""
@@ -445,6 +455,25 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def resolved(self) -> dict[str, Any]:
+        """The fields that shape this model, with every default resolved (MeSH's buffer N_loop + 3, the MLP
+        width, the KV heads, the HMM width): what a run logs as its ``model.*`` params. Fields of the other
+        family (Mela's for a recursive model and back), multi-resolution fields of a single-resolution layout
+        and the buffer of a topology without one are left out: they do not act on this model."""
+        out = {k: v for k, v in self.to_dict().items() if k != "n_layers_hint"}
+        out.update(n_kv_heads=self.kv_heads, mlp_hidden=self.hidden)
+        drop = set(_RECURSIVE_FIELDS if self.arch == "mela" else _MELA_FIELDS)
+        if self.arch == "mela":
+            out.update(hmm_d_model=self.hmm_width, hmm_heads=self.hmm_n_heads)
+        else:
+            if self.parsed_layout.kind != "multires":
+                drop |= set(_MULTIRES_FIELDS)
+            if self.topology == "mesh":
+                out["buffer"] = self.buffer_slots
+            else:
+                drop |= {"buffer", "mesh_transition_input"}
+        return {k: v for k, v in out.items() if k not in drop}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

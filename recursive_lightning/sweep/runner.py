@@ -574,7 +574,7 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
             faults.point("before_training")
             if _multi_process(cfg):
                 result = _train_in_subprocess(
-                    cfg, trial_dir, resume, tracking_uri, spec.name, key, parent, tags
+                    cfg, trial_dir, resume, tracking_uri, spec.name, key, parent, tags, point
                 )
             else:
                 result = train(
@@ -587,6 +587,7 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
                     parent_run_id=parent,
                     tags=tags,
                     callbacks=callbacks,
+                    params=point,  # every axis a param of the child run: group and compare by it in the UI
                 )
             pruned = pruner_cb is not None and pruner_cb.pruned
             if not pruned and not _has_val(result.metrics) and result.steps >= cfg.train.max_steps:
@@ -696,6 +697,7 @@ def _train_in_subprocess(
     key: str,
     parent: str,
     tags: dict[str, str],
+    point: dict[str, Any],
 ):
     """A multi-device trial (DDP / FSDP2) runs as its own `train` command: Lightning's launcher re-executes
     that command once per rank, which it cannot do for a sweep worker. Pruning is not available there."""
@@ -723,6 +725,7 @@ def _train_in_subprocess(
         parent,
     ]
     cmd += [f"--tag={k}={v}" for k, v in tags.items()]
+    cmd += [f"--param={k}={v}" for k, v in point.items()]
     if resume:
         cmd.append("--resume")
     cmd = [*slurm_launcher(cfg), *cmd]
@@ -1013,10 +1016,10 @@ def main(argv: list[str]) -> int:
         recorded_study(args.storage, spec.name, args.tracking_uri) if args.attach and args.storage else {}
     )
     run_dir = Path(args.run_dir or recorded.get("run_dir") or Path("runs") / "sweeps" / spec.name).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
     storage = args.storage or default_storage(run_dir)
     tracking = args.tracking_uri or recorded.get("tracking_uri") or default_tracking_uri(run_dir)
     check_stores(storage, tracking)  # one sentence for a store the sweep cannot reach, before any work
+    run_dir.mkdir(parents=True, exist_ok=True)
     workers = args.workers if args.workers is not None else spec.workers
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, not {workers}.")
@@ -1087,7 +1090,7 @@ def main(argv: list[str]) -> int:
         print(f"\nreport: {report['path']}")
     faults.point("before_close_parent")
     status = close_parent(spec, storage, tracking)
-    print(f"compare the runs: {ui_command(tracking)}")
+    print(f"compare the runs in the MLflow UI: {ui_command(run_dir, tracking)}")
     if status == "FINISHED":
         print(f"[sweep {spec.name}] finished in {time.time() - t0:.0f}s", flush=True)
         return 0

@@ -42,7 +42,8 @@ class RecursiveLMModule(L.LightningModule):
         tokenizer_json: str | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters({"run": run, "val_names": list(val_names)})
+        # in every checkpoint; not handed to the logger: train logs the resolved config once (run_params)
+        self.save_hyperparameters({"run": run, "val_names": list(val_names)}, logger=False)
         self.run_cfg = RunConfig.from_dict(run)
         self.model = build_model(self.run_cfg.model)
         self.val_names = tuple(val_names)
@@ -53,7 +54,10 @@ class RecursiveLMModule(L.LightningModule):
         stats = describe(self.run_cfg.model, seq_len=seq)
         self.flops_per_token = 3 * stats["flops_forward"] / seq  # forward + backward (2x)
         self.peak_flops = accelerator_peak_flops()
-        self._t_last: float | None = None
+        self._clock = time.perf_counter  # tests substitute a deterministic clock
+        self._t_ref: float | None = None  # when the interval of the next step's tokens/s began
+        self._measured_steps = 0  # steps of this fit so far (the first is warm-up and not reported)
+        self._step_tokens = 0
         self._configured = False
         # this step's train/* values: Lightning hands them to the logger only after the step's checkpoint
         # is written, so a checkpoint carries them and a resumed run logs them if the kill lost them
@@ -92,26 +96,41 @@ class RecursiveLMModule(L.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss, _, y = self._loss(batch, training=True)
         tokens = y.numel() * self.trainer.world_size
-        now = time.perf_counter()
         step = self.global_step + 1
         metrics: dict[str, Any] = {
             "train/loss": loss.detach(),
             "train/lr": self.trainer.optimizers[0].param_groups[0]["lr"],
             "train/tokens": float(step * tokens * self.run_cfg.train.accumulate),
         }
-        if self._t_last is not None:
-            tps = tokens / max(now - self._t_last, 1e-9)
-            metrics["train/tokens_per_sec"] = tps
-            if self.peak_flops:
-                metrics["train/mfu"] = (
-                    tps * self.flops_per_token / (self.peak_flops * self.trainer.world_size)
-                )
         for name, value in metrics.items():
-            shown = name in ("train/loss", "train/tokens_per_sec")
+            shown = name == "train/loss"
             self.log(name, value, prog_bar=shown, on_step=True, on_epoch=False, sync_dist=False)
         self._step_metrics = metrics
-        self._t_last = now
+        self._step_tokens = tokens * self.run_cfg.train.accumulate
         return loss
+
+    # -------------------------------------------------------------- throughput over training time only
+    # train/tokens_per_sec at a step = that step's tokens / the wall-clock since the previous step ended: the
+    # forward, backward, optimiser step and data loading of steady training. An interval that holds a
+    # validation or a checkpoint write is measured from the step's own start instead (those are not training
+    # time), and the first step of every fit (warm-up: allocations, compilation) is not reported.
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        now = self._clock()
+        if self._t_ref is not None and self._measured_steps > 0:
+            tps = self._step_tokens / max(now - self._t_ref, 1e-9)
+            extra = {"train/tokens_per_sec": tps}
+            if self.peak_flops:
+                extra["train/mfu"] = tps * self.flops_per_token / (self.peak_flops * self.trainer.world_size)
+            for name, value in extra.items():
+                self.log(name, value, prog_bar=name == "train/tokens_per_sec", on_step=True, on_epoch=False)
+            self._step_metrics.update(extra)
+        self._measured_steps += 1
+        self._t_ref = now
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._t_ref is None:
+            self._t_ref = self._clock()
 
     def on_validation_epoch_start(self) -> None:
         for m in self.val_ppl:
@@ -127,11 +146,7 @@ class RecursiveLMModule(L.LightningModule):
             # sync_dist averages the identical per-rank values: a no-op that keeps Lightning from warning
             self.log(f"val/{name}/ppl", ppl, sync_dist=True)
             self.log(f"val/{name}/loss", ppl.log(), sync_dist=True)
-        self._t_last = None  # validation time is not training throughput
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._t_last is None:
-            self._t_last = time.perf_counter()
+        self._t_ref = None  # validation time is not training throughput
 
     # -------------------------------------------------------------- optimisation
     def configure_optimizers(self):
@@ -140,6 +155,7 @@ class RecursiveLMModule(L.LightningModule):
 
     # -------------------------------------------------------------- self-contained checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._t_ref = None  # the checkpoint write is not training time
         checkpoint["recursive_lightning"] = {
             "run": self.run_cfg.to_dict(),
             "tokenizer_json": self.tokenizer_json,

@@ -35,6 +35,7 @@ from recursive_lightning.tracking import (
     default_tracking_uri,
     ensure_experiment,
     log_artifact_text,
+    log_corpus,
     log_params,
     record_tracking_uri,
     set_terminated,
@@ -146,8 +147,11 @@ def train(
     parent_run_id: str | None = None,
     tags: dict[str, str] | None = None,
     callbacks: list | None = None,
+    params: dict[str, Any] | None = None,
 ) -> TrainResult:
-    """Train ``cfg`` into ``run_dir``; with ``resume`` continue from its newest good checkpoint."""
+    """Train ``cfg`` into ``run_dir``; with ``resume`` continue from its newest good checkpoint.
+
+    ``params``: MLflow params beside the config's (a sweep's axes)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import MLFlowLogger
@@ -233,16 +237,21 @@ def train(
         client(tracking_uri).update_run(run_id, status="RUNNING")  # a resumed (or extended) run runs again
     else:
         run_id = create_run(
-            tracking_uri, exp_id, run_name or cfg.name, tags=tags, parent_run_id=parent_run_id
+            tracking_uri,
+            exp_id,
+            run_name or cfg.name,
+            tags={"run_dir": str(run_dir), **(tags or {})},
+            parent_run_id=parent_run_id,
         )
         record_tracking_uri(run_dir, tracking_uri)  # before the id: eval / resume find the run
         atomic_write_text(id_file, run_id)
         stats = describe(cfg.model, seq_len=cfg.data.seq_len)
-        params = {**cfg.flat(), **{f"describe.{k}": v for k, v in stats.items() if k != "flops_convention"}}
-        params["run_dir"] = str(run_dir)
-        log_params(tracking_uri, run_id, params)
+        log_params(tracking_uri, run_id, {**run_params(cfg, stats), **(params or {})})
         log_artifact_text(tracking_uri, run_id, "config.yaml", cfg.to_yaml())
         log_artifact_text(tracking_uri, run_id, "describe.json", to_json(stats))
+        log_corpus(tracking_uri, run_id, dm.corpus_summary())
+    if id_file.exists() and resume:  # a value changed by the resume (a larger max_steps) is kept as a tag
+        _tag_changed_params(tracking_uri, run_id, cfg)
 
     L.seed_everything(
         cfg.train.seed, workers=True, verbose=False
@@ -259,7 +268,7 @@ def train(
         from recursive_lightning.training.partial import TrainOnly
 
         extra_cbs.append(TrainOnly(cfg.train.train_only, cfg.train.train_only_steps))
-    logger = _logger_class(MLFlowLogger)(
+    logger = MLFlowLogger(
         experiment_name=experiment or cfg.name, tracking_uri=tracking_uri, run_id=run_id, log_model=False
     )
 
@@ -317,6 +326,11 @@ def train(
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     status = "FAILED"
+    monitor = (
+        _system_metrics(tracking_uri, run_id, resumed=resume_from is not None)
+        if trainer.is_global_zero
+        else None
+    )
     try:
         trainer.fit(module, datamodule=dm, ckpt_path=resume_from, weights_only=False)
         # a final validation at the last step, unless one just ran there in this process (a resumed finished
@@ -341,6 +355,8 @@ def train(
             raise KeyboardInterrupt from None
         raise
     finally:
+        if monitor is not None:
+            monitor.finish()
         if trainer.is_global_zero and status != "FINISHED":
             set_terminated(tracking_uri, run_id, status=status)
     metrics = _val_metrics(trainer)
@@ -371,6 +387,25 @@ def train(
     return result
 
 
+def _system_metrics(tracking_uri: str, run_id: str, resumed: bool):
+    """MLflow's system metrics (CPU, memory, disk, network; GPU utilisation and memory where NVML finds a GPU)
+    every 10 s into the run's System metrics tab, continuing the steps of a resumed run. Off with
+    ``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING=false``; the interval is ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL``."""
+    import logging
+
+    if os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "").lower() in ("false", "0"):
+        return None
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, resume_logging=resumed, tracking_uri=tracking_uri)
+    except ImportError:  # psutil missing: train without them rather than fail
+        return None
+    monitor.start()
+    return monitor
+
+
 def _val_metrics(trainer) -> dict[str, float]:
     return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
 
@@ -395,35 +430,47 @@ def _check_run_exists(tracking_uri: str, run_id: str, run_dir: Path) -> None:
         ) from None
 
 
-def _logger_class(base: type) -> type:
-    """MLFlowLogger that logs each hyperparameter once: MLflow refuses to change a param, and a resumed run
-    may change some (a larger train.max_steps extends a finished run). A changed value is recorded as the
-    tag ``resumed/<param>`` (the latest value) and the first value stays the param."""
+# describe() keys that repeat a config field (or describe a batch of one): not logged twice
+_DESCRIBE_REPEATS = {
+    "arch",
+    "layout",
+    "topology",
+    "d_model",
+    "hmm_d_model",
+    "buffer",
+    "seq_len",
+    "batch_size",
+}
+_DESCRIBE_REPEATS |= {"patch_size", "chunk_size", "flops_convention"}
 
-    class ResumableMLFlowLogger(base):
-        def log_hyperparams(self, params) -> None:
-            from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
-            from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-            if rank_zero_only.rank != 0:
-                return
-            flat = {k: str(v)[:250] for k, v in _flatten_dict(_convert_params(params)).items()}
-            existing = self.experiment.get_run(self.run_id).data.params
-            new = {k: v for k, v in flat.items() if k not in existing}
-            if new:
-                super().log_hyperparams(new)
-            for k, v in flat.items():
-                if k in existing and existing[k] != v:
-                    self.experiment.set_tag(self.run_id, f"resumed/{k}", v)
+def run_params(cfg: RunConfig, stats: dict[str, Any]) -> dict[str, Any]:
+    """A run's MLflow params, each once: the resolved config (``model.*`` as ``ModelConfig.resolved``,
+    ``data.*``, ``train.*``) and what ``describe`` counts that no field states (``describe.params_*``,
+    ``describe.flops_*``, the loop steps)."""
+    flat = {**cfg.flat(), "data.path": cfg.data.path or "embedded"}  # None: the embedded corpus
+    # an option left unset (None) acts as absent: not shown as "None"
+    out: dict[str, Any] = {k: v for k, v in flat.items() if not k.startswith("model.") and v is not None}
+    out.update({f"model.{k}": v for k, v in cfg.model.resolved().items()})
+    out.update({f"describe.{k}": v for k, v in stats.items() if k not in _DESCRIBE_REPEATS})
+    return out
 
-    return ResumableMLFlowLogger
+
+def _tag_changed_params(tracking_uri: str, run_id: str, cfg: RunConfig) -> None:
+    """MLflow refuses to change a param: a value a resume changed (``--resume --max-steps N`` extends a finished
+    run) becomes the tag ``resumed/<param>`` (the latest value); the first value stays the param."""
+    c = client(tracking_uri)
+    existing = c.get_run(run_id).data.params
+    for k, v in run_params(cfg, {}).items():
+        if k in existing and existing[k] != str(v)[:6000]:
+            c.set_tag(run_id, f"resumed/{k}", str(v))
 
 
 def summary_line(r: TrainResult) -> str:
     ppl = ", ".join(f"{k.removeprefix('val/')}={v:.2f}" for k, v in r.metrics.items() if k.endswith("/ppl"))
     return (
         f"trained {r.steps} steps ({r.tokens:,} tokens) in {r.seconds:.0f}s; val {ppl or 'n/a'}; "
-        f"checkpoint {r.last_checkpoint}; MLflow run {r.mlflow_run_id} ({ui_command(r.tracking_uri)})"
+        f"checkpoint {r.last_checkpoint}; MLflow run {r.mlflow_run_id} ({ui_command(r.run_dir, r.tracking_uri)})"
     )
 
 
@@ -466,6 +513,13 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--init-strategy", help="train.init_strategy: stepwise (default), average, lower, select:LAYERS"
     )
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="MLflow param of a new run (sweep axes)",
+    )
     args, rest = p.parse_known_args(argv)
     config = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)
     overrides = list(rest)
@@ -502,6 +556,7 @@ def main(argv: list[str]) -> int:
         run_name=args.run_name,
         parent_run_id=args.parent_run_id,
         tags=tags,
+        params=dict(t.split("=", 1) for t in args.param if "=" in t),
     )
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 

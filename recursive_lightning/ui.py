@@ -1,0 +1,204 @@
+"""``python -m recursive_lightning ui [RUN_DIR]``: the MLflow UI of a run or sweep directory, wherever it lies now.
+
+MLflow keeps absolute artifact locations in its store, so a directory copied to a laptop or moved to shared
+storage would show "No Artifacts Recorded" under a plain ``mlflow ui``. This command finds the directory's
+store (``sweep.json`` of a sweep, ``mlflow_tracking_uri`` of a run), points its artifact locations at the
+directory's current place (``tracking.relocate_artifacts``; on a read-only copy, in a private copy of the
+database), and serves it with ``mlflow server`` on 127.0.0.1. A server-backed store (``--tracking-uri
+http://...``) is served by its own server: the command prints its address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from recursive_lightning.errors import UserError
+from recursive_lightning.tracking import (
+    _sqlite_parts,
+    absolute_uri,
+    default_tracking_uri,
+    relocate_artifacts,
+)
+
+DEFAULT_DIRS = (Path("runs") / "sweeps" / "default",)
+
+
+def store_of(run_dir: str | os.PathLike) -> str:
+    """The tracking URI a run or sweep directory logs to (relative SQLite paths resolved where it lies now)."""
+    d = Path(run_dir).resolve()
+    if not d.is_dir():
+        raise UserError(
+            f"ui: '{run_dir}' is not a folder; pass a run or sweep directory (what --run-dir named)."
+        )
+    info = d / "sweep.json"
+    if info.is_file():
+        try:
+            uri = json.loads(info.read_text()).get("tracking_uri")
+        except ValueError:
+            uri = None
+        if uri:
+            return absolute_uri(uri, base=d)
+    uri = default_tracking_uri(d)
+    parts = _sqlite_parts(uri)
+    if parts is not None and not Path(parts[0]).is_file():
+        raise UserError(
+            f"ui: '{run_dir}' holds no MLflow store (no mlflow.db, sweep.json or mlflow_tracking_uri); pass the "
+            "directory a `train` or `sweep` wrote (its --run-dir)."
+        )
+    return uri
+
+
+def servable(uri: str, workdir: Path) -> str:
+    """``uri`` with its artifact locations pointing where the store lies now: rewritten in place, or, when
+    the store cannot be written (a read-only copy), in a private copy under ``workdir``."""
+    parts = _sqlite_parts(uri)
+    if parts is None:
+        return uri
+    db = Path(parts[0])
+    if os.access(db, os.W_OK) and os.access(db.parent, os.W_OK):
+        relocate_artifacts(uri)
+        return uri
+    copy = workdir / db.name
+    shutil.copyfile(db, copy)
+    private = f"sqlite:///{copy}{parts[1]}"
+    relocate_artifacts(private, root=db.parent)
+    return private
+
+
+def free_port(host: str, preferred: int) -> int:
+    for port in (preferred, *range(preferred + 1, preferred + 50)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_server(uri: str, host: str, port: int, workdir: Path) -> subprocess.Popen:
+    """``mlflow server`` on ``uri`` at host:port, returned once it answers (or raising if it exits)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        uri,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        # artifacts logged through this server (none by this package) go beside the store
+        "--artifacts-destination",
+        str(workdir / "served-artifacts"),
+    ]
+    env = {**os.environ, "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
+    log = open(workdir / "server.log", "wb")  # noqa: SIM115 (open for the server's lifetime)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://{host}:{port}/health"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = (workdir / "server.log").read_text(errors="replace")[-2000:]
+            raise UserError(f"ui: mlflow server exited with code {proc.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.3)
+    stop_server(proc)
+    raise UserError(
+        f"ui: mlflow server on {host}:{port} did not answer within 120 s; see {workdir}/server.log."
+    )
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def experiment_links(uri: str, base_url: str) -> list[str]:
+    """One line per experiment of the store: its name and its page in the UI."""
+    from recursive_lightning.tracking import client
+
+    lines = []
+    for exp in client(uri).search_experiments():
+        if exp.name == "Default" and not client(uri).search_runs([exp.experiment_id], max_results=1):
+            continue
+        lines.append(f"  {exp.name}: {base_url}/#/experiments/{exp.experiment_id}")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="recursive_lightning ui",
+        description="Serve the MLflow UI of a run or sweep directory (moved or copied ones included).",
+    )
+    p.add_argument("run_dir", nargs="?", help="a train or sweep --run-dir (default runs/sweeps/default)")
+    p.add_argument(
+        "--port", type=int, default=5000, help="port on 127.0.0.1 (default 5000, else the next free)"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)"
+    )
+    p.add_argument("--tracking-uri", help="serve this store instead (sqlite:///..., postgresql://...)")
+    args = p.parse_args(argv)
+    if args.tracking_uri and args.tracking_uri.startswith(("http://", "https://")):
+        print(f"the runs are served by their tracking server: open {args.tracking_uri} in a browser")
+        return 0
+    if args.tracking_uri:
+        uri = absolute_uri(args.tracking_uri)
+    else:
+        run_dir = args.run_dir or next((str(d) for d in DEFAULT_DIRS if d.is_dir()), None)
+        if run_dir is None:
+            raise UserError(
+                "ui: no run directory given and runs/sweeps/default does not exist here; pass the --run-dir of "
+                "a `train` or `sweep`."
+            )
+        uri = store_of(run_dir)
+        if uri.startswith(("http://", "https://")):
+            print(f"'{run_dir}' logs to a tracking server: open {uri} in a browser")
+            return 0
+
+    def _stop(signum, frame):  # SIGTERM stops the server too (it runs in its own session)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    with tempfile.TemporaryDirectory(prefix="rl-ui-") as tmp:
+        workdir = Path(tmp)
+        uri = servable(uri, workdir)
+        port = free_port(args.host, args.port)
+        proc = start_server(uri, args.host, port, workdir)
+        base = f"http://{args.host}:{port}"
+        print(f"MLflow UI at {base}  (store {uri}; Ctrl-C to stop)", flush=True)
+        for line in experiment_links(uri, base):
+            print(line, flush=True)
+        try:
+            proc.wait()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stop_server(proc)
+    return 0

@@ -1,0 +1,109 @@
+"""What a researcher sees in MLflow: throughput over training time only, the resolved config logged once,
+the corpus as a dataset input, system metrics, and the ``ui`` command on a moved or copied directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from recursive_lightning.config import RunConfig
+from recursive_lightning.tracking import client
+from recursive_lightning.training.run import train
+
+
+class _Clock:
+    """A deterministic clock: each phase of a step advances it by a fixed amount."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _Phases(L.Callback):
+    """Data loading 0.2 s, forward+backward 1.0 s per step; validation 10 s, a checkpoint write 5 s: only
+    the step intervals are training time."""
+
+    def __init__(self, clock: _Clock) -> None:
+        self.clock = clock
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        pl_module._clock = self.clock
+
+    def on_train_batch_start(self, *args) -> None:
+        self.clock.t += 0.2
+
+    def on_before_optimizer_step(self, *args) -> None:
+        self.clock.t += 1.0
+
+    def on_validation_start(self, *args) -> None:
+        self.clock.t += 10.0
+
+    def on_save_checkpoint(self, *args) -> None:
+        self.clock.t += 5.0
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, data_cache):
+    from conftest import tiny_config
+
+    raw = tiny_config(data_cache)
+    # validations at 6 and 12, checkpoints at 5 and 10 (and after the first validation: best.ckpt); lr ~0 keeps
+    # the second validation from improving, so no checkpoint write follows it
+    raw["train"].update(max_steps=14, val_every=6, checkpoint_every=5, lr=1e-12)
+    cfg = RunConfig.from_dict(raw)
+    run_dir = tmp_path_factory.mktemp("tracked") / "run"
+    clock = _Clock()
+    result = train(cfg, run_dir, callbacks=[_Phases(clock)])
+    return cfg, result
+
+
+def test_tokens_per_sec_counts_training_time_only(finished):
+    cfg, r = finished
+    history = client(r.tracking_uri).get_metric_history(r.mlflow_run_id, "train/tokens_per_sec")
+    by_step = {m.step: m.value for m in history}
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    assert 0 not in by_step  # the first step (warm-up) is not reported
+    assert len(by_step) == cfg.train.max_steps - 1
+    # steady steps: 1.2 s from the previous step's end; after a validation or a checkpoint: 1.0 s
+    assert min(by_step.values()) == pytest.approx(tokens / 1.2)
+    assert max(by_step.values()) == pytest.approx(tokens / 1.0)
+    for after in (6, 12):  # the steps logged after the validations (logged at the step count before them)
+        assert by_step[after] <= 1.3 * by_step[after - 1], (after, by_step)
+
+
+def test_resolved_config_is_logged_once(finished):
+    cfg, r = finished
+    run = client(r.tracking_uri).get_run(r.mlflow_run_id)
+    params = run.data.params
+    assert not [k for k in params if k.startswith("run/")]  # not again as Lightning's hparams
+    assert params["model.buffer"] == "5"  # MeSH's default B = N_loop + 3, resolved (1+2R2+1: N_loop 2)
+    assert "describe.buffer" not in params and "describe.layout" not in params
+    assert params["model.mlp_hidden"] == str(4 * cfg.model.d_model)  # resolved, not None
+    assert not [k for k, v in params.items() if v == "None"]
+    assert "model.patch_size" not in params  # Mela's fields do not act on a looped model
+    assert params["describe.params_total"].isdigit()
+    assert run.data.tags["run_dir"] == str(r.run_dir)
+
+
+def test_the_corpus_is_a_dataset_input(finished):
+    cfg, r = finished
+    inputs = client(r.tracking_uri).get_run(r.mlflow_run_id).inputs.dataset_inputs
+    by_context = {{t.key: t.value for t in i.tags}["mlflow.data.context"]: i.dataset for i in inputs}
+    assert set(by_context) == {"training", "validation"}
+    meta = json.loads(next(Path(cfg.data.cache_dir, "shards").glob("*/meta.json")).read_text())
+    train = by_context["training"]
+    assert train.name == "embedded-corpus/train" and train.source_type == "local"
+    assert json.loads(train.profile)["tokens"] == meta["train_tokens"]
+    assert json.loads(by_context["validation"].profile)["tokens"] == meta["val_tokens"]
+    assert train.digest.startswith(meta["corpus_fingerprint"])
+
+
+def test_system_metrics_are_logged(finished):
+    _, r = finished
+    keys = client(r.tracking_uri).get_run(r.mlflow_run_id).data.metrics
+    assert "system/cpu_utilization_percentage" in keys and "system/system_memory_usage_megabytes" in keys
