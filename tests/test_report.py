@@ -26,9 +26,10 @@ def tiny_report_sweep(tmp_path_factory, data_cache):
     (tmp / "tasks" / "tiny_mc.yaml").write_text(yaml.safe_dump(task))
     (tmp / "wiki.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
     rows = {"base": {"model.topology": "base"}, "mesh": {"model.topology": "mesh"}}
-    spec = sweep_file(tmp, data_cache, rows, seeds=(0, 1), steps=4)
+    spec = sweep_file(tmp, data_cache, rows, seeds=(0, 1), steps=5)
     raw = yaml.safe_load(spec.read_text())
-    raw["overrides"]["train.val_every"] = 2  # two validations: a curve, not a point
+    # validations after steps 2 and 4 inside fit, and train's final one after fit at step 5
+    raw["overrides"]["train.val_every"] = 2
     raw["evaluate"] = {
         "ppl": {"wiki": str(tmp / "wiki.txt")},
         "tasks": ["tiny_mc"],
@@ -218,6 +219,7 @@ def test_learning_curves_and_html_report_are_logged_to_the_parent_run(tiny_repor
         hist = metric_history(f"sqlite:///{run_dir / 'mlflow.db'}", rec["mlflow_run_id"])
         entry = {"history": hist, "tokens_per_step": res["tokens"] / res["steps"], "steps": res["steps"]}
         val = against_tokens(entry, "val/heldout/ppl")
-        assert len(val) == 2 and max(val) == res["tokens"]
+        tokens = res["tokens"] / res["steps"]
+        assert sorted(val) == [2 * tokens, 4 * tokens, 5 * tokens] and res["steps"] == 5
         assert val[res["tokens"]] == pytest.approx(rec["metrics"]["val/heldout/ppl"])
         assert max(against_tokens(entry, "train/loss")) == res["tokens"]
