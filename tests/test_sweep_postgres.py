@@ -204,6 +204,53 @@ def test_a_sigkilled_workers_trial_is_resumed_by_another_worker(grid, pg, tracki
     assert len(children) == 2 and {r.info.status for r in children} == {"FINISHED"}
 
 
+def test_a_worker_with_nothing_left_takes_over_a_dead_workers_trial(pg, tmp_path, data_cache, monkeypatch):
+    """The take-over on its own, in this process and without training: of two running trials, one's worker is
+    dead (its last heartbeat three seconds old, written so), the other's alive (beating). A worker that finds
+    nothing waiting waits for the dead one to go stale, runs its retry, and leaves the live one alone."""
+    from sqlalchemy import create_engine, text
+
+    from recursive_lightning.sweep import runner
+    from recursive_lightning.sweep.spec import load_sweep, point_key
+
+    monkeypatch.setattr(runner, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(runner, "GRACE_S", 4)
+    spec = load_sweep(write_sweep(tmp_path, data_cache, "pg-takeover", variants=("mesh", "base"), seeds=(0,)))
+    url = pg.create_database("takeover")
+    storage = runner._storage(url, spec.max_retries)
+    study = optuna.create_study(study_name=spec.name, storage=storage)
+    study.set_user_attr("mlflow_parent_run_id", "-")
+    for point in spec.grid():
+        study.enqueue_trial(point, user_attrs={"point_key": point_key(point), "attempt": 0})
+    dead, alive = runner._claim(study, storage, url), runner._claim(study, storage, url)
+    storage.record_heartbeat(dead)
+    engine = create_engine(url)
+    with engine.begin() as con:  # the dead worker's last heartbeat: late (> 2 intervals), not yet stale (4 s)
+        con.execute(
+            text(
+                "UPDATE trial_heartbeats SET heartbeat = heartbeat - interval '3 seconds' WHERE trial_id = :t"
+            ),
+            {"t": dead},
+        )
+    engine.dispose()
+    ran = []
+
+    def run_trial(spec, study, trial_id, *_):
+        ran.append(trial_id)
+        study.tell(storage.get_trial(trial_id).number, 1.0)
+
+    monkeypatch.setattr(runner, "run_trial", run_trial)
+    with runner._Heartbeat(storage, alive):  # the live worker
+        assert runner.worker(spec, tmp_path, url, "-", take_over=True) == 1
+    trials = {t._trial_id: t for t in study.get_trials()}
+    (retry,) = ran
+    assert trials[dead].state == FAIL and trials[retry].state == COMPLETE
+    assert (
+        trials[retry].user_attrs["point_key"] == trials[dead].user_attrs["point_key"]
+    )  # the same grid point
+    assert trials[alive].state == optuna.trial.TrialState.RUNNING  # a live worker's trial is not taken
+
+
 def test_bad_storage_or_tracking_urls_get_one_sentence_before_any_work(pg, tracking, tmp_path, data_cache):
     from recursive_lightning.errors import ConfigError
     from recursive_lightning.sweep import runner

@@ -788,7 +788,11 @@ def worker(
         with _Heartbeat(storage, trial_id):
             try:
                 run_trial(spec, study, trial_id, run_dir, tracking_uri, parent)
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, SystemExit):
+                # stopped (Ctrl-C; SIGTERM: a scheduler's pre-emption): the trial waits again, and the next worker
+                # resumes it from its last checkpoint into the same child run without waiting out its heartbeats
+                with contextlib.suppress(Exception):
+                    storage.set_trial_state_values(trial_id, state=TrialState.WAITING)
                 raise
             except Exception as e:
                 trial = storage.get_trial(trial_id)
@@ -1071,7 +1075,8 @@ def main(argv: list[str]) -> int:
             if crashed or args.max_trials or not _wait_for_local_trials(spec, storage):
                 break
     except BaseException as e:  # Ctrl-C, SIGTERM (train stops at a step boundary), a crash: the sweep stopped
-        close_parent(spec, storage, tracking, interrupted=True)
+        if not args.attach:  # an attached worker stopping (pre-empted) does not end a sweep others still run
+            close_parent(spec, storage, tracking, interrupted=True)
         print(
             f"[sweep {spec.name}] stopped; re-run the same command to resume it", file=sys.stderr, flush=True
         )
