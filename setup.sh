@@ -18,4 +18,4 @@ fi
 .venv/bin/python -m pip install -q --no-deps -e .
 # lm-eval 0.4 does not read entry points: a start-up hook registers ours so `lm_eval --model recursive_lightning` works
 .venv/bin/python -m recursive_lightning.evaluation.harness_hook install
-.venv/bin/python -c "import torch, lightning, litdata, mlflow, optuna, lm_eval; print('recursive_lightning environment ready: torch', torch.__version__)"
+.venv/bin/python -c "import torch, lightning, litdata, mlflow, optuna, lm_eval, psycopg; print('recursive_lightning environment ready: torch', torch.__version__)"
