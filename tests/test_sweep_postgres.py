@@ -155,14 +155,19 @@ def test_three_attached_workers_finish_the_grid_each_point_once(grid, tracking):
     assert json.loads((grid["run_dir"] / "sweep.json").read_text())["storage"] == grid["storage"]
 
 
-def test_report_reads_the_server_backed_study(grid, tracking):
-    """`report --run-dir` of a sweep whose study and runs live on servers reads them there."""
+def test_report_and_ui_read_the_server_backed_sweep(grid, tracking, capsys):
+    """`report --run-dir` of a sweep whose study and runs live on servers reads them there; `ui` of it names
+    the tracking server, which serves the runs itself."""
+    from recursive_lightning import ui
     from recursive_lightning.sweep import report
 
     (grid["run_dir"] / "report.md").unlink()
     assert report.main(["--run-dir", str(grid["run_dir"])]) == 0
-    report = (grid["run_dir"] / "report.md").read_text()
-    assert all(v in report for v in ("anchor", "mesh", "base")) and "not finished" not in report
+    text = (grid["run_dir"] / "report.md").read_text()
+    assert all(v in text for v in ("anchor", "mesh", "base")) and "not finished" not in text
+    capsys.readouterr()
+    assert ui.main([str(grid["run_dir"])]) == 0
+    assert tracking in capsys.readouterr().out
 
 
 def test_a_sigkilled_workers_trial_is_resumed_by_another_worker(grid, pg, tracking, tmp_path, data_cache):
