@@ -87,7 +87,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--trials-per-worker", type=int, default=8)
     p.add_argument("--trial-seconds", type=float, default=2.0)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--sweep", help=argparse.SUPPRESS)
     p.add_argument("--storage", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -117,7 +117,9 @@ def main() -> None:
             spec = load_sweep(spec_file)
             runner.prepare_study(spec, tmp / "run", storage, server.uri)
             env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-            cmd = [sys.executable, __file__, "--worker", "--sweep", str(spec_file), "--storage", storage]
+            # the runner tells its live workers on this machine by "recursive_lightning" in their command line
+            cmd = [sys.executable, __file__, "--worker=recursive_lightning", "--sweep", str(spec_file)]
+            cmd += ["--storage", storage]
             cmd += ["--trial-seconds", str(args.trial_seconds)]
             t0 = time.perf_counter()
             procs = [

@@ -796,6 +796,15 @@ def worker(
                 raise
             except Exception as e:
                 trial = storage.get_trial(trial_id)
+                # taken from this worker (its heartbeats were late): its new worker finds any result on disk
+                if trial.state != TrialState.RUNNING:
+                    print(
+                        f"[sweep {spec.name}] trial {trial.number} was taken over elsewhere ({trial.state.name})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    done += 1
+                    continue
                 attempt = int(trial.user_attrs.get("attempt", 0))
                 msg = f"{type(e).__name__}: {e}"
                 print(f"[sweep {spec.name}] trial {trial.number} failed: {msg}", file=sys.stderr, flush=True)
