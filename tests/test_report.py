@@ -149,7 +149,9 @@ def test_paired_difference_to_the_baseline_is_a_t_interval_over_seed_pairs(tiny_
     def signed(v):
         return ("+" if v >= 0 else "−") + f"{abs(v):.2f}"
 
-    assert cells[metric] == f"{signed(mean)} [{signed(mean - half)}, {signed(mean + half)}]"
+    text = f"{signed(mean)} [{signed(mean - half)}, {signed(mean + half)}]"
+    excludes_zero = mean - half > 0 or mean + half < 0
+    assert cells[metric] == (f"**{text}**" if excludes_zero else text)
     assert cells["pairs"] == "2"
 
 

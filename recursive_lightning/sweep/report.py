@@ -30,8 +30,8 @@ from recursive_lightning.errors import ConfigError
 from recursive_lightning.sweep.spec import SEED_AXIS
 from recursive_lightning.tracking import absolute_uri, atomic_write_text, log_artifact
 
-MISSING = "—"
-CONFIDENCE = 0.95
+# MLflow's artifact viewer prints a markdown image as text; report.html shows the figures there
+VIEWER_HINT = " In MLflow's artifact viewer, open `report.html` to see the figures."
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -295,7 +295,8 @@ def _results_sections(
             lines += [
                 f"Row − `{baseline}` on the same seed, mean over the seed pairs [{level} % Student-t interval: "
                 f"mean ± t({(1 + results.CONFIDENCE) / 2:.3f}, n−1) · sd/√n over the n pairs]; lower perplexity and "
-                "higher accuracy (points) are better. An interval needs two pairs.",
+                "higher accuracy (points) are better; **bold**: the interval excludes 0. An interval needs two "
+                "pairs.",
                 "",
                 "| " + " | ".join(["row", "pairs", *(c.title for c in diff_cols)]) + " |",
                 "|" + "---|" * (2 + len(diff_cols)),
@@ -388,8 +389,8 @@ def write_report(
     lines += [
         f"{len(rows)} finished trials"
         + (f", {len(failed)} failed" if failed else "")
-        + f"; metric `{ppl_metric}` (lower is better), mean ± std over seeds; ★ marks the best row. In "
-        "MLflow's artifact viewer, open `report.html` to see the figures.",
+        + f"; metric `{ppl_metric}` (lower is better), mean ± std over seeds; ★ marks the best row."
+        + VIEWER_HINT,
         "",
     ]
     if unfinished:  # never present a sweep that is still running as a finished one
@@ -444,7 +445,9 @@ def write_report(
     from recursive_lightning.sweep.report_html import markdown_to_html
 
     html_path = run_dir / "report.html"
-    atomic_write_text(html_path, markdown_to_html(md, run_dir, title=f"sweep {spec.name}"))
+    atomic_write_text(
+        html_path, markdown_to_html(md.replace(VIEWER_HINT, ""), run_dir, title=f"sweep {spec.name}")
+    )
     parent = attrs.get("mlflow_parent_run_id") or info.get("parent_run_id")
     if parent and log:
         try:

@@ -239,8 +239,8 @@ def fmt_value(v: float, kind: str) -> str:
     if kind == "flops":
         for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
             if abs(v) >= scale:
-                return f"{v / scale:.3g}{suffix}"
-        return f"{v:.3g}"
+                return f"{v / scale:.2f}{suffix}"
+        return f"{v:.2f}"
     if kind in ("rate", "seconds"):
         return f"{v:,.0f}"
     return f"{v:.2f}"
@@ -271,4 +271,5 @@ def fmt_difference(d: dict[str, Any] | None, kind: str) -> str:
     text = fmt_signed(d["mean"], kind)
     if d["lo"] is None:
         return text + " (1 pair, no interval)"
-    return f"{text} [{fmt_signed(d['lo'], kind)}, {fmt_signed(d['hi'], kind)}]"
+    text = f"{text} [{fmt_signed(d['lo'], kind)}, {fmt_signed(d['hi'], kind)}]"
+    return f"**{text}**" if d["lo"] > 0 or d["hi"] < 0 else text  # the interval excludes 0
