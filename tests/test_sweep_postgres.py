@@ -256,6 +256,30 @@ def test_a_worker_with_nothing_left_takes_over_a_dead_workers_trial(pg, tmp_path
     assert trials[alive].state == optuna.trial.TrialState.RUNNING  # a live worker's trial is not taken
 
 
+def test_a_stopped_worker_puts_its_trial_back_for_the_next(pg, tmp_path, data_cache, monkeypatch):
+    """A worker stopped in a trial (SIGTERM from the scheduler raises there, as Ctrl-C does) puts the trial
+    back to WAITING at once: the next worker resumes it without waiting out the heartbeats."""
+    from recursive_lightning.errors import Terminated
+    from recursive_lightning.sweep import runner
+    from recursive_lightning.sweep.spec import load_sweep, point_key
+
+    spec = load_sweep(write_sweep(tmp_path, data_cache, "pg-stop", variants=("mesh",), seeds=(0,)))
+    url = pg.create_database("stop")
+    study = optuna.create_study(study_name=spec.name, storage=url)
+    study.set_user_attr("mlflow_parent_run_id", "-")
+    (point,) = spec.grid()
+    study.enqueue_trial(point, user_attrs={"point_key": point_key(point), "attempt": 0})
+
+    def run_trial(*_):
+        raise Terminated("train: stopped by SIGTERM at step 3")
+
+    monkeypatch.setattr(runner, "run_trial", run_trial)
+    with pytest.raises(Terminated):
+        runner.worker(spec, tmp_path, url, "-", take_over=True)
+    (trial,) = study.get_trials()
+    assert trial.state == optuna.trial.TrialState.WAITING  # the same trial: same directory, same child run
+
+
 def test_bad_storage_or_tracking_urls_get_one_sentence_before_any_work(pg, tracking, tmp_path, data_cache):
     from recursive_lightning.errors import ConfigError
     from recursive_lightning.sweep import runner
