@@ -260,6 +260,13 @@ def _results_sections(
         "`evaluate:`; accuracies in %.",
         "",
     ]
+    elsewhere = [t["number"] for t in trials if t["metrics_source"] != results.SWEEP_RESULT]
+    if elsewhere:  # trained where this directory cannot see (another machine): say whose numbers these are
+        lines[-1:-1] = [
+            f"- trial(s) {', '.join(map(str, elsewhere))} have no `{results.SWEEP_RESULT}` in this directory "
+            "(trained on another machine?): their metrics are the Optuna study's copy, their wall-clock, "
+            "parameters and FLOPs what this directory and the sweep file give."
+        ]
     if heads:
         tasks = sorted({task for task, _ in heads})
         lines += [
