@@ -312,7 +312,8 @@ def skipped_line(skipped: dict[str, str]) -> str:
     parts = [f"{', '.join(ts)} ({why})" for why, ts in by_reason.items()]
     return (
         f"skipped default tasks {'; '.join(parts)}; run once with network access to cache their data, "
-        "or name the tasks to run with --tasks (embedded_lastword, embedded_nextsent need no network)."
+        "or name the tasks to run with --tasks or a sweep's evaluate.tasks (embedded_lastword, embedded_nextsent "
+        "need no network)."
     )
 
 
