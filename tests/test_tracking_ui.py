@@ -107,3 +107,28 @@ def test_system_metrics_are_logged(finished):
     _, r = finished
     keys = client(r.tracking_uri).get_run(r.mlflow_run_id).data.metrics
     assert "system/cpu_utilization_percentage" in keys and "system/system_memory_usage_megabytes" in keys
+
+
+def test_ui_points_a_copied_run_directory_at_its_own_artifacts(finished, tmp_path):
+    import shutil
+
+    from recursive_lightning.ui import servable, store_of
+
+    _, r = finished
+    copy = tmp_path / "copy"
+    shutil.copytree(r.run_dir, copy)
+    from mlflow.tracking import MlflowClient  # MLflow's own client: what `mlflow server` reads
+
+    uri = servable(store_of(copy), tmp_path)
+    raw = MlflowClient(uri)
+    run = raw.get_run(r.mlflow_run_id)
+    assert run.info.artifact_uri.startswith((copy / "mlartifacts").as_uri())
+    names = {f.path for f in raw.list_artifacts(r.mlflow_run_id)}
+    assert "config.yaml" in names
+
+
+def test_ui_names_a_directory_without_a_store(tmp_path):
+    from recursive_lightning.cli import main
+
+    assert main(["ui", str(tmp_path / "missing")]) == 2
+    assert main(["ui", str(tmp_path)]) == 2
