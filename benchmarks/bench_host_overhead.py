@@ -1,13 +1,17 @@
 """Host-side cost of one training step: operator calls and time where the arithmetic is negligible.
 
-    python benchmarks/bench_host_overhead.py               # cpu-tiny, 1 x 64 tokens, 1 thread, CPU time
+    python benchmarks/bench_host_overhead.py                 # cpu-tiny, 1 x 64 tokens, 1 thread, CPU time
+    python benchmarks/bench_host_overhead.py --optimizer     # the step with AdamW (foreach), as on a GPU
+    python benchmarks/bench_host_overhead.py --by-op         # where the calls go, per ATen operator
 
 On a GPU a small model's step (and SpiralFormer's coarse passes at any size) is bound by the host launching
 kernels, not by the kernels (README, "GPU speed": the GPU idles a quarter of SpiralFormer-B's step at 160M).
 What the host does per step can be measured on the CPU with a model so small that the arithmetic is
-negligible: the number of ATen operator calls that do work (views and allocations left out; each is about
-one kernel launch on a GPU) and the step's CPU time. Both are reported for LoopedFormer and SpiralFormer-B
-(MeSH) and vanilla.
+negligible: the number of ATen operator calls that do work (views and allocations left out; composite
+operators such as ``linear`` -> ``addmm`` count at each level, as each is a dispatch), the number of those
+calls that reach no further operator ("leaf" calls: about one kernel launch each on a GPU; some are CPU-only
+details, such as the bias copy inside the CPU ``addmm``), and the step's CPU time. Reported for LoopedFormer
+and SpiralFormer-B with MeSH and with the base topology (SpiralFormer Table 1's pair), and vanilla.
 """
 
 from __future__ import annotations
@@ -35,32 +39,63 @@ NO_KERNEL = {  # operators that only make views, allocate or dispatch to another
     "aten::resolve_conj", "aten::resolve_neg", "aten::empty", "aten::empty_like", "aten::split_with_sizes",
     "aten::empty_strided", "aten::contiguous", "aten::_reshape_alias", "aten::view_as", "aten::lift_fresh",
     "aten::result_type", "aten::unflatten", "aten::flatten", "aten::to", "aten::_to_copy",
+    "aten::new_empty", "aten::new_empty_strided",
 }  # fmt: skip
 
-MODELS = {
-    "vanilla": "8",
-    "LoopedFormer 2+4x{1,1}+2": "2+4x{1,1}+2",
-    "SpiralFormer-B 2+4x{1/8,1/4,1/2,1}+2": "2+4x{1/8,1/4,1/2,1}+2",
+LOOPED, SPIRAL = "2+4x{1,1}+2", "2+4x{1/8,1/4,1/2,1}+2"
+MODELS = {  # name: (layout, topology)
+    "vanilla": ("8", "base"),
+    "LoopedFormer 2+4x{1,1}+2 mesh": (LOOPED, "mesh"),
+    "SpiralFormer-B 2+4x{1/8,1/4,1/2,1}+2 mesh": (SPIRAL, "mesh"),
+    "LoopedFormer base": (LOOPED, "base"),
+    "SpiralFormer-B base": (SPIRAL, "base"),
 }
 
 
-def step_fn(layout: str, p: str, batch: int, seq: int):
+def step_fn(layout: str, topology: str, p: str, batch: int, seq: int, optimizer: bool = False):
     torch.manual_seed(0)
-    model = RecursiveLM(preset(p, layout=layout, topology="mesh" if "x" in layout else "base"))
+    model = RecursiveLM(preset(p, layout=layout, topology=topology))
     idx = torch.randint(0, model.cfg.vocab_size, (batch, seq))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True) if optimizer else None
 
     def run() -> None:
         model.loss(idx, idx).backward()
+        if opt is not None:
+            opt.step()
         model.zero_grad(set_to_none=True)
 
     return run
 
 
-def op_calls(fn) -> int:
+def _counted(name: str) -> bool:
+    return name.startswith("aten::") and name not in NO_KERNEL
+
+
+def _leaf(event) -> bool:
+    """A counted call none of whose callees (at any depth) is counted: about one kernel launch."""
+    stack = list(event.cpu_children)
+    while stack:
+        child = stack.pop()
+        if _counted(child.name):
+            return False
+        stack.extend(child.cpu_children)
+    return True
+
+
+def op_calls(fn, by_op: bool = False) -> tuple[int, int] | tuple[int, int, dict[str, int]]:
+    """(ATen calls that do work, leaf calls among them) of one call of ``fn`` after a warm-up call; with
+    ``by_op``, also the calls per operator."""
     fn()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::") and e.key not in NO_KERNEL)
+    events = [e for e in prof.events() if _counted(e.name)]
+    calls, leaves = len(events), sum(_leaf(e) for e in events)
+    if not by_op:
+        return calls, leaves
+    per_op: dict[str, int] = {}
+    for e in events:
+        per_op[e.name] = per_op.get(e.name, 0) + 1
+    return calls, leaves, per_op
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,16 +104,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--optimizer", action="store_true", help="include an AdamW (foreach) step")
+    p.add_argument("--by-op", action="store_true", help="also list the calls per ATen operator")
     args = p.parse_args(argv)
     set_threads(1)
-    fns = {k: step_fn(v, args.preset, args.batch, args.seq_len) for k, v in MODELS.items()}
-    calls = {k: op_calls(fn) for k, fn in fns.items()}
-    times = interleaved(fns, args.reps, warmup=3, clock="cpu")  # the models take turns; CPU time
+    fns = {
+        k: step_fn(layout, topo, args.preset, args.batch, args.seq_len, args.optimizer)
+        for k, (layout, topo) in MODELS.items()
+    }
+    counts = {k: op_calls(fn, by_op=args.by_op) for k, fn in fns.items()}
+    times = interleaved(fns, args.reps, warmup=3, clock="cpu") if args.reps else {}  # the models take turns
+    step = "fwd+bwd+AdamW" if args.optimizer else "fwd+bwd"
     print(f"{args.preset}, {args.batch} x {args.seq_len} tokens, 1 thread, torch {torch.__version__}\n")
-    print("| model | ATen calls per fwd+bwd (no views) | CPU ms per step (median) |")
-    print("| --- | ---: | ---: |")
+    print(f"| model | ATen calls per {step} (no views) | leaf calls (~kernels) | CPU ms per step (median) |")
+    print("| --- | ---: | ---: | ---: |")
     for k in fns:
-        print(f"| {k} | {calls[k]} | {1e3 * statistics.median(times[k]):.2f} |")
+        ms = f"{1e3 * statistics.median(times[k]):.2f}" if times else "-"
+        print(f"| {k} | {counts[k][0]} | {counts[k][1]} | {ms} |")
+    for topo in ("mesh", "base"):
+        looped = [v for k, v in counts.items() if k.startswith("LoopedFormer") and k.endswith(topo)][0]
+        spiral = [v for k, v in counts.items() if k.startswith("SpiralFormer") and k.endswith(topo)][0]
+        print(
+            f"SpiralFormer-B / LoopedFormer ({topo}): calls {spiral[0] / looped[0]:.3f}, "
+            f"leaf calls {spiral[1] / looped[1]:.3f}"
+        )
+    if args.by_op:
+        ops = sorted(
+            {op for c in counts.values() for op in c[2]}, key=lambda op: -counts[list(fns)[2]][2].get(op, 0)
+        )
+        print("\n| operator | " + " | ".join(fns) + " |")
+        print("| --- |" + " ---: |" * len(fns))
+        for op in ops:
+            print(f"| {op} | " + " | ".join(str(counts[k][2].get(op, 0)) for k in fns) + " |")
     return 0
 
 

@@ -33,7 +33,7 @@ class DataConfig:
     num_workers: int = 0
 
 
-COMPILE_SCOPES = ("layers", "model")  # train.compile values besides false / true (= layers)
+COMPILE_SCOPES = ("layers", "glue", "model")  # train.compile values besides false / true (= layers)
 
 
 @dataclass
@@ -49,7 +49,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     accumulate: int = 1
     precision: str = "auto"  # auto: bf16-mixed where the hardware has it, else 32-true
-    compile: bool | str = False  # false | true (= layers) | layers | model (training/parallel.py)
+    compile: bool | str = False  # false | true (= layers) | layers | glue | model (training/parallel.py)
     activation_checkpointing: bool = False
     seed: int = 0
     val_every: int = 100  # steps between validations (and best-checkpoint selection)
@@ -150,7 +150,7 @@ class RunConfig:
             raise ConfigError("train.warmup_ratio must lie in [0, 1) and train.min_lr_ratio in [0, 1].")
         if t.compile not in (False, True, *COMPILE_SCOPES):
             raise ConfigError(
-                f"train.compile '{t.compile}' is unknown; choose false, true (= layers), layers or model."
+                f"train.compile '{t.compile}' is unknown; choose false, true (= layers), layers, glue or model."
             )
         if t.strategy not in ("auto", "ddp", "fsdp"):
             raise ConfigError(f"train.strategy '{t.strategy}' is unknown; choose auto, ddp or fsdp.")

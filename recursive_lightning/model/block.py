@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.model.shared_grad import Linear
@@ -66,13 +67,98 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (b, l, h, hd); cos/sin: (l, dim), or (b, l, dim) for per-row positions."""
-        if self.dim == 0:
-            return x
+        return _rotate_half_reference(x, cos, sin, self.dim)
+
+
+class _QKVRotary(torch.autograd.Function):
+    """The attention input (b, l, h + 2 kv, hd) -> q, k rotated (Su et al. Eq. 34, GPT-NeoX's rotate-half form
+    on the first ``dim`` of each head's dims) and v, each (b, heads, l, hd): :meth:`Rotary.forward` on the
+    query and key heads plus the head split, with a backward written out.
+
+    Autograd's backward of the composed form materialises a zero-filled full-size gradient for every slice
+    (the head split, the rotary dims and their halves: six per layer) and adds them up, ~31 ATen calls per
+    layer; here the inverse rotation R(-θ) writes each head group's gradient into its place of one buffer:
+    4 calls for q and for k, one copy for v (the forward: 4 instead of 6). With x = (x1, x2) the two halves of
+    the rotary dims, forward and backward are
+
+        y1 = x1 cos1 - x2 sin1,   y2 = x2 cos2 + x1 sin2                 (rotate-half: y = x cos + R(x) sin)
+        dx1 = dy1 cos1 + dy2 sin2, dx2 = dy2 cos2 - dy1 sin1              (R^T)
+
+    and the dims past ``dim`` pass through. Same products and sums as :meth:`Rotary.forward` in the forward;
+    the backward sums the two terms of dx in one rounding step less (equal to autograd's to rounding)."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, heads, dim):
+        half, nqk = dim // 2, heads[0] + heads[1]
+        x = qkv[:, :, :nqk]
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-        rot, rest = x[..., : self.dim], x[..., self.dim :]
-        x1, x2 = rot.chunk(2, dim=-1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-        return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+        out = qkv.new_empty(x.shape, dtype=torch.result_type(x, cos))  # rotary in cos/sin's dtype
+        torch.mul(x[..., :dim], cos, out=out[..., :dim])
+        out[..., :half].addcmul_(x[..., half:dim], sin[..., :half], value=-1)
+        out[..., half:dim].addcmul_(x[..., :half], sin[..., half:])
+        if dim < x.shape[-1]:
+            out[..., dim:].copy_(x[..., dim:])
+        ctx.save_for_backward(cos, sin)
+        ctx.meta = heads, dim, qkv.shape, qkv.dtype
+        q, k, v = out[:, :, : heads[0]], out[:, :, heads[0] :], qkv[:, :, nqk:]
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_q, grad_k, grad_v):
+        cos, sin = ctx.saved_tensors
+        heads, dim, shape, dtype = ctx.meta
+        half, nqk = dim // 2, heads[0] + heads[1]
+        grad = torch.empty(shape, dtype=dtype, device=cos.device)
+        for g, lo, hi in ((grad_q, 0, heads[0]), (grad_k, heads[0], nqk)):
+            target = grad[:, :, lo:hi]
+            if g is None:
+                target.zero_()
+                continue
+            g = g.transpose(1, 2)
+            out = target if g.dtype == dtype else torch.empty_like(g)  # mixed precision: sum in g's dtype
+            torch.mul(g[..., :dim], cos, out=out[..., :dim])
+            out[..., :half].addcmul_(g[..., half:dim], sin[..., half:])
+            out[..., half:dim].addcmul_(g[..., :half], sin[..., :half], value=-1)
+            if dim < g.shape[-1]:
+                out[..., dim:].copy_(g[..., dim:])
+            if out is not target:
+                target.copy_(out)
+        if grad_v is None:
+            grad[:, :, nqk:].zero_()
+        else:
+            grad[:, :, nqk:].copy_(grad_v.transpose(1, 2))
+        return grad, None, None, None, None
+
+
+def qkv_rotary(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: tuple[int, int], dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of shape (b, heads, l, hd) from the attention input (b, l, h + 2 kv, hd), queries and keys
+    rotated on their first ``dim`` dims; ``heads`` = (h, kv). cos/sin: (l, dim) or (b, l, dim).
+
+    Equal to ``Rotary.forward`` on ``qkv[:, :, :h + kv]`` and the head split (``_QKVRotary``), in fewer calls;
+    without rotary dims, where cos/sin need their own gradient or under ``torch.compile``, the composed form."""
+    h, kvh = heads
+    if dim == 0 or cos.requires_grad or sin.requires_grad or torch.compiler.is_compiling():  # the compiler fuses
+        qk = _rotate_half_reference(qkv[:, :, : h + kvh], cos, sin, dim)
+        return (
+            qk[:, :, :h].transpose(1, 2),
+            qk[:, :, h:].transpose(1, 2),
+            qkv[:, :, h + kvh :].transpose(1, 2),
+        )
+    return _QKVRotary.apply(qkv, cos, sin, heads, dim)
+
+
+def _rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
+    """GPT-NeoX rotary in its composed form (the reference the fused path is tested against)."""
+    if dim == 0:
+        return x
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    rot, rest = x[..., :dim], x[..., dim:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
 
 
 class KV:
@@ -115,8 +201,7 @@ class Attention(nn.Module):
         and keeps these (decoding, ``model/decoding.py``)."""
         h, kvh = self.n_heads, self.kv_heads
         qkv = rearrange(self.qkv(x), "b l (h d) -> b l h d", d=self.head_dim)
-        qk = self.rotary(qkv[:, :, : h + kvh], cos, sin)  # queries and keys rotated together
-        q, k, v = (t.transpose(1, 2) for t in (qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + kvh :]))
+        q, k, v = qkv_rotary(qkv, cos, sin, (h, kvh), self.rotary.dim)  # q and k rotated together
         sees_all = False  # a single new query after cached positions attends to every key
         if kv is not None:
             past = kv.length

@@ -208,6 +208,15 @@ class RecursiveLM(Generates, nn.Module):
                         layer.attn.capture = None
         return logits, trace
 
+    def compile_glue(self, **options) -> None:
+        """``torch.compile`` the work between the layers, each piece a region of its own: every
+        multi-resolution step's S_down and S_up (with the shift) and every MeSH step's routers, write and read
+        (``train.compile: glue``, which also compiles each layer; ``training/parallel.compile_model``)."""
+        for step in self.steps:
+            step.compile_glue(**options)
+        if isinstance(self.topology, MeSH):
+            self.topology.compile_glue(**options)
+
     # ------------------------------------------------------------------ generation
     @property
     def window(self) -> int:

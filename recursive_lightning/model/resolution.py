@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 from torch.autograd.function import once_differentiable
 
@@ -49,6 +48,8 @@ class ResolutionStep(nn.Module):
         self.scorer = nn.Linear(cfg.d_model, 1) if learn_down else None  # A^(t), Eq. 17
         self.allocator = nn.Linear(cfg.d_model, g) if learn_up else None  # B^(t), Eq. 21
         self.record: list[dict[str, torch.Tensor]] | None = None
+        # (S_down, S_up) compiled by :meth:`compile_glue` (train.compile: glue); None: eager
+        self.glue: tuple[Callable, Callable] | None = None
 
     @property
     def full_resolution(self) -> bool:
@@ -71,17 +72,18 @@ class ResolutionStep(nn.Module):
         end = n * g - w  # positions from here on form the incomplete trailing chunk: dropped (Eq. 14)
         if n == 0:
             return h.new_zeros(h.shape[0], 0, h.shape[2])  # fewer than g - ω positions: no complete chunk
+        if torch.compiler.is_compiling():
+            return self.down_padded(h, w)  # plain ops the compiler fuses into one kernel
         if self.scorer is None:
             return _ChunkMap.apply(
-                h, None, 1 / g, 0, end, g, w, n, False
+                h, None, 1 / g, 0, end, g, w, n, False, False
             )  # Eq. 16 (left padding counts as zero)
-        # Eq. 17: softmax within each chunk over the left-padded, cropped layout (padding scores -inf)
-        score = F.pad(self.scorer(h).squeeze(-1).float(), (w, end - length), value=float("-inf"))
-        alpha = rearrange(score, "b (n g) -> b n g", g=g).softmax(-1).to(h.dtype)
-        if self.record is not None:
-            self.record.append({"alpha": alpha.detach()})
-        weight = F.pad(alpha.flatten(1), (-w, length - end))  # α of each position p at row p + ω
-        return _ChunkMap.apply(h, weight, 1.0, 0, end, g, w, n, False)  # Eq. 18
+        # Eq. 17-18: α = softmax of the scores within each chunk, z_j = sum_p α_p h_p (``_SelfAggregation``)
+        score = self.scorer(h).squeeze(-1).float()
+        if self.record is not None:  # α in the chunked (b, L_t, g) layout, padding slots 0 (probes)
+            padded = F.pad(score.detach(), (w, end - length), value=float("-inf"))
+            self.record.append({"alpha": padded.unflatten(1, (n, g)).softmax(-1).to(h.dtype)})
+        return _SelfAggregation.apply(h, score, end, g, w, n)
 
     def up(self, z: torch.Tensor, length: int) -> torch.Tensor:
         """(b, L_t, d) -> shifted token-level update u~ of shape (b, L, d), Eqs. 19-22."""
@@ -92,13 +94,54 @@ class ResolutionStep(nn.Module):
         # shift right by s (Eq. 22): position p >= s receives row p - s + ω of the chunked layout, up to the
         # last chunk's last row or the sequence's end; rows k < ω of chunk 0 are padding and reach no position
         end = min(length, s - w + n * g)
+        if torch.compiler.is_compiling():
+            return self.up_padded(z, length)  # plain ops the compiler fuses into one kernel
         if self.allocator is None:
-            return _ChunkMap.apply(z, None, self.gain / g, s, end, g, w, length, True)  # Eq. 20
+            return _ChunkMap.apply(z, None, self.gain / g, s, end, g, w, length, True, False)  # Eq. 20
         beta = self.allocation(z)  # Eq. 21
         if self.record is not None:
             self.record.append({"beta": beta.detach()})
-        weight = F.pad(self.gain * beta.flatten(1), (s - w, length - n * g - s + w))  # λ β at each position
-        return _ChunkMap.apply(z, weight, 1.0, s, end, g, w, length, True)  # Eq. 19
+        # λ β in the chunked (b, L_t, g) layout: each position reads its chunk's row and its slot ρ (Eq. 12)
+        return _ChunkMap.apply(z, self.gain * beta, 1.0, s, end, g, w, length, True, True)  # Eq. 19
+
+    # ------------------------------------------------------------------ the padded form (compiled glue)
+    def down_padded(self, h: torch.Tensor, offset: int | None = None) -> torch.Tensor:
+        """:meth:`down` in its padded form: left-pad by ω and crop the trailing incomplete chunk (Eqs. 12-14),
+        then Eqs. 16-18 on the (b, L_t, g, d) chunked layout. Plain ops, which ``torch.compile`` fuses into one
+        kernel with no padded copy; in eager mode :meth:`down` does the same in views (``_ChunkMap``)."""
+        g, w = self.g, self.offset if offset is None else offset
+        n = (h.shape[1] + w) // g  # L_t (Eqs. 13-14)
+        pad = (w, n * g - w - h.shape[1])  # a negative pad crops
+        chunks = F.pad(h, (0, 0, *pad)).unflatten(1, (n, g))
+        if self.scorer is None:
+            return chunks.sum(2) / g  # Eq. 16 (left padding contributes zero)
+        score = F.pad(self.scorer(h).squeeze(-1).float(), pad, value=float("-inf"))
+        alpha = score.unflatten(1, (n, g)).softmax(-1).to(h.dtype)  # Eq. 17 (padding slots get 0)
+        return (alpha.unsqueeze(-1) * chunks).sum(2)  # Eq. 18
+
+    def up_padded(self, z: torch.Tensor, length: int) -> torch.Tensor:
+        """:meth:`up` in its padded form: λ/g or λβ per row of the chunked layout (Eqs. 19-21), rows k < ω of
+        chunk 0 zeroed (padding), then the shift by s (Eq. 22) as one pad that zero-fills the first rows and
+        crops or zero-fills the end."""
+        g, w, s = self.g, self.offset, self.shift
+        b, n, d = z.shape
+        if s >= length:
+            return z.new_zeros(b, length, d)
+        if self.allocator is None:
+            coef = z.new_full((1, n * g), self.gain / g)  # Eq. 20
+        else:
+            coef = self.gain * self.allocation(z).flatten(1)  # Eq. 19, 21
+        coef = F.pad(coef[:, w:], (w, 0)).unflatten(1, (n, g))  # padding rows reach no position
+        u = (coef.unsqueeze(-1) * z.unsqueeze(2)).flatten(1, 2)  # (b, n g, d)
+        return F.pad(u, (0, 0, s - w, length - n * g - s + w))  # Eq. 22
+
+    def compile_glue(self, **options) -> None:
+        """``torch.compile`` S_down and S_up of this step, each on its own (``train.compile: glue``): their
+        padded forms fused into one kernel each, forward and backward (on a GPU a Triton kernel each instead
+        of ~10 small launches). ``options`` go to ``torch.compile``."""
+        if self.full_resolution:
+            return
+        self.glue = (torch.compile(self.down_padded, **options), torch.compile(self.up_padded, **options))
 
     def forward(
         self,
@@ -113,6 +156,9 @@ class ResolutionStep(nn.Module):
             return core(h)  # full resolution: u~ = f_core(h)
         if length + self.offset < self.g:
             return torch.zeros_like(h)  # no complete chunk yet: no position receives an update
+        if self.glue is not None and self.record is None:  # compiled S_down / S_up (probes record eagerly)
+            down, up = self.glue
+            return up(core(down(h)), length)
         return self.up(core(self.down(h)), length)
 
     # ------------------------------------------------------------------ decoding (SpiralFormer Alg. 2)
@@ -198,12 +244,32 @@ def _views(x: torch.Tensor, seg: tuple[int, int, int, int]) -> torch.Tensor:
     return x[:, p : p + c * k].unflatten(1, (c, k))  # (b, c, k, ...)
 
 
-def _sum(x: torch.Tensor, a: torch.Tensor | None, scale: float, segs: list, n: int) -> torch.Tensor:
+def _slots(a: torch.Tensor, seg: tuple[int, int, int, int], offset: int) -> torch.Tensor:
+    """The (b, c, k) weights of a run from weights in the chunked (b, L_t, g) layout: chunk j's slots ρ, from ω
+    in chunk 0 when it starts part-way (Eq. 12)."""
+    _, j, c, k = seg
+    r = offset if j == 0 else 0
+    return a[:, j : j + c, r : r + k]
+
+
+def _weights(a: torch.Tensor, seg: tuple[int, int, int, int], chunked: bool, offset: int) -> torch.Tensor:
+    return _slots(a, seg, offset) if chunked else _views(a, seg)
+
+
+def _sum(
+    x: torch.Tensor,
+    a: torch.Tensor | None,
+    scale: float,
+    segs: list,
+    n: int,
+    chunked: bool = False,
+    offset: int = 0,
+) -> torch.Tensor:
     """(b, n, d): the weighted sum over each chunk's positions (zero for chunks with none)."""
     parts = []
     for seg in segs:
         # (1 x k) @ (k x d) per chunk: a GEMM reads x once and writes no (b, c, k, d) product
-        w = x.new_full((1, seg[3]), scale) if a is None else _views(a, seg).unsqueeze(-2)
+        w = x.new_full((1, seg[3]), scale) if a is None else _weights(a, seg, chunked, offset).unsqueeze(-2)
         parts.append((w @ _views(x, seg)).squeeze(-2))
     covered = segs[-1][1] + segs[-1][2] if segs else 0
     if covered < n or not parts:  # chunks whose positions all lie at or past L (or no chunk at all)
@@ -212,28 +278,107 @@ def _sum(x: torch.Tensor, a: torch.Tensor | None, scale: float, segs: list, n: i
 
 
 def _spread(
-    z: torch.Tensor, a: torch.Tensor | None, scale: float, segs: list, start: int, end: int, length: int
+    z: torch.Tensor,
+    a: torch.Tensor | None,
+    scale: float,
+    segs: list,
+    start: int,
+    end: int,
+    length: int,
+    chunked: bool = False,
+    offset: int = 0,
 ) -> torch.Tensor:
     """(b, L, d): each position in [start, end) gets its chunk's row, weighted; zero elsewhere."""
     u = z.new_empty(z.shape[0], length, z.shape[-1])
-    u[:, :start].zero_()
-    u[:, end:].zero_()
+    if start > 0:
+        u[:, :start].zero_()
+    if end < length:
+        u[:, end:].zero_()
     for seg in segs:
         _, j, c, k = seg
         src = z[:, j : j + c].unsqueeze(2)
         if a is None:
             _views(u, seg).copy_((src * scale).expand(-1, -1, k, -1))
         else:
-            torch.mul(src, _views(a, seg).unsqueeze(-1), out=_views(u, seg))
+            torch.mul(src, _weights(a, seg, chunked, offset).unsqueeze(-1), out=_views(u, seg))
     return u
 
 
-def _inner(x: torch.Tensor, z: torch.Tensor, segs: list, start: int, end: int) -> torch.Tensor:
-    """(b, L): <x[p], z[chunk(p)]> over [start, end), zero elsewhere (the gradient of per-position weights)."""
+def _inner(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    segs: list,
+    start: int,
+    end: int,
+    width: int,
+    chunked: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """(b, width): <x[p], z[chunk(p)]> over [start, end), zero elsewhere (the gradient of per-position weights);
+    with ``chunked`` = (g, ω), in the chunked (b, L_t, g) layout instead, zero at slots no position reads."""
+    if chunked is not None:
+        g, offset = chunked
+        out = x.new_zeros(z.shape[0], z.shape[1], g)
+        for seg in segs:
+            prod = _views(x, seg) * z[:, seg[1] : seg[1] + seg[2]].unsqueeze(2)
+            torch.sum(prod, -1, out=_slots(out, seg, offset))
+        return out
     parts = [
         (_views(x, seg) * z[:, seg[1] : seg[1] + seg[2]].unsqueeze(2)).sum(-1).flatten(1) for seg in segs
     ]
-    return F.pad(torch.cat(parts, 1), (start, x.shape[1] - end))
+    return F.pad(torch.cat(parts, 1), (start, width - end))
+
+
+class _SelfAggregation(torch.autograd.Function):
+    """S_down by self-aggregation (Eqs. 17-18): α = softmax of the scores within each chunk (computed in
+    float32 as :meth:`ResolutionStep.allocation` does), z_j = sum_{p in chunk j} α_p h_p.
+
+    The softmax runs over each run of chunks that tile [0, end) (chunk 0 holds g - ω positions when ω > 0):
+    equal to the softmax over the left-padded layout with padding scores -inf (exp(-inf) = 0), without
+    padding the scores or cropping the weights back. The backward is written out per run:
+
+        dL/dh_p = α_p dL/dz_chunk(p)                                                    (the adjoint spread)
+        dL/dα_p = <h_p, dL/dz_chunk(p)>,  dL/ds_p = α_p (dL/dα_p - sum_q in chunk α_q dL/dα_q)  (softmax)
+
+    each written into its place of one gradient buffer (autograd's backward of the composed form adds a
+    zero-filled gradient per split, pad or slice)."""
+
+    @staticmethod
+    def forward(ctx, x, score, end, g, offset, n):
+        segs = _segments(0, end, g, offset)
+        alphas = [_views(score, seg).softmax(-1) for seg in segs]  # float32, (b, c, k) per run
+        with _no_autocast(x):
+            z = _sum(x, torch.cat([a.to(x.dtype).flatten(1) for a in alphas], 1), 1.0, segs, n)
+        ctx.save_for_backward(x, *alphas)
+        ctx.meta = segs, end, score.shape, score.dtype
+        return z
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, *alphas = ctx.saved_tensors
+        segs, end, score_shape, score_dtype = ctx.meta
+        grad_x = grad_score = None
+        with _no_autocast(grad):
+            if ctx.needs_input_grad[0]:
+                grad_x = x.new_empty(x.shape)
+                if end < x.shape[1]:
+                    grad_x[:, end:].zero_()
+                for seg, a in zip(segs, alphas):
+                    _, j, c, _ = seg
+                    torch.mul(
+                        grad[:, j : j + c].unsqueeze(2), a.to(x.dtype).unsqueeze(-1), out=_views(grad_x, seg)
+                    )
+            if ctx.needs_input_grad[1]:
+                parts = []
+                for seg, a in zip(segs, alphas):  # the softmax's backward per run (what autograd runs)
+                    _, j, c, _ = seg
+                    grad_a = (_views(x, seg) * grad[:, j : j + c].unsqueeze(2)).sum(-1)
+                    parts.append(torch._softmax_backward_data(grad_a.to(score_dtype), a, -1, score_dtype))
+                parts = [p.flatten(1) for p in parts]
+                if end < score_shape[1]:  # dropped positions (Eq. 14): no gradient
+                    parts.append(grad.new_zeros(score_shape[0], score_shape[1] - end, dtype=score_dtype))
+                grad_score = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+        return grad_x, grad_score, None, None, None, None
 
 
 def _no_autocast(t: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -252,28 +397,33 @@ class _ChunkMap(torch.autograd.Function):
     scatter-add), plus <positions, chunks> at each position for learned weights."""
 
     @staticmethod
-    def forward(ctx, x, a, scale, start, end, g, offset, size, spread):
-        """``size``: the output's chunks (sum) or positions (spread)."""
+    def forward(ctx, x, a, scale, start, end, g, offset, size, spread, chunked):
+        """``size``: the output's chunks (sum) or positions (spread); ``chunked``: ``a`` is in the chunked
+        (b, L_t, g) layout (S_up's β), else one weight per position."""
         segs = _segments(start, end, g, offset)
         ctx.save_for_backward(x if a is not None and a.requires_grad else None, a)
-        ctx.meta = scale, segs, start, end, x.shape[1], spread
+        ctx.meta = scale, segs, start, end, x.shape[1], spread, (g, offset) if chunked else None
+        lay = {"chunked": chunked, "offset": offset}
         with _no_autocast(x):
-            return _spread(x, a, scale, segs, start, end, size) if spread else _sum(x, a, scale, segs, size)
+            if spread:
+                return _spread(x, a, scale, segs, start, end, size, **lay)
+            return _sum(x, a, scale, segs, size, **lay)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         x, a = ctx.saved_tensors
-        scale, segs, start, end, size, spread = ctx.meta  # size: the input's chunks or positions
+        scale, segs, start, end, size, spread, chunked = ctx.meta  # size: the input's chunks or positions
+        lay = {"chunked": chunked is not None, "offset": chunked[1] if chunked else 0}
         grad_x = grad_a = None
         with _no_autocast(grad):
             if ctx.needs_input_grad[0]:
                 grad_x = (
-                    _sum(grad, a, scale, segs, size)
+                    _sum(grad, a, scale, segs, size, **lay)
                     if spread
-                    else _spread(grad, a, scale, segs, start, end, size)
+                    else _spread(grad, a, scale, segs, start, end, size, **lay)
                 )
             if ctx.needs_input_grad[1]:
                 positions, chunks = (grad, x) if spread else (x, grad)
-                grad_a = _inner(positions, chunks, segs, start, end)
-        return grad_x, grad_a, None, None, None, None, None, None, None
+                grad_a = _inner(positions, chunks, segs, start, end, a.shape[1], chunked)
+        return grad_x, grad_a, None, None, None, None, None, None, None, None

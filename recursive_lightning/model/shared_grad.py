@@ -52,13 +52,14 @@ class _SharedLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         buffer: GradBuffer = ctx.buffer
-        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
         grad_w = grad_b = None
         g2 = grad.reshape(-1, grad.shape[-1])
+        # torch.mm on the 2-D views: the GEMMs ``grad @ weight`` folds to, without matmul's dispatch layer
+        grad_x = torch.mm(g2, weight).view(*grad.shape[:-1], -1) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])
             if buffer.sum is None or ctx.use == buffer.uses - 1:  # the first use backpropagated: a fresh sum
-                buffer.sum = g2.t() @ x2
+                buffer.sum = torch.mm(g2.t(), x2)
             else:
                 buffer.sum.addmm_(g2.t(), x2)  # dW += g^T x in the GEMM itself (beta = 1)
             if ctx.use == 0:  # the last use backpropagated: hand the sum to autograd

@@ -11,9 +11,12 @@ One interface for every topology (SpiralFormer Eq. 4, U(u~, h, H; t)):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from recursive_lightning.model.config import TOPOLOGY_TERMS, ModelConfig
 
@@ -111,6 +114,7 @@ class MeSH(Topology):
         self.write = nn.ModuleList(nn.Linear(cfg.d_model, self.slots) for _ in range(n_steps + 1))
         self.read = nn.ModuleList(nn.Linear(cfg.d_model, self.slots) for _ in range(n_steps + 1))
         self.record: dict[str, list[torch.Tensor]] | None = None  # router weights of the last forward
+        self.glue: list[Callable] | None = None  # per step index, set by compile_glue (train.compile: glue)
 
     def _route(self, idx: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         write, read = self.write[idx], self.read[idx]
@@ -128,10 +132,10 @@ class MeSH(Topology):
         carry: Carry, writes: list[tuple[torch.Tensor, torch.Tensor]], w_read: torch.Tensor
     ) -> torch.Tensor:
         """Eq. 6 on the factored buffer: slot 0's h_emb, plus each write u^(tau) with gain <w_write^(tau), w_read>."""
-        h = carry["h_emb"].to(w_read.dtype) * w_read[..., :1]
-        for u, w_write in writes:
-            h = torch.addcmul(h, (w_write * w_read).sum(-1, keepdim=True), u)
-        return h
+        h_emb = carry["h_emb"].to(w_read.dtype)
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return _read_reference(h_emb, w_read, writes)  # no backward to save / the compiler fuses it
+        return _FactoredRead.apply(h_emb, w_read, *(t for write in writes for t in write))
 
     @staticmethod
     def buffer(carry: Carry) -> torch.Tensor:
@@ -144,21 +148,121 @@ class MeSH(Topology):
             m = m + w_write.permute(2, 0, 1).unsqueeze(-1) * u
         return m
 
+    def compile_glue(self, **options) -> None:
+        """``torch.compile`` each step's routers, write and read (Eqs. 3, 5, 6) as one region of its own
+        (``train.compile: glue``): one graph per step index, since step t reads t + 2 writes. ``options`` go
+        to ``torch.compile``. Router recording (probes) stays eager."""
+        self.glue = [torch.compile(_mesh_update, **options) for _ in self.write]
+
+    def _update(
+        self, idx: int, router_in: torch.Tensor, u: torch.Tensor, carry: Carry, writes: list
+    ) -> tuple[torch.Tensor, list]:
+        """Routers on ``router_in`` (Eq. 3), the write of ``u`` (Eq. 5) and the read (Eq. 6) at step ``idx``."""
+        if self.glue is not None and self.record is None:
+            write, read = self.write[idx], self.read[idx]
+            h, w_write = self.glue[idx](
+                router_in, u, carry["h_emb"], writes, write.weight, write.bias, read.weight, read.bias
+            )
+            return h, [*writes, (u, w_write)]
+        w_write, w_read = self._route(idx, router_in)
+        writes = [*writes, (u, w_write)]
+        return self._read(carry, writes, w_read), writes
+
     def start(self, h_emb: torch.Tensor, h_pre: torch.Tensor) -> tuple[torch.Tensor, Carry]:
         if self.record is not None:
             self.record = {"write": [], "read": []}
         router_in = h_pre if self.transition_input == "prelude" else h_emb
-        w_write, w_read = self._route(0, router_in)  # transitional routers (Alg. 2 lines 9-13)
-        writes = [(h_pre, w_write)]  # Eq. 5: write the prelude output
-        carry: Carry = {"h_emb": h_emb, "writes": writes}  # type: ignore[dict-item]
-        h0 = self._read(carry, writes, w_read)
-        return h0, {**carry, "h0": h0}
+        carry: Carry = {"h_emb": h_emb}
+        # transitional routers (Alg. 2 lines 9-13); Eq. 5: write the prelude output
+        h0, writes = self._update(0, router_in, h_pre, carry, [])
+        return h0, {**carry, "writes": writes, "h0": h0}  # type: ignore[dict-item]
 
     def step(self, t: int, h: torch.Tensor, u: torch.Tensor, carry: Carry) -> tuple[torch.Tensor, Carry]:
-        # routers read the state that entered the core, h^(t) (Alg. 2 line 17)
-        w_write, w_read = self._route(t + 1, h)
-        writes = [*carry["writes"], (u, w_write)]  # Eq. 5: distributed write of the core output
-        return self._read(carry, writes, w_read), {**carry, "writes": writes}  # Eq. 6: read
+        # routers read the state that entered the core, h^(t) (Alg. 2 line 17); Eq. 5: distributed write of
+        # the core output; Eq. 6: read
+        h_next, writes = self._update(t + 1, h, u, carry, carry["writes"])
+        return h_next, {**carry, "writes": writes}
+
+
+def _mesh_update(
+    router_in: torch.Tensor,
+    u: torch.Tensor,
+    h_emb: torch.Tensor,
+    writes: list[tuple[torch.Tensor, torch.Tensor]],
+    write_weight: torch.Tensor,
+    write_bias: torch.Tensor,
+    read_weight: torch.Tensor,
+    read_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MeSH step as plain ops (the region ``MeSH.compile_glue`` compiles): both routers in one matmul and
+    a softmax over slots (Eq. 3), the write of ``u`` (Eq. 5) and the read on the factored buffer (Eq. 6).
+    Returns h^(t+1) and w_write."""
+    slots = write_weight.shape[0]
+    logits = F.linear(router_in, torch.cat([write_weight, read_weight]), torch.cat([write_bias, read_bias]))
+    w_write, w_read = logits.float().unflatten(-1, (2, slots)).softmax(-1).to(router_in.dtype).unbind(-2)
+    h = _read_reference(h_emb.to(w_read.dtype), w_read, [*writes, (u, w_write)])
+    return h, w_write
+
+
+def _read_reference(
+    h_emb: torch.Tensor, w_read: torch.Tensor, writes: list[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
+    """Eq. 6 on the factored buffer, term by term: h = h_emb w_read,0 + sum_tau <w_write^(tau), w_read> u^(tau)."""
+    h = h_emb * w_read[..., :1]
+    for u, w_write in writes:
+        h = torch.addcmul(h, (w_write * w_read).sum(-1, keepdim=True), u)
+    return h
+
+
+class _FactoredRead(torch.autograd.Function):
+    """:func:`_read_reference` with the gains of all T writes computed at once and a batched backward.
+
+    Forward: c_tau = <w_write^(tau), w_read> for every tau in one product over the stacked (b, l, T, B) write
+    weights, then the same T addcmuls as the reference (bitwise equal). Backward, with g = dL/dh:
+
+        dL/du^(tau)       = c_tau g                  one broadcast product, (T, b, l, d)
+        dL/dc_tau         = <g, u^(tau)>              one batched product over the stacked writes
+        dL/dw_read        = sum_tau dL/dc_tau w_write^(tau) + e_0 <g, h_emb>
+        dL/dw_write^(tau) = dL/dc_tau w_read          one broadcast product, (b, l, T, B)
+        dL/dh_emb         = w_read,0 g
+
+    a fixed ~12 ATen calls where autograd's backward of the term-by-term sum takes ~8 per write (T = t + 2
+    at loop step t, so the count grew with every step)."""
+
+    @staticmethod
+    def forward(ctx, h_emb, w_read, *flat):
+        us, w_writes = flat[0::2], flat[1::2]
+        w_stack = torch.stack(w_writes, -2)  # (b, l, T, B)
+        gains = (w_stack * w_read.unsqueeze(-2)).sum(-1)  # (b, l, T): c_tau, summed as the reference does
+        h = h_emb * w_read[..., :1]
+        for tau, u in enumerate(us):
+            h.addcmul_(gains[..., tau : tau + 1], u)
+        ctx.save_for_backward(h_emb, w_read, w_stack, gains, *us)
+        return h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        h_emb, w_read, w_stack, gains, *us = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        n = len(us)
+        grad_us: list[torch.Tensor | None] = [None] * n
+        if any(need[2::2]):
+            grad_us = list((gains.movedim(-1, 0).unsqueeze(-1) * grad).unbind(0))
+        grad_w_read = grad_w_writes = None
+        if need[1] or any(need[3::2]):
+            u_stack = torch.stack([h_emb, *us], -2)  # (b, l, T + 1, d)
+            grad_c = torch.matmul(u_stack, grad.unsqueeze(-1)).squeeze(-1)  # (b, l, T + 1): <g, u^(tau)>
+            if need[1]:
+                grad_w_read = torch.matmul(grad_c[..., 1:].unsqueeze(-2), w_stack).squeeze(-2)
+                grad_w_read[..., 0] += grad_c[..., 0]
+            if any(need[3::2]):
+                grad_w_writes = (grad_c[..., 1:].unsqueeze(-1) * w_read.unsqueeze(-2)).unbind(-2)
+        grad_h_emb = grad * w_read[..., :1] if need[0] else None
+        flat = []
+        for tau in range(n):
+            flat += [grad_us[tau], None if grad_w_writes is None else grad_w_writes[tau]]
+        return grad_h_emb, grad_w_read, *flat
 
 
 def build_topology(cfg: ModelConfig, n_steps: int) -> Topology:
