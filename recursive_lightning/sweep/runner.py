@@ -137,6 +137,7 @@ def _requeue_dead_local(study, storage, storage_url: str) -> list[int]:
     """Trials whose worker on this machine died (a killed sweep) go back to WAITING: same trial, same directory,
     resumed from its last checkpoint. In a SQLite study (every worker on this machine) a running trial that
     names no worker was claimed by a process killed before it could: it goes back too. Returns their numbers."""
+    from optuna.exceptions import UpdateFinishedTrialError
     from optuna.trial import TrialState
 
     host, out = socket.gethostname(), []
@@ -147,8 +148,10 @@ def _requeue_dead_local(study, storage, storage_url: str) -> list[int]:
                 dead = storage_url.startswith("sqlite")
             else:
                 dead = t.system_attrs.get("host") == host and not _pid_alive(int(pid))
-            if dead and storage.set_trial_state_values(t._trial_id, state=TrialState.WAITING):
-                out.append(t.number)
+            # (on a server database another worker may have failed it as stale since the list was read)
+            with contextlib.suppress(UpdateFinishedTrialError):
+                if dead and storage.set_trial_state_values(t._trial_id, state=TrialState.WAITING):
+                    out.append(t.number)
     return out
 
 
@@ -331,12 +334,17 @@ def _claim_lock(storage_url: str) -> Iterator[None]:
 def _claim(study, storage, storage_url: str, ask: bool = False) -> int | None:
     """Move one WAITING trial to RUNNING (or, with ``ask``, start a new one when none waits), record this
     process as its worker, and return its id (None when none is waiting)."""
+    from optuna.exceptions import UpdateFinishedTrialError
     from optuna.trial import TrialState
 
     with _claim_lock(storage_url):
         trial_id = None
         for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-            if storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+            try:
+                claimed = storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING)
+            except UpdateFinishedTrialError:  # claimed and finished by another worker since the list was read
+                continue  # (a server database: workers claim without the file lock)
+            if claimed:
                 trial_id = t._trial_id
                 break
         if trial_id is None and ask:
