@@ -222,3 +222,23 @@ def test_embedded_tasks_through_lm_eval_to_mlflow(run_dir, data_cache, capsys):
         (metrics["eval/embedded_lastword/0shot/acc"] + metrics["eval/embedded_nextsent/0shot/acc_norm"]) / 2
     )
     assert "embedded_nextsent" in capsys.readouterr().out
+
+
+def test_sweep_files_evaluate_the_embedded_tasks(tmp_path):
+    from recursive_lightning.errors import ConfigError, UserError
+    from recursive_lightning.sweep.spec import load_sweep
+
+    root = Path(__file__).resolve().parent.parent
+    spec = load_sweep(root / "ablations" / "default.yaml")
+    assert ev.expand_tasks(spec.evaluate["tasks"]) == (list(et.EMBEDDED_TASKS), set())
+    base = root / "experiments" / "cpu" / "looped-mesh.yaml"
+    for tasks, ok in (("default", True), (["embedded", "piqa"], True), (3, False), (["piqa", None], False)):
+        f = tmp_path / "s.yaml"
+        f.write_text(json.dumps({"name": "s", "base": str(base), "evaluate": {"tasks": tasks}}))
+        if ok:
+            assert load_sweep(f).evaluate["tasks"] == tasks
+        else:
+            with pytest.raises(ConfigError, match="evaluate.tasks must be a list of lm-eval task names"):
+                load_sweep(f)
+    with pytest.raises(UserError, match="tasks must be a list"):
+        ev.expand_tasks(3)  # type: ignore[arg-type]

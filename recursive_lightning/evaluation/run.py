@@ -254,7 +254,11 @@ def expand_tasks(tasks: str | Sequence[str] | None) -> tuple[list[str], set[str]
     skipped when their data cannot be had; a task named explicitly may not)."""
     if isinstance(tasks, str):
         tasks = tasks.split(",")
-    names = [str(t).strip() for t in (tasks or [])]
+    if tasks is not None and (
+        not isinstance(tasks, list | tuple) or not all(isinstance(t, str) for t in tasks)
+    ):
+        raise UserError(f"tasks must be a list of lm-eval task names (or 'default'), not {tasks!r}.")
+    names = [t.strip() for t in (tasks or [])]
     names = [t for t in names if t and t.lower() != "none"]
     explicit = {t for t in names if t.lower() != DEFAULT_ALIAS}
     explicit |= set(EMBEDDED_TASKS) if "embedded" in explicit else set()

@@ -261,6 +261,13 @@ def load_sweep(path: str | Path, relative_to: str | Path | None = None) -> Sweep
             raise ConfigError(
                 f"{where}: evaluate.context_lengths needs a text set: add evaluate.ppl {{name: path}} (and ctx_set)."
             )
+    tasks = evaluate.get("tasks")
+    if tasks is not None and not (
+        isinstance(tasks, str) or (isinstance(tasks, list) and all(isinstance(t, str) and t for t in tasks))
+    ):
+        raise ConfigError(
+            f"{where}: evaluate.tasks must be a list of lm-eval task names (or default), not {tasks!r}."
+        )
     name = raw.get("name") or path.stem
     if not isinstance(name, str):
         raise ConfigError(f"{where}: name must be a string.")
