@@ -256,6 +256,28 @@ def test_a_worker_with_nothing_left_takes_over_a_dead_workers_trial(pg, tmp_path
     assert trials[alive].state == optuna.trial.TrialState.RUNNING  # a live worker's trial is not taken
 
 
+def test_a_claim_skips_a_trial_finished_since_the_list_was_read(pg):
+    """Workers on a server database list the waiting trials, then claim one by one: a trial another worker
+    claimed and finished in between is skipped (with eight workers it crashed a worker before)."""
+    from recursive_lightning.sweep import runner
+
+    url = pg.create_database("stale_list")
+    storage = runner._storage(url, 0)
+    study = optuna.create_study(study_name="stale", storage=storage)
+    for i in range(2):
+        study.enqueue_trial({"x": i})
+    stale = study.get_trials(states=(optuna.trial.TrialState.WAITING,))  # what a worker read
+    first = runner._claim(study, storage, url)  # another worker: claimed and finished it since
+    study.tell(storage.get_trial(first).number, 1.0)
+
+    class Stale:  # the study as the slow worker saw it
+        def get_trials(self, deepcopy=True, states=None):
+            return stale
+
+    got = runner._claim(Stale(), storage, url)
+    assert got == stale[1]._trial_id and storage.get_trial(got).state == optuna.trial.TrialState.RUNNING
+
+
 def test_a_stopped_worker_puts_its_trial_back_for_the_next(pg, tmp_path, data_cache, monkeypatch):
     """A worker stopped in a trial (SIGTERM from the scheduler raises there, as Ctrl-C does) puts the trial
     back to WAITING at once: the next worker resumes it without waiting out the heartbeats."""
