@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -30,10 +31,11 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+SLEPT: list[float] = []  # the stand-in trials' sleeps in this worker
 sys.path.insert(0, str(ROOT))
 
 
-def fake_train(trial_seconds: float):
+def fake_train(trial_seconds: float, jitter: float = 0.0):
     """A stand-in for ``training.run.train`` with its MLflow side: child run under the parent, params, metric."""
     from recursive_lightning.tracking import (
         create_run,
@@ -49,7 +51,9 @@ def fake_train(trial_seconds: float):
         exp = ensure_experiment(tracking_uri, experiment)
         run_id = create_run(tracking_uri, exp, run_name, tags=tags, parent_run_id=parent_run_id)
         log_params(tracking_uri, run_id, cfg.flat())
-        time.sleep(trial_seconds)
+        slept = trial_seconds + random.uniform(-jitter, jitter)  # trials of a sweep do not end in step
+        time.sleep(slept)
+        SLEPT.append(slept)
         metrics = {"val/heldout/loss": 5.0 + (hash(run_name) % 1000) / 1000, "val/heldout/ppl": 150.0}
         log_metrics(tracking_uri, run_id, metrics, step=cfg.train.max_steps)
         set_terminated(tracking_uri, run_id, "FINISHED")
@@ -66,15 +70,16 @@ def as_worker(args: argparse.Namespace) -> None:
     from recursive_lightning.sweep import runner
     from recursive_lightning.training import run
 
-    run.train = fake_train(args.trial_seconds)
+    run.train = fake_train(args.trial_seconds, args.jitter)
     timing: dict[str, float] = {}
     real_worker = runner.worker
 
     def timed_worker(*a, **kw) -> int:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         timing["startup"] = t - t_start
         n = real_worker(*a, **kw)
-        timing["loop"], timing["trials"] = time.perf_counter() - t, n
+        timing["loop"], timing["trials"] = time.perf_counter() - t - sum(SLEPT), n
+        timing["cpu"] = time.process_time() - c  # this worker's CPU seconds in the loop (sleeps take none)
         return n
 
     runner.worker = timed_worker
@@ -87,6 +92,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--trials-per-worker", type=int, default=8)
     p.add_argument("--trial-seconds", type=float, default=2.0)
+    p.add_argument("--jitter", type=float, default=0.0, help="trial lengths uniform in seconds +- this")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--sweep", help=argparse.SUPPRESS)
     p.add_argument("--storage", help=argparse.SUPPRESS)
@@ -120,7 +126,7 @@ def main() -> None:
             # the runner tells its live workers on this machine by "recursive_lightning" in their command line
             cmd = [sys.executable, __file__, "--worker=recursive_lightning", "--sweep", str(spec_file)]
             cmd += ["--storage", storage]
-            cmd += ["--trial-seconds", str(args.trial_seconds)]
+            cmd += ["--trial-seconds", str(args.trial_seconds), "--jitter", str(args.jitter)]
             t0 = time.perf_counter()
             procs = [
                 subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(args.workers)
@@ -132,12 +138,14 @@ def main() -> None:
             status = runner.close_parent(spec, storage, server.uri)
             once = time.perf_counter() - t
     trials = sum(int(o["trials"]) for o in outs)
-    per_trial = [(o["loop"] - o["trials"] * args.trial_seconds) / o["trials"] for o in outs if o["trials"]]
-    overall = (sum(o["loop"] for o in outs) - trials * args.trial_seconds + once) / trials
+    per_trial = [o["loop"] / o["trials"] for o in outs if o["trials"]]
+    cpu = [o["cpu"] / o["trials"] for o in outs if o["trials"]]
+    overall = (sum(o["loop"] for o in outs) + once) / trials
     print(f"{args.workers} workers, {trials} trials of {args.trial_seconds:g} s on one PostgreSQL study "
           f"(parent run {status}); wall {wall:.1f} s")  # fmt: skip
     print(f"bookkeeping per trial (claim, heartbeats, MLflow child run, tell), per worker: "
           f"median {statistics.median(per_trial):.3f} s, max {max(per_trial):.3f} s")  # fmt: skip
+    print(f"  of which CPU in the worker: median {statistics.median(cpu):.3f} s, max {max(cpu):.3f} s")
     print(f"report + closing the parent run, once: {once:.2f} s ({once / trials:.3f} s per trial)")
     print(f"overall per trial: {overall:.3f} s = {100 * overall / 60:.2f} % of a 1-minute trial (goal < 1 %)")
     print(f"worker start-up (imports, store checks), once per worker: median "
