@@ -194,6 +194,16 @@ def test_ui_serves_a_copied_sweep_directory(two_worker_sweep, tmp_path):
             points.add((params["variant"], params["train.seed"]))  # every axis of the sweep is a param
             assert params["variant"] == params["model.topology"]
         assert points == {("base", "0"), ("base", "1"), ("mesh", "0"), ("mesh", "1")}
+        # the parent names its best trial by the metric the report ranks by (perplexity)
+        ppl = {
+            t["point_key"]: {m["key"]: m["value"] for m in r["data"]["metrics"]}["val/heldout/ppl"]
+            for r, t in children
+        }
+        parent_tags = {t["key"]: t["value"] for t in parents[0]["data"]["tags"]}
+        parent_metrics = {m["key"]: m["value"] for m in parents[0]["data"]["metrics"]}
+        assert parent_tags["best_trial"] == min(ppl, key=ppl.get)
+        assert parent_metrics["best/val/heldout/ppl"] == pytest.approx(min(ppl.values()))
+        assert parent_tags["best_row"] in ("base", "mesh")
         child = children[0][0]["info"]
         assert str(copy) in child["artifact_uri"]
         listed = _get(f"{base}/artifacts/list?run_id={child['run_id']}")

@@ -465,16 +465,8 @@ def write_report(
             from recursive_lightning.tracking import log_metrics
 
             if rows:
-                best = min(rows, key=lambda r: r["value"] if r["value"] is not None else float("inf"))
-                log_metrics(
-                    tracking_uri,
-                    parent,
-                    {
-                        "best/" + metric: best["value"],
-                        "trials/finished": len(rows),
-                        "trials/failed": len(failed),
-                    },
-                )
+                _log_best(tracking_uri, parent, rows, ranked, data["best"])
+                log_metrics(tracking_uri, parent, {"trials/finished": len(rows), "trials/failed": len(failed)})
         except Exception as e:  # the report on disk is still complete
             print(f"warning: could not log the report to MLflow ({e})")
     return {
@@ -489,6 +481,26 @@ def write_report(
         "failed": failed,
         "unfinished": unfinished,
     }
+
+
+def _log_best(tracking_uri: str, parent: str, rows: list[dict], ranked: str, best_row: str | None) -> None:
+    """The parent run names what the report ranks first: the metric ``best/<ranked metric>`` (the best trial's
+    value of the metric the report ranks by) and the tags ``best_trial`` (its grid point), ``best_trial_run_id``
+    and ``best_row`` (the row with the best mean over seeds, ★ in the report)."""
+    from recursive_lightning.tracking import client, log_metrics
+
+    scored = [r for r in rows if r["metrics"].get(ranked) is not None]
+    if not scored:
+        return
+    best = min(scored, key=lambda r: r["metrics"][ranked])
+    metrics = {f"best/{ranked}": best["metrics"][ranked]}
+    c = client(tracking_uri)
+    c.set_tag(parent, "best_trial", str(best["key"]))
+    if best.get("mlflow_run_id"):
+        c.set_tag(parent, "best_trial_run_id", best["mlflow_run_id"])
+    if best_row is not None:
+        c.set_tag(parent, "best_row", best_row)
+    log_metrics(tracking_uri, parent, metrics)
 
 
 def main(argv: list[str]) -> int:
