@@ -466,7 +466,9 @@ def write_report(
 
             if rows:
                 _log_best(tracking_uri, parent, rows, ranked, data["best"])
-                log_metrics(tracking_uri, parent, {"trials/finished": len(rows), "trials/failed": len(failed)})
+                log_metrics(
+                    tracking_uri, parent, {"trials/finished": len(rows), "trials/failed": len(failed)}
+                )
         except Exception as e:  # the report on disk is still complete
             print(f"warning: could not log the report to MLflow ({e})")
     return {
