@@ -1026,6 +1026,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-report", action="store_true", help="skip the report at the end")
     args = p.parse_args(argv)
     quiet_libraries()
+    if args.worker or not sys.stderr.isatty():
+        # per-request progress bars (lm-eval, our evaluator) of parallel workers interleave into noise in a
+        # log; the sweep prints one line per trial instead
+        os.environ.setdefault("TQDM_DISABLE", "1")
     if os.environ.get("RL_TORCH_THREADS"):
         import torch
 
