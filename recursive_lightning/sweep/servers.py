@@ -192,11 +192,12 @@ def database_lock(storage_url: str, name: str) -> Iterator[None]:
         yield
         return
     from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
 
     key = int.from_bytes(
         hashlib.sha256(f"recursive_lightning:{name}".encode()).digest()[:8], "big", signed=True
     )
-    engine = create_engine(storage_url, poolclass=__import__("sqlalchemy.pool").pool.NullPool)
+    engine = create_engine(storage_url, poolclass=NullPool)
     try:
         with engine.connect() as con:
             con.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
