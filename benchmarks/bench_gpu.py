@@ -1,17 +1,28 @@
 """GPU benchmarks: SpiralFormer-B against LoopedFormer, MeSH against base, eager against torch.compile.
 
     python benchmarks/bench_gpu.py                                   # pythia-160m and -410m, 1024 and 4096
-    python benchmarks/bench_gpu.py --presets pythia-1b --seq-lens 4096 --modes eager,layers,model
+    python benchmarks/bench_gpu.py --issue18                         # issue 18's goals, one command (below)
+    python benchmarks/bench_gpu.py --presets pythia-1b --seq-lens 4096 --modes eager,layers,glue,model
+    python benchmarks/bench_gpu.py --smoke                           # no GPU needed: the pipeline on the CPU
 
 For each preset and sequence length, forward+backward (``model.loss`` + ``backward``, bf16 autocast, weights
 in float32 as in bf16-mixed training) of the Table 1 pair LoopedFormer ``P+Nx{1,1}+P`` / SpiralFormer-B
 ``P+Nx{1/8,1/4,1/2,1}+P`` (MeSH topology), and of the looped model with the ``base`` topology (MeSH's
-overhead), in each ``--modes``: ``eager``, ``layers`` (train.compile: layers, per-layer torch.compile) and
-``model`` (train.compile: model, the whole forward compiled). Timed with CUDA events; the models take turns, ``--reps`` rounds after ``--warmup``; medians.
-Each time ratio is printed next to the FLOP ratio of ``accounting.describe`` (SpiralFormer Table 1's
-convention: attention counted at full L x L) and the causal one (attention halved, what causal kernels
-compute). Achieved TFLOP/s counts 3x the forward FLOPs (causal attention) per forward+backward, and is
-compared with a bf16 8192^3 matrix product measured in the same run.
+overhead), in each ``--modes``: ``eager``, ``layers`` (train.compile: layers, per-layer torch.compile),
+``glue`` (train.compile: glue: the layers and, as regions of their own, S_down / S_up and MeSH's routers +
+read), ``model`` (train.compile: model, the whole forward compiled) and ``cudagraphs`` (the whole forward with
+``mode="reduce-overhead"``, CUDA graphs; not offered by ``train``: it crashed in the compiled backward on torch
+2.11, so it runs only when named). Timed with CUDA events; the models take turns, ``--reps`` rounds after
+``--warmup``; medians. Each time ratio is printed next to the FLOP ratio of ``accounting.describe``
+(SpiralFormer Table 1's convention: attention counted at full L x L) and the causal one (attention halved,
+what causal kernels compute). Achieved TFLOP/s counts 3x the forward FLOPs (causal attention) per
+forward+backward, and is compared with a bf16 8192^3 matrix product measured in the same run. ``--calls``
+adds the ATen calls per step (the host's share: ``bench_host_overhead.py``).
+
+``--issue18`` runs pythia-160m and -410m at 1024 x 16 and 4096 x 4 in eager, glue and model modes with
+``--busy`` and ``--calls``, and ends with a PASS / MISS line per goal of issue 18: time ratio <= causal FLOP
+ratio + 0.03, LoopedFormer MeSH at 410M >= 45 % of the matmul peak, +mesh vs base <= 3 %, each at the best
+mode. ``--smoke`` runs the same code on the CPU (cpu-tiny, float32, 1 rep) to check the script, not to time.
 """
 
 from __future__ import annotations
@@ -20,17 +31,22 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from recursive_lightning.model.accounting import describe  # noqa: E402
 from recursive_lightning.model.config import preset  # noqa: E402
 from recursive_lightning.model.model import RecursiveLM  # noqa: E402
 from recursive_lightning.training.parallel import compile_model  # noqa: E402
 
+DEVICE = "cuda"  # "cpu" with --smoke
+
 LAYOUTS = {  # SpiralFormer Table 1: (LoopedFormer, SpiralFormer-B) at each size
+    "cpu-tiny": ("2+4x{1,1}+2", "2+4x{1/8,1/4,1/2,1}+2"),  # --smoke
     "pythia-160m": ("2+4x{1,1}+2", "2+4x{1/8,1/4,1/2,1}+2"),
     "pythia-410m": ("4+8x{1,1}+4", "4+8x{1/8,1/4,1/2,1}+4"),
     "pythia-1b": ("3+5x{1,1}+3", "3+5x{1/8,1/4,1/2,1}+3"),
@@ -38,21 +54,44 @@ LAYOUTS = {  # SpiralFormer Table 1: (LoopedFormer, SpiralFormer-B) at each size
 }
 
 
+class _Clock:
+    """CUDA events on the GPU, perf_counter on the CPU (--smoke): ``elapsed_time`` in ms after ``stop``."""
+
+    def __init__(self) -> None:
+        cuda = DEVICE == "cuda"
+        self.events = (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        )
+        self.t0 = self.t1 = 0.0
+
+    def start(self) -> None:
+        self.events[0].record() if self.events else None
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.events:
+            self.events[1].record()
+            self.events[1].synchronize()
+        self.t1 = time.perf_counter()
+
+    def elapsed_time(self) -> float:
+        return self.events[0].elapsed_time(self.events[1]) if self.events else 1e3 * (self.t1 - self.t0)
+
+
 def matmul_peak(n: int = 8192, reps: int = 20) -> float:
-    """bf16 TFLOP/s of an n^3 product on random data (the ceiling achieved rates are compared with)."""
-    a, b = (
-        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
-        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
-    )
+    """bf16 TFLOP/s of an n^3 product on random data (the ceiling achieved rates are compared with; float32
+    and n = 512 with --smoke)."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    n = n if DEVICE == "cuda" else 512
+    a, b = torch.randn(n, n, device=DEVICE, dtype=dtype), torch.randn(n, n, device=DEVICE, dtype=dtype)
     for _ in range(3):
         a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    clock = _Clock()
+    clock.start()
     for _ in range(reps):
         a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+    clock.stop()
+    return 2 * n**3 * reps / (clock.elapsed_time() / 1e3) / 1e12
 
 
 def flops(p: str, layout: str, topology: str, seq: int, batch: int) -> tuple[int, int]:
@@ -64,8 +103,11 @@ def flops(p: str, layout: str, topology: str, seq: int, batch: int) -> tuple[int
 def build(p: str, layout: str, topology: str, seq: int, mode: str) -> RecursiveLM:
     """``mode``: eager, or a train.compile scope (layers / model)."""
     torch.manual_seed(0)
-    model = RecursiveLM(preset(p, layout=layout, topology=topology, max_seq_len=seq)).cuda().train()
-    if mode != "eager":
+    model = RecursiveLM(preset(p, layout=layout, topology=topology, max_seq_len=seq)).to(DEVICE).train()
+    if mode == "cudagraphs":
+        model.shared_grads_in_place = False  # as compile_model does
+        model.compile(mode="reduce-overhead")
+    elif mode != "eager":
         compile_model(model, mode)
     return model
 
@@ -88,12 +130,12 @@ def gpu_busy(fn, steps: int = 3) -> float:
 
 
 def step_fn(model: RecursiveLM, batch: int, seq: int):
-    g = torch.Generator(device="cuda").manual_seed(1)
-    idx = torch.randint(0, model.cfg.vocab_size, (batch, seq), device="cuda", generator=g)
-    tgt = torch.randint(0, model.cfg.vocab_size, (batch, seq), device="cuda", generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    idx = torch.randint(0, model.cfg.vocab_size, (batch, seq), device=DEVICE, generator=g)
+    tgt = torch.randint(0, model.cfg.vocab_size, (batch, seq), device=DEVICE, generator=g)
 
     def run() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda"):
             loss = model.loss(idx, tgt)
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -106,21 +148,25 @@ def interleaved(fns: dict[str, object], reps: int, warmup: int) -> dict[str, lis
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     times: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for r in range(reps):
         for k in names if r % 2 == 0 else names[::-1]:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            clock = _Clock()
+            clock.start()
             fns[k]()
-            end.record()
-            end.synchronize()
-            times[k].append(start.elapsed_time(end))
+            clock.stop()
+            times[k].append(clock.elapsed_time())
     return times
 
 
+ISSUE18 = dict(presets="pythia-160m,pythia-410m", seq_lens="1024,4096", modes="eager,glue,model", busy=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    global DEVICE
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--presets", default="pythia-160m,pythia-410m")
     p.add_argument("--seq-lens", default="1024,4096")
@@ -132,22 +178,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--modes",
         default="eager",
-        help="comma list of eager, layers, model (train.compile scopes)",
+        help="comma list of eager, layers, glue, model (train.compile scopes) and cudagraphs",
     )
     p.add_argument("--variants", default="looped mesh,spiral-B mesh,looped base")
     p.add_argument(
         "--busy", action="store_true", help="also profile each model: share of time the GPU is busy"
     )
+    p.add_argument("--calls", action="store_true", help="also count the ATen calls of one step per model")
+    p.add_argument("--issue18", action="store_true", help="issue 18's goals in one run (see the docstring)")
+    p.add_argument("--smoke", action="store_true", help="run on the CPU (cpu-tiny, 1 rep): checks the script")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_gpu.py needs a CUDA GPU")
+    if args.issue18:
+        for k, v in ISSUE18.items():
+            setattr(args, k, v)
+        args.calls = True
+    if args.smoke:
+        DEVICE = "cpu"
+        args.presets, args.seq_lens, args.tokens, args.reps, args.warmup, args.busy = (
+            "cpu-tiny",
+            "64",
+            128,
+            1,
+            1,
+            False,
+        )
+    elif not torch.cuda.is_available():
+        print("bench_gpu.py needs a CUDA GPU (--smoke runs it on the CPU to check the script)")
         return 1
-    torch.backends.cuda.matmul.allow_tf32 = True
+    if DEVICE == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
     peak = matmul_peak()
-    print(
-        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 8192^3 matmul {peak:.0f} TFLOP/s"
-    )
-    rows = []
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (--smoke: not a measurement)"
+    print(f"device: {name}, torch {torch.__version__}; 8192^3 bf16 matmul {peak:.1f} TFLOP/s")
+    rows, goals = [], []
     modes = args.modes.split(",")
     for name in args.presets.split(","):
         looped, spiral = LAYOUTS[name]
@@ -168,22 +231,15 @@ def main(argv: list[str] | None = None) -> int:
                 times = interleaved(fns, args.reps, args.warmup + (3 if tag != "eager" else 0))
                 med = {k: statistics.median(t) for k, t in times.items()}
                 busy = {v: gpu_busy(fns[v]) if args.busy else float("nan") for v in variants}
+                calls = {v: _calls(fns[v]) if args.calls else -1 for v in variants}
                 for v in variants:
                     tflops = 3 * fl[v][1] / (med[v] / 1e3) / 1e12
                     rows.append(
-                        (
-                            name,
-                            seq,
-                            batch,
-                            tag,
-                            v,
-                            med[v],
-                            batch * seq / med[v] * 1e3,
-                            tflops,
-                            100 * tflops / peak,
-                            100 * busy[v],
-                        )
-                    )
+                        (name, seq, batch, tag, v, med[v], batch * seq / med[v] * 1e3, tflops,
+                         100 * tflops / peak, 100 * busy[v], calls[v])
+                    )  # fmt: skip
+                if "spiral-B mesh" not in med or "looped mesh" not in med:
+                    continue
                 ratio = med["spiral-B mesh"] / med["looped mesh"]
                 paired = statistics.median(
                     a / b for a, b in zip(times["spiral-B mesh"], times["looped mesh"])
@@ -191,6 +247,18 @@ def main(argv: list[str] | None = None) -> int:
                 f_tab = fl["spiral-B mesh"][0] / fl["looped mesh"][0]
                 f_causal = fl["spiral-B mesh"][1] / fl["looped mesh"][1]
                 mesh = med["looped mesh"] / med.get("looped base", float("nan"))
+                goals.append(
+                    (
+                        name,
+                        seq,
+                        batch,
+                        tag,
+                        ratio,
+                        f_causal,
+                        mesh,
+                        100 * 3 * fl["looped mesh"][1] / (med["looped mesh"] / 1e3) / 1e12 / peak,
+                    )
+                )
                 print(
                     f"{name} L={seq} x{batch} {tag}: spiral/looped time {ratio:.3f} (paired {paired:.3f}) vs FLOPs "
                     f"{f_tab:.4f} (Table 1 convention) / {f_causal:.4f} (causal); mesh/base time {mesh:.3f} vs FLOPs "
@@ -198,16 +266,50 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 del fns
-                torch.cuda.empty_cache()
+                if DEVICE == "cuda":
+                    torch.cuda.empty_cache()
     print(
-        "\n| preset | L | batch | mode | model | ms fwd+bwd | tokens/s | TFLOP/s | % of matmul peak | GPU busy % |"
+        "\n| preset | L | batch | mode | model | ms fwd+bwd | tokens/s | TFLOP/s | % of matmul peak | GPU busy % "
+        "| ATen calls |"
     )
-    print("| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(
-            f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.1f} | {r[6]:,.0f} | {r[7]:.0f} | {r[8]:.0f} | {r[9]:.0f} |"
+            f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.1f} | {r[6]:,.0f} | {r[7]:.0f} | {r[8]:.0f} "
+            f"| {r[9]:.0f} | {r[10] if r[10] >= 0 else '-'} |"
         )
+    if args.issue18 or args.smoke:
+        _goals(goals)
     return 0
+
+
+def _calls(fn) -> int:
+    from bench_host_overhead import op_calls
+
+    return op_calls(fn)[0]
+
+
+def _goals(goals: list[tuple]) -> None:
+    """Issue 18's goals, each at the best mode measured for its preset and length."""
+    print("\nissue 18 goals (best mode per preset and length):")
+    keys = sorted({(g[0], g[1], g[2]) for g in goals})
+    for name, seq, batch in keys:
+        mine = [g for g in goals if g[:3] == (name, seq, batch)]
+        best = min(mine, key=lambda g: g[4] - g[5])
+        ok = best[4] <= best[5] + 0.03
+        print(
+            f"  {'PASS' if ok else 'MISS'} {name} {seq} x {batch}: spiral/looped time {best[4]:.3f} <= causal "
+            f"FLOP ratio {best[5]:.4f} + 0.03 ({best[3]})"
+        )
+        mesh = min(mine, key=lambda g: g[6])
+        print(
+            f"  {'PASS' if mesh[6] <= 1.03 else 'MISS'} {name} {seq} x {batch}: +mesh {100 * (mesh[6] - 1):+.1f} % <= 3 % ({mesh[3]})"
+        )
+        if "410m" in name:
+            mfu = max(mine, key=lambda g: g[7])
+            print(
+                f"  {'PASS' if mfu[7] >= 45 else 'MISS'} {name} {seq} x {batch}: LoopedFormer MeSH {mfu[7]:.0f} % of the matmul peak >= 45 % ({mfu[3]})"
+            )
 
 
 if __name__ == "__main__":

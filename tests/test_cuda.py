@@ -146,7 +146,7 @@ def test_cached_decoding_on_cuda_equals_recomputation(name):
     assert torch.equal(cached, full)
 
 
-@pytest.mark.parametrize("scope", ["layers", "model"])
+@pytest.mark.parametrize("scope", ["layers", "glue", "model"])
 def test_compile_on_cuda_matches_eager(scope):
     """train.compile (inductor, Triton kernels on CUDA) keeps the loss and gradients of eager mode, over
     several steps and a second sequence length."""
@@ -192,13 +192,13 @@ def _stop_after(monkeypatch, step: int):
 
 @pytest.mark.parametrize(
     "strategy,compile",
-    [("auto", False), ("fsdp", False), ("auto", "model")],
-    ids=["single", "fsdp", "compiled"],
+    [("auto", False), ("fsdp", False), ("auto", "model"), ("auto", "glue")],
+    ids=["single", "fsdp", "compiled", "compiled-glue"],
 )
 def test_train_on_gpu_in_bf16_and_resume(tmp_path, tiny_run, monkeypatch, strategy, compile):
     """`train` on one GPU: precision auto -> bf16-mixed, loss falls, validation perplexity is logged, and a run
     stopped after its step-8 checkpoint resumes to the same losses (FSDP2: a sharded checkpoint; compiled: the
-    whole model under torch.compile, train.compile: model)."""
+    whole model under torch.compile, train.compile: model; compiled-glue: train.compile: glue)."""
     from recursive_lightning.training.parallel import resolve_precision
     from recursive_lightning.training.run import train
 
