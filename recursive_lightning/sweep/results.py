@@ -262,7 +262,10 @@ def fmt_cell(values: Sequence[float | None], kind: str) -> str:
 
 
 def fmt_signed(v: float, kind: str) -> str:
-    return ("+" if v >= 0 else "−") + fmt_value(abs(v), kind)
+    text = fmt_value(abs(v), kind)
+    if text == fmt_value(0.0, kind):  # no "−0.00" for a difference that rounds to zero
+        return text
+    return ("+" if v > 0 else "−") + text
 
 
 def fmt_difference(d: dict[str, Any] | None, kind: str) -> str:
