@@ -158,6 +158,24 @@ def test_looped_and_spiral_starts_compute_the_selected_layers(vanilla, layout, t
         torch.testing.assert_close(model(IDX), _stacked(vanilla, layers)(IDX), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("layout", ["2+4R2+2", "2+4x{1/4,1/2,1}+2", "2+4+4+2"])
+def test_every_topology_starts_as_the_readme_table_says(vanilla, layout):
+    from recursive_lightning.model.config import TOPOLOGIES
+
+    coarse = "x{" in layout
+    for topology in TOPOLOGIES:
+        model = _target(layout, topology)
+        start = initialise(model, vanilla, "average")["start"]
+        if topology in ("static", "dynamic") or (topology == "base" and not coarse):
+            assert start.startswith("exact"), (topology, start)
+        elif topology == "mesh":
+            assert start.startswith("near"), start
+        else:
+            assert start.startswith("not an identity"), (topology, start)
+        with torch.no_grad():
+            assert torch.isfinite(model(IDX)).all()
+
+
 def test_mesh_starts_near_the_selected_layers_and_closer_with_a_larger_margin(vanilla):
     want = _stacked(vanilla, [0, 1, 2, 4, 6, 8, 10, 11])
     gaps = []
