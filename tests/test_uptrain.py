@@ -40,7 +40,7 @@ def _one_sentence(err: pytest.ExceptionInfo) -> str:
 
 
 # ------------------------------------------------------------------------------------------ layer maps
-# Bae et al. 2024 Sec. 3.1 for a middle of M = K m layers (K loops of an m-layer core, prelude P):
+# Bae et al. 2024 for a middle of M = K m layers (K loops of an m-layer core, prelude P):
 #   stepwise: core layer j = P + K j; average: mean of P + j + k m (k < K); lower: P + j.
 @pytest.mark.parametrize(
     "layout, pre, core, loops",

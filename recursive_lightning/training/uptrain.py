@@ -1,14 +1,15 @@
 """Uptraining: a recursive model initialised from a pretrained vanilla model (``train --init-from``).
 
 The cheaper route to a recursive model than pretraining it: take a trained vanilla transformer, copy its
-weights into the recursive layout and train briefly (Relaxed Recursive Transformers, Bae et al. 2024, Sec. 3;
-McLeish et al. 2025, retrofitting recurrence with prelude / core / coda taken from the original layers).
+weights into the recursive layout and train briefly (Relaxed Recursive Transformers, Bae et al. 2024: their
+initialisations of the looped block; McLeish et al. 2025, retrofitting recurrence with prelude / core / coda
+taken from the original layers).
 
     source    a checkpoint or run directory of this package (vanilla layout), a local Hugging Face GPT-NeoX
               (Pythia) or LLaMA directory (read by ``model/convert.py``), or a Hub name when online
     copied    embeddings, LM head and final norm as they are; prelude = the source's first layers, coda =
               its last layers; every distinct core layer from the middle layers by the strategy
-    strategy  stepwise | average | lower (Bae et al. Sec. 3.1) | select:LAYERS (an explicit map)
+    strategy  stepwise | average | lower (Bae et al. 2024) | select:LAYERS (an explicit map)
 
 The strategies, for a source of N layers and a target P + core + C: the middle M = N - P - C layers are
 replaced by the unrolled loop, U = sum of the core sizes over the loop steps (``4+4R2+4``: U = 8). Unrolled
@@ -23,7 +24,8 @@ Bae et al.'s setting. A core layer j runs at one unrolled position per loop step
 
 With M = K m (K loops of an m-layer core) these are Bae et al.'s: stepwise takes layers P, P+K, P+2K, ...,
 average the mean of layers P+j, P+j+m, ..., lower P .. P+m-1. For M != K m the interval rule above is our
-reading (Bae et al. only treat N = K m); stepwise and lower need M_c >= m (else use average or select).
+reading (Bae et al. describe N = K m, no prelude or coda); stepwise and lower need M_c >= m (else use average
+or select).
 
 Topology and resolution parameters then start so that, where the equations allow it, the recursive model at
 step 0 computes what its selected layers compute: prelude, the core once per full-resolution loop step, coda,
@@ -400,7 +402,7 @@ def initialise(model: RecursiveLM, source: Source, strategy: str, margin: float 
                 raise _shape_error(source, name, value, where, target)
     _check_fields(model, source, _NUMERIC)
     for target, values, _, _ in plan:
-        # one source: an exact copy; several (average): their mean (Bae et al. Sec. 3.1), summed in float64
+        # one source: an exact copy; several (average): their mean (Bae et al. 2024), summed in float64
         target.copy_(values[0] if len(values) == 1 else torch.stack([v.double() for v in values]).mean(0))
     start = start_as_layers(model, margin)
     return {
