@@ -147,7 +147,10 @@ def experiment_links(uri: str, base_url: str) -> list[str]:
     for exp in client(uri).search_experiments():
         if exp.name == "Default" and not client(uri).search_runs([exp.experiment_id], max_results=1):
             continue
-        lines.append(f"  {exp.name}: {base_url}/#/experiments/{exp.experiment_id}")
+        # workflowType: MLflow 3.17 opens an experiment on its GenAI overview (traces, prompts) unless told
+        lines.append(
+            f"  {exp.name}: {base_url}/#/experiments/{exp.experiment_id}?workflowType=machine_learning"
+        )
     return lines
 
 

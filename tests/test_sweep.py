@@ -191,8 +191,9 @@ def test_ui_serves_a_copied_sweep_directory(two_worker_sweep, tmp_path):
             assert metrics["val/heldout/ppl"] > 1 and "train/loss" in metrics
             params = {p["key"]: p["value"] for p in r["data"]["params"]}
             assert params["model.preset"] == "cpu-tiny" and "describe.params_total" in params
-            points.add((params["variant"], params["train.seed"]))  # every axis of the sweep is a param
-            assert params["variant"] == params["model.topology"]
+            points.add((params["axis.variant"], params["train.seed"]))  # every axis of the sweep is a param
+            assert params["axis.variant"] == params["model.topology"]
+            assert "axis.train.seed" not in params  # a config field's axis is that field's param, once
         assert points == {("base", "0"), ("base", "1"), ("mesh", "0"), ("mesh", "1")}
         # the parent names its best trial by the metric the report ranks by (perplexity)
         ppl = {

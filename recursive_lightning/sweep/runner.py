@@ -595,7 +595,7 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
                     parent_run_id=parent,
                     tags=tags,
                     callbacks=callbacks,
-                    params=point,  # every axis a param of the child run: group and compare by it in the UI
+                    params=axis_params(point, flat),
                 )
             pruned = pruner_cb is not None and pruner_cb.pruned
             if not pruned and not _has_val(result.metrics) and result.steps >= cfg.train.max_steps:
@@ -683,6 +683,15 @@ def slurm_launcher(cfg, environ: dict[str, str] | None = None) -> list[str]:
     ]
 
 
+def axis_params(point: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any]:
+    """A grid point as params of its child run, so the runs can be grouped and compared by each axis: a named
+    axis (``variant: {mesh: {...}}``) as ``axis.variant=mesh``; an axis that is a config field
+    (``model.buffer``, ``train.seed``, a search space's fields) is that field's param already. The ``axis.``
+    prefix puts them first where MLflow orders params by name (the compare view's parallel-coordinates plot
+    starts with the first three params that differ between the runs)."""
+    return {f"axis.{k}": v for k, v in point.items() if k not in flat}
+
+
 def _multi_process(cfg) -> bool:
     t = cfg.train
     devices = t.devices if isinstance(t.devices, int) else 2
@@ -733,7 +742,7 @@ def _train_in_subprocess(
         parent,
     ]
     cmd += [f"--tag={k}={v}" for k, v in tags.items()]
-    cmd += [f"--param={k}={v}" for k, v in point.items()]
+    cmd += [f"--param={k}={v}" for k, v in axis_params(point, cfg.flat()).items()]
     if resume:
         cmd.append("--resume")
     cmd = [*slurm_launcher(cfg), *cmd]
