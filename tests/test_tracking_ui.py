@@ -83,6 +83,8 @@ def test_resolved_config_is_logged_once(finished):
     assert not [k for k in params if k.startswith("run/")]  # not again as Lightning's hparams
     assert params["model.buffer"] == "5"  # MeSH's default B = N_loop + 3, resolved (1+2R2+1: N_loop 2)
     assert "describe.buffer" not in params and "describe.layout" not in params
+    fields = {k.split(".", 1)[1] for k in params if k.split(".", 1)[0] in ("model", "data", "train")}
+    assert not {k.removeprefix("describe.") for k in params if k.startswith("describe.")} & fields
     assert params["model.mlp_hidden"] == str(4 * cfg.model.d_model)  # resolved, not None
     assert not [k for k, v in params.items() if v == "None"]
     assert "model.patch_size" not in params  # Mela's fields do not act on a looped model
