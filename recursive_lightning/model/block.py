@@ -71,9 +71,9 @@ class Rotary(nn.Module):
 
 
 class _QKVRotary(torch.autograd.Function):
-    """The attention input (b, l, h + 2 kv, hd) -> q, k rotated (Su et al. Eq. 34, GPT-NeoX's rotate-half form
-    on the first ``dim`` of each head's dims) and v, each (b, heads, l, hd): :meth:`Rotary.forward` on the
-    query and key heads plus the head split, with a backward written out.
+    """The attention input (b, l, h + 2 kv, hd) -> q, k rotated (RoFormer's rotary embedding in GPT-NeoX's
+    rotate-half form on the first ``dim`` of each head's dims) and v, each (b, heads, l, hd): what
+    :meth:`Rotary.forward` on the query and key heads and the head split compute, with a written-out backward.
 
     Autograd's backward of the composed form materialises a zero-filled full-size gradient for every slice
     (the head split, the rotary dims and their halves: six per layer) and adds them up, ~31 ATen calls per
@@ -84,8 +84,8 @@ class _QKVRotary(torch.autograd.Function):
         y1 = x1 cos1 - x2 sin1,   y2 = x2 cos2 + x1 sin2                 (rotate-half: y = x cos + R(x) sin)
         dx1 = dy1 cos1 + dy2 sin2, dx2 = dy2 cos2 - dy1 sin1              (R^T)
 
-    and the dims past ``dim`` pass through. Same products and sums as :meth:`Rotary.forward` in the forward;
-    the backward sums the two terms of dx in one rounding step less (equal to autograd's to rounding)."""
+    and the dims past ``dim`` pass through. The second product and the sum are one multiply-add (``addcmul``),
+    so values equal :meth:`Rotary.forward`'s to one rounding, gradients autograd's to rounding."""
 
     @staticmethod
     def forward(ctx, qkv, cos, sin, heads, dim):
@@ -140,7 +140,9 @@ def qkv_rotary(
     Equal to ``Rotary.forward`` on ``qkv[:, :, :h + kv]`` and the head split (``_QKVRotary``), in fewer calls;
     without rotary dims, where cos/sin need their own gradient or under ``torch.compile``, the composed form."""
     h, kvh = heads
-    if dim == 0 or cos.requires_grad or sin.requires_grad or torch.compiler.is_compiling():  # the compiler fuses
+    if (
+        dim == 0 or cos.requires_grad or sin.requires_grad or torch.compiler.is_compiling()
+    ):  # the compiler fuses
         qk = _rotate_half_reference(qkv[:, :, : h + kvh], cos, sin, dim)
         return (
             qk[:, :, :h].transpose(1, 2),

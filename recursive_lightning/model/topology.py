@@ -121,7 +121,8 @@ class MeSH(Topology):
         # both routers in one matmul over h (two Linear(d, B) parameters as before), softmax over slots (Eq. 3)
         logits = F.linear(h, torch.cat([write.weight, read.weight]), torch.cat([write.bias, read.bias]))
         weights = logits.float().unflatten(-1, (2, self.slots)).softmax(-1).to(h.dtype)
-        w_write, w_read = weights.unbind(-2)  # (b, l, B) each
+        # (b, l, B) each; split, not unbind: its backward is one cat, unbind's a stack (a cat behind a dispatch)
+        w_write, w_read = (w.squeeze(-2) for w in weights.split(1, -2))
         if self.record is not None:
             self.record["write"].append(w_write.detach())
             self.record["read"].append(w_read.detach())
@@ -232,7 +233,7 @@ class _FactoredRead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_emb, w_read, *flat):
         us, w_writes = flat[0::2], flat[1::2]
-        w_stack = torch.stack(w_writes, -2)  # (b, l, T, B)
+        w_stack = torch.cat([w.unsqueeze(-2) for w in w_writes], -2)  # (b, l, T, B)
         gains = (w_stack * w_read.unsqueeze(-2)).sum(-1)  # (b, l, T): c_tau, summed as the reference does
         h = h_emb * w_read[..., :1]
         for tau, u in enumerate(us):
@@ -248,14 +249,14 @@ class _FactoredRead(torch.autograd.Function):
         n = len(us)
         grad_us: list[torch.Tensor | None] = [None] * n
         if any(need[2::2]):
-            grad_us = list((gains.movedim(-1, 0).unsqueeze(-1) * grad).unbind(0))
+            grad_us = list((gains.permute(2, 0, 1).unsqueeze(-1) * grad).unbind(0))
         grad_w_read = grad_w_writes = None
         if need[1] or any(need[3::2]):
-            u_stack = torch.stack([h_emb, *us], -2)  # (b, l, T + 1, d)
+            u_stack = torch.cat([u.unsqueeze(-2) for u in (h_emb, *us)], -2)  # (b, l, T + 1, d)
             grad_c = torch.matmul(u_stack, grad.unsqueeze(-1)).squeeze(-1)  # (b, l, T + 1): <g, u^(tau)>
             if need[1]:
                 grad_w_read = torch.matmul(grad_c[..., 1:].unsqueeze(-2), w_stack).squeeze(-2)
-                grad_w_read[..., 0] += grad_c[..., 0]
+                grad_w_read[..., 0].add_(grad_c[..., 0])
             if any(need[3::2]):
                 grad_w_writes = (grad_c[..., 1:].unsqueeze(-1) * w_read.unsqueeze(-2)).unbind(-2)
         grad_h_emb = grad * w_read[..., :1] if need[0] else None
