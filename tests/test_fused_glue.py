@@ -150,6 +150,7 @@ def test_compiled_glue_equals_eager_and_stays_causal():
         assert not torch.allclose(out[:, j:], base[:, j:])
 
 
+@pytest.mark.slow
 def test_kill_and_resume_with_compiled_glue(tmp_path, tiny_run, monkeypatch):
     """``train.compile: glue`` on a SpiralFormer MeSH model: a run that dies right after its step-4 checkpoint
     resumes to the losses of an uninterrupted run (test_training's in-process kill pattern). The regions are

@@ -10,8 +10,10 @@ is left-padded by ω so chunk 0 holds the first g - ω tokens, and the incomplet
 dropped (Eq. 14). We keep L_t = floor((L + ω) / g) chunks: Eq. 13's floor(L / g) when ω = 0, and with
 ω > 0 it also keeps the last *complete* chunk, so a position's output never depends on how many tokens
 follow it (training-time forward == token-by-token decoding). Positions that receive no update get zero.
-S_down and S_up are views of the sequence (``_ChunkMap`` below), no Python loop over chunks
-or tokens.
+S_down and S_up are views of the sequence (``_ChunkMap`` and ``_SelfAggregation`` below, with written-out
+backwards), no Python loop over chunks or tokens; their padded forms (``down_padded`` / ``up_padded``: pad,
+reshape, weighted sum) are the reference they are tested against and what ``torch.compile`` fuses
+(``train.compile: glue`` / ``model``).
 """
 
 from __future__ import annotations
