@@ -491,7 +491,10 @@ def _validate_last_checkpoint(cfg, result):
     if ckpt is None:
         return result
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
-    dm = build_datamodule(cfg)
+    from recursive_lightning.training import uptrain
+
+    # an uptraining trial reads its source's tokenizer from the trial directory (data.tokenizer: init)
+    dm = build_datamodule(cfg, uptrain.tokenizer_spec(cfg, result.run_dir) if cfg.train.init_from else None)
     dm.prepare_data()
     dm.setup("fit")
     module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
