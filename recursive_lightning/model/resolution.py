@@ -348,8 +348,11 @@ class _SelfAggregation(torch.autograd.Function):
     def forward(ctx, x, score, end, g, offset, n):
         segs = _segments(0, end, g, offset)
         alphas = [_views(score, seg).softmax(-1) for seg in segs]  # float32, (b, c, k) per run
-        with _no_autocast(x):
-            z = _sum(x, torch.cat([a.to(x.dtype).flatten(1) for a in alphas], 1), 1.0, segs, n)
+        with _no_autocast(x):  # (1 x k) @ (k x d) per chunk of each run, as _sum; the runs cover every chunk
+            parts = [
+                (a.to(x.dtype).unsqueeze(-2) @ _views(x, seg)).squeeze(-2) for seg, a in zip(segs, alphas)
+            ]
+            z = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
         ctx.save_for_backward(x, *alphas)
         ctx.meta = segs, end, score.shape, score.dtype
         return z
