@@ -418,14 +418,25 @@ def test_a_multi_device_trial_is_started_by_srun_inside_slurm(tmp_path, tiny_run
 
     srun = tmp_path / "bin" / "srun"
     srun.parent.mkdir()
-    srun.write_text("#!/bin/sh\n")
+    srun.write_text(f'#!/bin/sh\necho "$@" > {srun.parent / "called"}\n')
     srun.chmod(0o755)
     raw = tiny_run()
     raw["train"].update({"strategy": "fsdp", "devices": 4, "num_nodes": 2})
     cfg = RunConfig.from_dict(raw)
     slurm = {"SLURM_JOB_ID": "7", "PATH": str(srun.parent)}
-    assert slurm_launcher(cfg, slurm)[:4] == ["srun", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4"]
-    assert (
-        slurm_launcher(cfg, {"PATH": str(srun.parent)}) == []
-    )  # not in an allocation: Lightning starts the ranks
+    assert slurm_launcher(cfg, slurm)[:4] == [str(srun), "--nodes=2", "--ntasks=8", "--ntasks-per-node=4"]
+    # the worker starts it through its die-with-the-worker wrapper, which execs a path
+    from recursive_lightning.sweep.runner import _DIE_WITH_PARENT_EXEC
+
+    cmd = [
+        sys.executable,
+        "-c",
+        _DIE_WITH_PARENT_EXEC,
+        str(os.getpid()),
+        *slurm_launcher(cfg, slurm),
+        "train",
+    ]
+    assert subprocess.run(cmd, env={**ENV, **slurm}).returncode == 0
+    assert (srun.parent / "called").read_text().split()[-2:] == ["--export=ALL", "train"]
+    assert slurm_launcher(cfg, {"PATH": str(srun.parent)}) == []  # not in an allocation
     assert slurm_launcher(cfg, {"SLURM_JOB_ID": "7", "PATH": str(tmp_path)}) == []  # no srun

@@ -668,7 +668,8 @@ def slurm_launcher(cfg, environ: dict[str, str] | None = None) -> list[str]:
     SLURM environment then reads (as for ``train`` under ``srun``); elsewhere Lightning starts the ranks on
     this machine itself ([] here)."""
     env = os.environ if environ is None else environ
-    if "SLURM_JOB_ID" not in env or shutil.which("srun", path=env.get("PATH")) is None:
+    srun = shutil.which("srun", path=env.get("PATH"))
+    if "SLURM_JOB_ID" not in env or srun is None:
         return []
     t = cfg.train
     if isinstance(t.devices, int):
@@ -677,7 +678,7 @@ def slurm_launcher(cfg, environ: dict[str, str] | None = None) -> list[str]:
         per_node = int(str(env.get("SLURM_GPUS_ON_NODE") or "1").split("(")[0] or 1)
     nodes = int(t.num_nodes)
     return [
-        "srun",
+        srun,  # a path: the die-with-the-worker wrapper execs it without a PATH search
         f"--nodes={nodes}",
         f"--ntasks={nodes * per_node}",
         f"--ntasks-per-node={per_node}",
