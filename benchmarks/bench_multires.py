@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--compile",
-        choices=("layers", "model"),
+        choices=("layers", "glue", "model"),
         help="compile both models as train.compile does (each worker compiles once: use a large --respawn)",
     )
     p.add_argument("--breakdown", action="store_true", help="time every component alone")

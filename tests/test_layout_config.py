@@ -133,7 +133,7 @@ def test_unknown_compile_scope_is_one_sentence(value):
     with pytest.raises(ConfigError) as e:
         RunConfig.from_dict({"model": {"preset": "cpu-tiny"}, "train": {"compile": value}})
     assert "train.compile" in str(e.value) and "\n" not in str(e.value)
-    for ok in (False, True, "layers", "model"):
+    for ok in (False, True, "layers", "glue", "model"):
         assert (
             RunConfig.from_dict({"model": {"preset": "cpu-tiny"}, "train": {"compile": ok}}).train.compile
             == ok
