@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -146,6 +147,7 @@ def main() -> None:
             write_report(tmp / "run", spec=spec, storage_url=storage, tracking_uri=server.uri)
             status = runner.close_parent(spec, storage, server.uri)
             once = time.perf_counter() - t
+    shutil.rmtree(tmp, ignore_errors=True)
     trials = sum(int(o["trials"]) for o in outs)
     per_trial = [o["loop"] / o["trials"] for o in outs if o["trials"]]
     cpu = [o["cpu"] / o["trials"] for o in outs if o["trials"]]
