@@ -103,6 +103,25 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 # MLflow 3 opens an experiment without this tag on its GenAI overview (traces, prompts): ours are model training
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+
+
+def atomic_write_figure(fig, path: str | os.PathLike, **savefig: Any) -> Path:
+    """Save a matplotlib figure as PNG atomically: a reader (or a kill) never sees half a figure, and two
+    processes writing the same figure at once (a report written by two workers) never share a temporary file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", **savefig)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
 ARTIFACT_ROOT_TAG = "recursive_lightning.artifact_root"  # artifact root relative to the SQLite file's folder
 _relocated: set[str] = set()
 

@@ -58,7 +58,13 @@ def finished(tmp_path_factory, data_cache):
     cfg = RunConfig.from_dict(raw)
     run_dir = tmp_path_factory.mktemp("tracked") / "run"
     clock = _Clock()
-    result = train(cfg, run_dir, callbacks=[_Phases(clock)])
+    # MLflow samples system metrics every 10 s by default; a quiet machine trains this run in less
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
+    try:
+        result = train(cfg, run_dir, callbacks=[_Phases(clock)])
+    finally:
+        mp.undo()
     return cfg, result
 
 
@@ -134,3 +140,25 @@ def test_ui_names_a_directory_without_a_store(tmp_path):
 
     assert main(["ui", str(tmp_path / "missing")]) == 2
     assert main(["ui", str(tmp_path)]) == 2
+
+
+def test_report_on_an_unreachable_study_is_one_sentence(tmp_path, capsys):
+    import socket
+
+    from recursive_lightning.cli import main
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "sweep.json").write_text(
+        json.dumps(
+            {
+                "name": "gone",
+                "storage": f"postgresql+psycopg://nobody@127.0.0.1:{port}/optuna",
+                "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+            }
+        )
+    )
+    assert main(["report", "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot open the Optuna storage") and len(err.splitlines()) == 1

@@ -15,6 +15,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
+from recursive_lightning.tracking import atomic_write_figure
+
 
 def plot_ppl_by_context(
     series: Mapping[str, Mapping[int, float]],
@@ -61,9 +63,4 @@ def plot_ppl_by_context(
     else:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    fig.savefig(tmp, dpi=150, format="png")
-    os.replace(tmp, out)
-    return out
+    return atomic_write_figure(fig, path, dpi=150)

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning.tracking import atomic_write_figure
+
 VAL_PPL = re.compile(r"^val/([^/]+)/ppl$")
 
 
@@ -189,12 +191,7 @@ def plot_learning_curves(
     if handles:
         fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.83, 0.5), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 0.82, 1))
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    fig.savefig(tmp, dpi=130, format="png")
-    os.replace(tmp, out)
-    return out
+    return atomic_write_figure(fig, path, dpi=130)
 
 
 def group_histories(entries: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 from recursive_lightning import faults
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.sweep.spec import SEED_AXIS
-from recursive_lightning.tracking import absolute_uri, atomic_write_text, log_artifact
+from recursive_lightning.tracking import absolute_uri, atomic_write_figure, atomic_write_text, log_artifact
 
 # MLflow's artifact viewer prints a markdown image as text; report.html shows the figures there
 VIEWER_HINT = " In MLflow's artifact viewer, open `report.html` to see the figures."
@@ -149,9 +148,7 @@ def _plot_axis(table, axis: str, metric: str, path: Path, kind: str) -> Path:
     ax.grid(alpha=0.3)
     ax.set_title(f"{metric} by {axis} (mean ± std over seeds)", fontsize=9)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=120, format="png")
-    os.replace(tmp, path)  # a reader (or a kill) never sees half a figure
+    atomic_write_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -376,6 +373,9 @@ def write_report(
     info = json.loads(info_file.read_text())
     storage_url = storage_url or absolute_uri(info["storage"], base=run_dir)
     tracking_uri = tracking_uri or absolute_uri(info["tracking_uri"], base=run_dir)
+    from recursive_lightning.sweep.servers import check_database
+
+    check_database(storage_url, "the study", "Optuna storage")  # a server that is down: one sentence
     if spec is None:
         from recursive_lightning.sweep.spec import load_sweep
 
