@@ -85,6 +85,15 @@ def ui_command(run_dir: str | os.PathLike, tracking_uri: str) -> str:
     return f"python -m recursive_lightning ui {shown}"
 
 
+def read_json(path: str | os.PathLike) -> dict[str, Any] | None:
+    """A JSON object from ``path``; None when it is missing, unreadable, damaged or not an object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

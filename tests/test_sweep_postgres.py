@@ -18,6 +18,7 @@ import optuna
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
+from test_sweep import _CLAIMER  # the same claiming process, against PostgreSQL
 
 from recursive_lightning.sweep import servers
 
@@ -336,21 +337,6 @@ def test_bad_storage_or_tracking_urls_get_one_sentence_before_any_work(pg, track
         )
     assert not (tmp_path / "run" / "trials").exists()
 
-
-_CLAIMER = """
-import sys, time
-from recursive_lightning.sweep.runner import _claim, _storage
-import optuna
-url, start = sys.argv[1], float(sys.argv[2])
-storage = _storage(url, 0)
-study = optuna.load_study(study_name="claims", storage=storage)
-while time.time() < start:
-    time.sleep(0.001)
-got = []
-while (trial_id := _claim(study, storage, url)) is not None:
-    got.append(trial_id)
-print(" ".join(map(str, got)))
-"""
 
 _PREPARER = """
 import sys, time

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning.sweep.spec import SEED_AXIS, row_name
+from recursive_lightning.tracking import read_json
 
 SWEEP_RESULT = "sweep_result.json"
 TASK_METRIC = re.compile(r"^eval/(?P<task>[^/]+)/(?P<shots>\d+)shot/(?P<metric>[^/]+)$")
@@ -23,14 +24,6 @@ AVG_METRIC = re.compile(r"^eval/avg/(?P<shots>\d+)shot$")
 NOT_TASKS = {"avg", "ppl", "bpb", "ppl_ctx", "ppl_ctx_last"}
 MISSING = "—"
 CONFIDENCE = 0.95  # of the paired differences' t-intervals
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _finite(v: Any) -> float | None:
@@ -50,8 +43,8 @@ def load_trial(
     ``train``); ``describe``: parameters and FLOPs counted by ``model.accounting.describe`` on the trial's
     ``config.yaml`` (else the sweep file's config of the point); ``mlflow_run_id`` from the record."""
     trial_dir = run_dir / "trials" / str(row.get("key"))
-    record = _read_json(trial_dir / SWEEP_RESULT)
-    result = _read_json(trial_dir / "result.json") or {}
+    record = read_json(trial_dir / SWEEP_RESULT)
+    result = read_json(trial_dir / "result.json") or {}
     out = dict(row)
     out["trial_dir"] = trial_dir
     if record is not None and isinstance(record.get("metrics"), dict):

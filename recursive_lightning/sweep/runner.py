@@ -49,6 +49,7 @@ from recursive_lightning.tracking import (
     log_artifact,
     log_params,
     portable_uri,
+    read_json,
     set_terminated,
     ui_command,
 )
@@ -435,14 +436,6 @@ def _fault_callback(cfg):
     return _Faults()
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _same_config(a: dict[str, Any], b: dict[str, Any]) -> bool:
     a, b = json.loads(json.dumps(a, default=str)), json.loads(json.dumps(b, default=str))
     return all(a[k] == b[k] for k in a.keys() & b.keys() - NEUTRAL_KEYS)
@@ -457,7 +450,7 @@ def _finished_result(cfg, trial_dir: Path):
     ``max_steps``), or None."""
     from recursive_lightning.training.run import TrainResult
 
-    r = _read_json(trial_dir / "result.json")
+    r = read_json(trial_dir / "result.json")
     if r is None or int(r.get("steps") or 0) < cfg.train.max_steps or not _has_val(r.get("metrics") or {}):
         return None
     try:
@@ -552,7 +545,7 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
     label = ", ".join(f"{k}={v}" for k, v in point.items())
     # what is on disk decides: the sweep's record of the finished trial, else train's result, else train
     # (resuming from the last checkpoint); a kill at any instant loses at most the work since a checkpoint
-    record = _read_json(trial_dir / SWEEP_RESULT)
+    record = read_json(trial_dir / SWEEP_RESULT)
     if record is not None and not _same_config(record.get("config") or {}, flat):
         record = None
     result = None if record is not None else _finished_result(cfg, trial_dir)
