@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import defaultdict
 from typing import Any
 
@@ -70,6 +71,11 @@ def _device(value: Any) -> torch.device:
         return torch.device(name)
     except RuntimeError:
         raise UserError(f"device '{name}' is not a torch device; use cpu, cuda or cuda:N.") from None
+
+
+def _bars_off() -> bool:
+    """Progress bars off: ``TQDM_DISABLE`` set (a sweep's workers set it; their bars interleave in one log)."""
+    return os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes")
 
 
 class RecursiveLightningLM(TemplateLM):
@@ -191,6 +197,11 @@ class RecursiveLightningLM(TemplateLM):
         return self.tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)
 
     # ------------------------------------------------------------------------------------------ scoring
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        # TQDM_DISABLE (set by sweep workers and for logs) covers lm-eval's "Tokenizing inputs" bar too: lm-eval
+        # passes disable= explicitly, which tqdm's environment defaults do not override
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or _bars_off())
+
     def _loglikelihood_tokens(
         self,
         requests: list[tuple[tuple[str, str], list[int], list[int]]],
@@ -221,7 +232,7 @@ class RecursiveLightningLM(TemplateLM):
         bar = tqdm(
             total=len(scored_reqs) + len(requests) - len(alone),
             desc="recursive_lightning loglikelihood",
-            disable=disable_tqdm or len(requests) < 2,
+            disable=disable_tqdm or len(requests) < 2 or _bars_off(),
         )
         shared = score_trees(self.model, trees, self.batch_size, progress=bar.update)
         scored = score_sequences(self.model, scored_reqs, self.batch_size, progress=bar.update)
@@ -278,7 +289,11 @@ class RecursiveLightningLM(TemplateLM):
             ctx = self.tok_encode(context) or [self._eot]
             contexts.append(ctx[-max(1, self._max_length - max_new) :])
         out: list[str | None] = [None] * len(requests)
-        bar = tqdm(total=len(requests), desc="recursive_lightning generate_until", disable=disable_tqdm)
+        bar = tqdm(
+            total=len(requests),
+            desc="recursive_lightning generate_until",
+            disable=disable_tqdm or _bars_off(),
+        )
         for key, idx in groups.items():
             until, max_new = plans[key]
             idx = sorted(idx, key=lambda i: -len(contexts[i]))
