@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +83,9 @@ def ui_command(run_dir: str | os.PathLike, tracking_uri: str) -> str:
     """How to look at a run or sweep directory's runs in the MLflow UI."""
     if tracking_uri.startswith(("http://", "https://")):
         return f"open {tracking_uri} in a browser"
-    shown = os.path.relpath(run_dir) if not os.path.relpath(run_dir).startswith("..") else str(run_dir)
+    shown = os.path.relpath(run_dir)
+    if shown.startswith(".."):  # outside the current directory: its full path
+        shown = str(run_dir)
     return f"python -m recursive_lightning ui {shown}"
 
 
@@ -94,15 +98,17 @@ def read_json(path: str | os.PathLike) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """A private temporary file beside ``path`` to write into; renamed over ``path`` when the block ends, removed
+    if it raises. Readers (and a kill at any instant) see the old file or the new one, never half of one, and
+    two processes writing the same file at once never share the temporary."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         os.chmod(tmp, 0o644)  # mkstemp creates it private
         os.replace(tmp, path)
     except BaseException:
@@ -110,25 +116,22 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline="\n") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 # MLflow 3 opens an experiment without this tag on its GenAI overview (traces, prompts): ours are model training
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 def atomic_write_figure(fig, path: str | os.PathLike, **savefig: Any) -> Path:
-    """Save a matplotlib figure as PNG atomically: a reader (or a kill) never sees half a figure, and two
-    processes writing the same figure at once (a report written by two workers) never share a temporary file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    """Save a matplotlib figure as PNG atomically (``atomic_path``)."""
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", **savefig)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return Path(path)
 
 
 ARTIFACT_ROOT_TAG = "recursive_lightning.artifact_root"  # artifact root relative to the SQLite file's folder
@@ -273,12 +276,17 @@ def create_run(
     return c.create_run(experiment_id, tags=tags, run_name=run_name).info.run_id
 
 
+def param_value(value: Any) -> str:
+    """A value as MLflow stores it as a param (text, at most 6,000 characters)."""
+    return str(value)[:6000]
+
+
 def log_params(tracking_uri: str, run_id: str, params: dict[str, Any]) -> None:
     from mlflow.entities import Param
 
     c = client(tracking_uri)
     existing = c.get_run(run_id).data.params
-    items = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
+    items = [Param(k, param_value(v)) for k, v in params.items() if k not in existing]
     for i in range(0, len(items), 100):
         c.log_batch(run_id, params=items[i : i + 100])
 

@@ -143,9 +143,10 @@ def experiment_links(uri: str, base_url: str) -> list[str]:
     """One line per experiment of the store: its name and its page in the UI."""
     from recursive_lightning.tracking import client
 
+    c = client(uri)
     lines = []
-    for exp in client(uri).search_experiments():
-        if exp.name == "Default" and not client(uri).search_runs([exp.experiment_id], max_results=1):
+    for exp in c.search_experiments():
+        if exp.name == "Default" and not c.search_runs([exp.experiment_id], max_results=1):
             continue
         # workflowType: MLflow 3.17 opens an experiment on its GenAI overview (traces, prompts) unless told
         lines.append(

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from recursive_lightning.data.sources import DataError, short_reason
+from recursive_lightning.tracking import atomic_path
 
 __all__ = [
     "EOS_TOKEN",
@@ -71,16 +71,8 @@ def train_bpe(documents: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 def _save_atomically(tok: Tokenizer, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(target) as tmp:
         tok.save(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp creates it private
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _ensure_eos(tok: Tokenizer) -> Tokenizer:

@@ -484,10 +484,7 @@ def _validate_last_checkpoint(cfg, result):
     if ckpt is None:
         return result
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
-    from recursive_lightning.training import uptrain
-
-    # an uptraining trial reads its source's tokenizer from the trial directory (data.tokenizer: init)
-    dm = build_datamodule(cfg, uptrain.tokenizer_spec(cfg, result.run_dir) if cfg.train.init_from else None)
+    dm = build_datamodule(cfg, result.run_dir)
     dm.prepare_data()
     dm.setup("fit")
     module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
@@ -843,11 +840,14 @@ def worker(
 def prepare_data(spec: SweepSpec) -> None:
     """Build the tokenizer and token shards of every distinct data section of the grid, once."""
     from recursive_lightning.training.run import build_datamodule
+    from recursive_lightning.training.uptrain import INIT_TOKENIZER
 
     seen = set()
     for point in spec.grid() if spec.search is None else [{}]:
         cfg = spec.trial_config(point)
         key = json.dumps(cfg.to_dict()["data"], sort_keys=True)
+        if cfg.data.tokenizer.strip() == INIT_TOKENIZER:
+            continue  # an uptraining trial's tokenizer is its source's, copied when the trial starts
         if key not in seen:
             seen.add(key)
             build_datamodule(cfg).prepare_data()

@@ -37,6 +37,7 @@ from recursive_lightning.tracking import (
     log_artifact_text,
     log_corpus,
     log_params,
+    param_value,
     record_tracking_uri,
     set_terminated,
     to_json,
@@ -74,9 +75,11 @@ class TrainResult:
         }
 
 
-def build_datamodule(cfg: RunConfig, tokenizer: str | None = None):
-    """``tokenizer`` replaces ``data.tokenizer`` (an uptraining run's ``init``: its source's copy)."""
+def build_datamodule(cfg: RunConfig, run_dir: str | os.PathLike | None = None):
+    """The data module of ``cfg``; with the run's ``run_dir``, ``data.tokenizer: init`` (an uptraining run) is
+    the copy of its source's tokenizer kept there (``uptrain.tokenizer_spec``)."""
     from recursive_lightning.data.datamodule import TextDataModule
+    from recursive_lightning.training import uptrain
 
     d = cfg.data
     cache = (
@@ -86,7 +89,7 @@ def build_datamodule(cfg: RunConfig, tokenizer: str | None = None):
     )
     return TextDataModule(
         data=d.path,
-        tokenizer=tokenizer or d.tokenizer,
+        tokenizer=d.tokenizer if run_dir is None else uptrain.tokenizer_spec(cfg, Path(run_dir)),
         seq_len=d.seq_len,
         batch_size=d.batch_size,
         cache_dir=cache,
@@ -215,7 +218,7 @@ def train(
             source = uptrain.load_source(cfg.train.init_from)
             uptrain.keep_tokenizer(cfg, source, run_dir)
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
-    dm = build_datamodule(cfg, uptrain.tokenizer_spec(cfg, run_dir) if cfg.train.init_from else None)
+    dm = build_datamodule(cfg, run_dir)
     dm.prepare_data()
     dm.setup("fit")
     if source is not None:
@@ -430,20 +433,6 @@ def _check_run_exists(tracking_uri: str, run_id: str, run_dir: Path) -> None:
         ) from None
 
 
-# describe() keys that repeat a config field (or describe a batch of one): not logged twice
-_DESCRIBE_REPEATS = {
-    "arch",
-    "layout",
-    "topology",
-    "d_model",
-    "hmm_d_model",
-    "buffer",
-    "seq_len",
-    "batch_size",
-}
-_DESCRIBE_REPEATS |= {"patch_size", "chunk_size", "flops_convention"}
-
-
 def run_params(cfg: RunConfig, stats: dict[str, Any]) -> dict[str, Any]:
     """A run's MLflow params, each once: the resolved config (``model.*`` as ``ModelConfig.resolved``,
     ``data.*``, ``train.*``) and what ``describe`` counts that no field states (``describe.params_*``,
@@ -452,7 +441,9 @@ def run_params(cfg: RunConfig, stats: dict[str, Any]) -> dict[str, Any]:
     # an option left unset (None) acts as absent: not shown as "None"
     out: dict[str, Any] = {k: v for k, v in flat.items() if not k.startswith("model.") and v is not None}
     out.update({f"model.{k}": v for k, v in cfg.model.resolved().items()})
-    out.update({f"describe.{k}": v for k, v in stats.items() if k not in _DESCRIBE_REPEATS})
+    # describe() repeats some config fields (layout, buffer, seq_len, ...; its batch_size is a batch of one)
+    fields = {k.split(".")[-1] for k in flat} | {"flops_convention"}
+    out.update({f"describe.{k}": v for k, v in stats.items() if k not in fields})
     return out
 
 
@@ -462,7 +453,7 @@ def _tag_changed_params(tracking_uri: str, run_id: str, cfg: RunConfig) -> None:
     c = client(tracking_uri)
     existing = c.get_run(run_id).data.params
     for k, v in run_params(cfg, {}).items():
-        if k in existing and existing[k] != str(v)[:6000]:
+        if k in existing and existing[k] != param_value(v):
             c.set_tag(run_id, f"resumed/{k}", str(v))
 
 
