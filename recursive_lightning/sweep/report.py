@@ -19,24 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning.errors import ConfigError
+from recursive_lightning.sweep.results import mean_std
 from recursive_lightning.sweep.spec import SEED_AXIS
 from recursive_lightning.tracking import absolute_uri, atomic_write_figure, atomic_write_text, log_artifact
 
 # MLflow's artifact viewer prints a markdown image as text; report.html shows the figures there
 VIEWER_HINT = " In MLflow's artifact viewer, open `report.html` to see the figures."
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    m = sum(values) / len(values)
-    s = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
-    return m, s
 
 
 def _ppl_columns(rows: list[dict]) -> list[str]:
@@ -87,12 +81,12 @@ def axis_table(
         vals = [m["metrics"][metric] for m in members if metric in m["metrics"]]
         if not vals:
             continue
-        mean, std = _mean_std(vals)
+        mean, std = mean_std(vals)
         extra = {}
         for col in _ppl_columns(members):
             cv = [m["metrics"][col] for m in members if col in m["metrics"]]
             if cv:
-                extra[col] = _mean_std(cv)
+                extra[col] = mean_std(cv)
         table.append((label, mean, std, len(vals), extra))
     best = min(table, key=lambda r: r[1])[0] if table else None
     return table, best
