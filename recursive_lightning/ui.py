@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from recursive_lightning.errors import UserError
+from recursive_lightning.processes import dies_with_parent
 from recursive_lightning.tracking import (
     _sqlite_parts,
     absolute_uri,
@@ -110,7 +111,15 @@ def start_server(uri: str, host: str, port: int, workdir: Path) -> subprocess.Po
     ]
     env = {**os.environ, "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
     log = open(workdir / "server.log", "wb")  # noqa: SIM115 (open for the server's lifetime)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # its own session: Ctrl-C reaches this command, which stops it; SIGTERM if this command dies otherwise
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=dies_with_parent(signal.SIGTERM),
+    )
     url = f"http://{host}:{port}/health"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -186,10 +195,13 @@ def main(argv: list[str]) -> int:
             print(f"'{run_dir}' logs to a tracking server: open {uri} in a browser")
             return 0
 
-    def _stop(signum, frame):  # SIGTERM stops the server too (it runs in its own session)
+    def _stop(
+        signum, frame
+    ):  # SIGTERM or a closed terminal stops the server too (it runs in its own session)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGHUP, _stop)
     with tempfile.TemporaryDirectory(prefix="rl-ui-") as tmp:
         workdir = Path(tmp)
         uri = servable(uri, workdir)

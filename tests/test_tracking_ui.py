@@ -3,7 +3,12 @@ the corpus as a dataset input, system metrics, and the ``ui`` command on a moved
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -133,6 +138,37 @@ def test_ui_points_a_copied_run_directory_at_its_own_artifacts(finished, tmp_pat
     assert run.info.artifact_uri.startswith((copy / "mlartifacts").as_uri())
     names = {f.path for f in raw.list_artifacts(r.mlflow_run_id)}
     assert "config.yaml" in names
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["killed", "terminal-closed"])
+def test_ui_leaves_no_server_behind(finished, sig):
+    """The MLflow server runs in its own session (Ctrl-C reaches `ui`, which stops it): a `ui` killed outright
+    or whose terminal closes takes the server and every process it started (uvicorn, job runners) with it."""
+    import psutil
+
+    _, r = finished
+    ui = subprocess.Popen(
+        [sys.executable, "-m", "recursive_lightning", "ui", str(r.run_dir), "--port", "5300"],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    server: list[psutil.Process] = []
+    try:
+        line = ui.stdout.readline()
+        assert line.startswith("MLflow UI at http://127.0.0.1:"), line + ui.stdout.read()
+        server = psutil.Process(ui.pid).children(recursive=True)
+        assert any("uvicorn" in " ".join(p.cmdline()) for p in server)
+        ui.send_signal(sig)
+        ui.wait(timeout=60)
+        _, alive = psutil.wait_procs(server, timeout=60)
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
+    finally:
+        ui.kill()
+        for p in server:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
 
 
 def test_ui_names_a_directory_without_a_store(tmp_path):

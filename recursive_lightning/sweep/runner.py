@@ -38,6 +38,7 @@ from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning.errors import ConfigError
+from recursive_lightning.processes import parent_death_signal
 from recursive_lightning.sweep.servers import check_stores, database_lock, recorded_study
 from recursive_lightning.sweep.spec import SweepSpec, load_sweep, point_key
 from recursive_lightning.tracking import (
@@ -925,16 +926,7 @@ def _die_with_parent(parent_pid: int) -> None:
     """A worker must not train unattended once the sweep command that started it is gone: on Linux the
     kernel SIGKILLs it when its parent dies (as if it had been killed with it; its trial is resumed from its
     last checkpoint by the next run of the sweep); elsewhere a thread watches the parent."""
-    armed = False
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            armed = libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            armed = False
-    if not armed:
+    if not parent_death_signal(signal.SIGKILL):
 
         def watch() -> None:
             while os.getppid() == parent_pid:

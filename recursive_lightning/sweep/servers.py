@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from recursive_lightning.errors import ConfigError
+from recursive_lightning.processes import dies_with_parent
 
 CONNECT_TIMEOUT_S = 10
 
@@ -310,6 +311,7 @@ class LocalMlflowServer:
              "--serve-artifacts", "--artifacts-destination", str(self.artifacts),
              "--host", "127.0.0.1", "--port", str(self.port), "--workers", str(self.workers)],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=dies_with_parent(signal.SIGTERM),  # no server left behind by a killed test or benchmark
         )  # fmt: skip
         deadline = time.time() + timeout
         while True:
