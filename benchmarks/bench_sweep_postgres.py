@@ -88,7 +88,13 @@ def as_worker(args: argparse.Namespace) -> None:
         return n
 
     runner.worker = timed_worker
-    runner.main([args.sweep, "--attach", "--storage", args.storage, "--no-report"])
+    argv = [args.sweep, "--attach", "--storage", args.storage, "--no-report"]
+    if args.profile:  # where the bookkeeping's time goes: one cProfile file per worker
+        import cProfile
+
+        cProfile.runctx("runner.main(argv)", globals(), locals(), f"{args.profile}/worker-{os.getpid()}.prof")
+    else:
+        runner.main(argv)
     print(json.dumps(timing), flush=True)
 
 
@@ -103,6 +109,7 @@ def main() -> None:
         help="PostgreSQL with synchronous_commit (and fsync) off: how much of the wait is the commits' disk flushes",
     )
     p.add_argument("--jitter", type=float, default=0.0, help="trial lengths uniform in seconds +- this")
+    p.add_argument("--profile", help="write each worker's cProfile stats into this directory")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--sweep", help=argparse.SUPPRESS)
     p.add_argument("--storage", help=argparse.SUPPRESS)
@@ -137,6 +144,9 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--worker=recursive_lightning", "--sweep", str(spec_file)]
             cmd += ["--storage", storage]
             cmd += ["--trial-seconds", str(args.trial_seconds), "--jitter", str(args.jitter)]
+            if args.profile:
+                Path(args.profile).mkdir(parents=True, exist_ok=True)
+                cmd += ["--profile", str(Path(args.profile).resolve())]
             t0 = time.perf_counter()
             procs = [
                 subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(args.workers)

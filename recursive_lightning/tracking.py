@@ -291,6 +291,15 @@ def log_params(tracking_uri: str, run_id: str, params: dict[str, Any]) -> None:
         c.log_batch(run_id, params=items[i : i + 100])
 
 
+def set_tags(tracking_uri: str, run_id: str, tags: dict[str, Any]) -> None:
+    """Several tags in one request (one round trip to a tracking server, one transaction)."""
+    from mlflow.entities import RunTag
+
+    items = [RunTag(k, str(v)) for k, v in tags.items()]
+    for i in range(0, len(items), 100):
+        client(tracking_uri).log_batch(run_id, tags=items[i : i + 100])
+
+
 def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
     import time
 

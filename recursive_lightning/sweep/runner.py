@@ -51,6 +51,7 @@ from recursive_lightning.tracking import (
     log_params,
     portable_uri,
     read_json,
+    set_tags,
     set_terminated,
     ui_command,
 )
@@ -535,8 +536,10 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
                 point[name] = trial.suggest_float(
                     name, float(dist["low"]), float(dist["high"]), log=bool(dist.get("log"))
                 )
-    key = trial.user_attrs.get("point_key") or point_key(point)
-    trial.set_user_attr("point_key", key)
+    key = trial.user_attrs.get("point_key")
+    if key is None:  # a grid point is enqueued with its key; a trial of a search gets it here
+        key = point_key(point)
+        trial.set_user_attr("point_key", key)
     cfg = spec.trial_config(point)
     flat = cfg.flat()
     trial_dir = run_dir / "trials" / key
@@ -633,9 +636,12 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
         }
         atomic_write_text(trial_dir / SWEEP_RESULT, json.dumps(record, indent=2, default=str))
     faults.point("before_tell")
-    c = client(tracking_uri)
-    c.set_tag(record["mlflow_run_id"], "checkpoint", record["checkpoint"])
-    c.set_tag(record["mlflow_run_id"], "optuna.trial_number", str(trial.number))
+    # one request: with a tracking server each is a round trip (issue 21's bookkeeping per trial)
+    set_tags(
+        tracking_uri,
+        record["mlflow_run_id"],
+        {"checkpoint": record["checkpoint"], "optuna.trial_number": trial.number},
+    )
     metrics = record["metrics"]
     trial.set_user_attr("metrics", metrics)
     trial.set_user_attr("mlflow_run_id", record["mlflow_run_id"])

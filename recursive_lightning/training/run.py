@@ -39,6 +39,7 @@ from recursive_lightning.tracking import (
     log_params,
     param_value,
     record_tracking_uri,
+    set_tags,
     set_terminated,
     to_json,
     ui_command,
@@ -452,9 +453,12 @@ def _tag_changed_params(tracking_uri: str, run_id: str, cfg: RunConfig) -> None:
     run) becomes the tag ``resumed/<param>`` (the latest value); the first value stays the param."""
     c = client(tracking_uri)
     existing = c.get_run(run_id).data.params
-    for k, v in run_params(cfg, {}).items():
-        if k in existing and existing[k] != param_value(v):
-            c.set_tag(run_id, f"resumed/{k}", str(v))
+    changed = {
+        f"resumed/{k}": v
+        for k, v in run_params(cfg, {}).items()
+        if k in existing and existing[k] != param_value(v)
+    }
+    set_tags(tracking_uri, run_id, changed)
 
 
 def summary_line(r: TrainResult) -> str:
