@@ -382,7 +382,11 @@ def to_json(data: Any) -> str:
 
 
 def check_outputs(
-    command: str, out: str | os.PathLike, out_given: bool, tracking_uri: str | None = None
+    command: str,
+    out: str | os.PathLike,
+    out_given: bool,
+    tracking_uri: str | None = None,
+    tracking_options: str = "--no-mlflow, or --tracking-uri URI",
 ) -> None:
     """Refuse in one sentence, before any work, when ``command`` could not write its results to ``out``
     (``--out``, or its default inside the run directory) or its MLflow run to ``tracking_uri`` (None: no
@@ -397,12 +401,12 @@ def check_outputs(
             )
         raise UserError(
             f"{command} writes its results to '{out}' in the run directory by default, but {problem}; pass "
-            "--out DIR to write them elsewhere (and --no-mlflow, or --tracking-uri URI, for the MLflow run)."
+            f"--out DIR to write them elsewhere (and {tracking_options}, for the MLflow run)."
         )
     if tracking_uri is not None:
         problem = tracking_store_problem(tracking_uri)
         if problem is not None:
             raise UserError(
-                f"{command} cannot log to the MLflow store {tracking_uri}: {problem}; pass --no-mlflow, or "
-                "--tracking-uri URI to log elsewhere."
+                f"{command} cannot log to the MLflow store {tracking_uri}: {problem}; pass {tracking_options} "
+                "to log elsewhere."
             )

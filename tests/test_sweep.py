@@ -18,6 +18,8 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from recursive_lightning.errors import ConfigError, UserError
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
@@ -385,7 +387,14 @@ def test_an_edited_sweep_file_is_refused_in_the_same_run_dir(tmp_path, data_cach
     assert "train.lr changed" in line and "new --run-dir" in line and "Traceback" not in out
     assert (run_dir / "sweep.yaml").read_text() == kept and (run_dir / "report.md").read_text() == report
 
-    del raw["overrides"]["train.lr"]  # back to the file that was run, plus one more seed
+    del raw["overrides"]["train.lr"]
+    raw["pruning"] = {"enabled": True, "warmup_steps": 2}  # pruning decides which trials end early
+    spec.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="pruning changed"):
+        runner.prepare_study(
+            load_sweep(spec), run_dir, runner.default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}"
+        )
+    del raw["pruning"]  # back to the file that was run, plus one more seed
     raw["seeds"] = [0, 1]
     spec.write_text(yaml.safe_dump(raw))
     storage, tracking = runner.default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}"
@@ -408,6 +417,64 @@ while time.time() < start:
 study, parent = prepare_study(spec, run_dir, default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}")
 print(parent)
 """
+
+
+def test_a_partial_sweep_says_so_and_an_attached_worker_finishes_it_where_it_lies_now(tmp_path, data_cache):
+    """`--max-trials 1` of a two-point grid: exit 3 and a report that says it is partial. The directory is then
+    moved with its study; a worker attached through the moved study's SQLite file trains the last point in the
+    directory where it lies now (the study recorded the old path) and the report is complete."""
+    rows = {"base": {"model.topology": "base"}, "mesh": {"model.topology": "mesh"}}
+    spec = sweep_file(tmp_path, data_cache, rows, steps=4)
+    run_dir = tmp_path / "a" / "run"
+    p = run_sweep([spec, "--run-dir", run_dir, "--max-trials", 1])
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 3, out
+    assert "The sweep is not finished" in (run_dir / "report.md").read_text()
+    moved = tmp_path / "b" / "run"
+    moved.parent.mkdir()
+    run_dir.rename(moved)
+
+    p = run_sweep([spec, "--attach", "--storage", f"sqlite:///{moved / 'optuna.db'}"])
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    assert not run_dir.exists()  # nothing recreated at the old path
+    assert sorted(t.state.name for t in study_trials(moved)) == ["COMPLETE", "COMPLETE"]
+    assert len(list((moved / "trials").glob("*/sweep_result.json"))) == 2
+    report = (moved / "report.md").read_text()
+    assert "2 finished trials" in report and "not finished" not in report
+    _, (parent,), children = child_runs(moved)
+    assert parent.info.status == "FINISHED" and len(children) == 2
+
+
+def test_sweep_and_report_refuse_directories_they_cannot_write(
+    two_worker_sweep, tmp_path, monkeypatch, capsys
+):
+    """A --run-dir that is a file or read-only (shared storage, a copy), and `report` on a read-only sweep
+    directory: one sentence before any work; `report --out DIR --no-mlflow` writes elsewhere."""
+    from test_run_dirs import _read_only
+
+    from recursive_lightning.cli import main
+    from recursive_lightning.sweep import report
+
+    spec = two_worker_sweep.parent / "sweep.yaml"
+    (tmp_path / "file").write_text("x")
+    assert main(["sweep", str(spec), "--run-dir", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert "is a file" in err and "--run-dir" in err and "Traceback" not in err
+    copy = tmp_path / "copy"
+    shutil.copytree(two_worker_sweep, copy)
+    before = sorted(p.name for p in copy.iterdir())
+    _read_only(monkeypatch, copy)
+    assert main(["sweep", str(spec), "--run-dir", str(copy)]) == 2
+    assert "read-only" in capsys.readouterr().err
+    with pytest.raises(UserError, match="read-only.*--out"):
+        report.main(["--run-dir", str(copy)])
+    with pytest.raises(UserError, match="MLflow store.*--no-mlflow"):
+        report.main(["--run-dir", str(copy), "--out", str(tmp_path / "out")])
+    assert report.main(["--run-dir", str(copy), "--out", str(tmp_path / "out"), "--no-mlflow"]) == 0
+    assert "4 finished trials" in (tmp_path / "out" / "report.md").read_text()
+    assert (tmp_path / "out" / "report_variant.png").is_file()
+    assert sorted(p.name for p in copy.iterdir()) == before
 
 
 def test_sweeps_started_together_on_one_fresh_directory_share_it(tmp_path, data_cache):

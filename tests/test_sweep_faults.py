@@ -187,3 +187,37 @@ def test_a_finished_trials_last_checkpoint_validates_to_its_result(tmp_path, tin
     run = MlflowClient(result.tracking_uri).get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
     assert run.data.metrics["final/val/heldout/loss"] == result.metrics["val/heldout/loss"]
+
+
+@pytest.mark.parametrize("fault", ["after_result_write:2", "before_tell:2"])
+def test_a_sweep_killed_then_moved_resumes_where_it_lies_now(
+    fault, baseline, tmp_path, data_cache, empty_store
+):
+    """Killed after a trial's result was written, the sweep directory moved (to shared storage, a laptop),
+    the same command re-run on the new path: the finished trial's checkpoint is found where it lies now (its
+    `evaluate:` reads it; result.json and sweep_result.json recorded the old path), and the study and the
+    child run name the new one."""
+    spec = write_sweep(tmp_path, data_cache, evaluate={"ppl": {"heldout": "embedded:heldout"}})
+    run_dir = fresh_run_dir(tmp_path, empty_store)
+    code, out = sweep(spec, run_dir, fault)
+    assert code == -9, out
+    moved = tmp_path / "elsewhere" / "run"
+    moved.parent.mkdir()
+    run_dir.rename(moved)
+
+    code, out = sweep(spec, moved)
+    assert code == 0, out
+    assert_complete(moved, baseline)
+    assert "finished before; its result is kept" in out and "(resuming)" not in out
+    resumed = trials(moved)[
+        1
+    ]  # the trial killed before the move (the first one finished and was told before)
+    ckpt = Path(resumed.user_attrs["checkpoint"])
+    assert ckpt.is_relative_to(moved) and ckpt.is_file()
+    assert (
+        resumed.user_attrs["metrics"]["eval/ppl/heldout"] > 1
+    )  # evaluate: read the checkpoint where it is now
+    _, children = mlflow_runs(moved)
+    (child,) = [r for r in children if r.data.tags["point_key"] == resumed.user_attrs["point_key"]]
+    assert Path(child.data.tags["checkpoint"]) == ckpt
+    assert not run_dir.exists()  # nothing was written at the old path

@@ -27,7 +27,13 @@ from recursive_lightning import faults
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.sweep.results import mean_std
 from recursive_lightning.sweep.spec import SEED_AXIS
-from recursive_lightning.tracking import absolute_uri, atomic_write_figure, atomic_write_text, log_artifact
+from recursive_lightning.tracking import (
+    absolute_uri,
+    atomic_write_figure,
+    atomic_write_text,
+    check_outputs,
+    log_artifact,
+)
 
 # MLflow's artifact viewer prints a markdown image as text; report.html shows the figures there
 VIEWER_HINT = " In MLflow's artifact viewer, open `report.html` to see the figures."
@@ -150,7 +156,7 @@ def _plot_axis(table, axis: str, metric: str, path: Path, kind: str) -> Path:
 CTX_PREFIX = "eval/ppl_ctx/"
 
 
-def _context_lengths(rows: list[dict], axes: list[str], spec, run_dir: Path) -> tuple[Path | None, list[str]]:
+def _context_lengths(rows: list[dict], axes: list[str], spec, out: Path) -> tuple[Path | None, list[str]]:
     """Perplexity against context length across grid points (mean over seeds) when the sweep's ``evaluate:``
     asked for ``context_lengths``: a table and one PNG with every point's curve, the training length marked."""
     series: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -170,7 +176,7 @@ def _context_lengths(rows: list[dict], axes: list[str], spec, run_dir: Path) -> 
 
     png = plot_ppl_by_context(
         means,
-        run_dir / "report_ppl_by_context.png",
+        out / "report_ppl_by_context.png",
         train_length=train_len,
         title=f"{spec.name}: perplexity by context length",
     )
@@ -190,7 +196,7 @@ def _context_lengths(rows: list[dict], axes: list[str], spec, run_dir: Path) -> 
 
 
 def _results_sections(
-    trials: list[dict], axes: list[str], spec, ranked: str, tracking_uri: str, run_dir: Path
+    trials: list[dict], axes: list[str], spec, ranked: str, tracking_uri: str, run_dir: Path, out: Path
 ) -> tuple[list[str], list[Path], dict[str, Any]]:
     """The papers' tables (results, downstream accuracy, paired differences to the baseline) and the
     learning-curve figure. Returns (markdown lines, figures, structured data for callers and tests)."""
@@ -329,7 +335,7 @@ def _results_sections(
     }
     curve_rows = {k: v for k, v in curve_rows.items() if v}
     png = curves.plot_learning_curves(
-        curve_rows, run_dir / "report_learning_curves.png", title=f"{spec.name}: learning curves"
+        curve_rows, out / "report_learning_curves.png", title=f"{spec.name}: learning curves"
     )
     lines += ["## Learning curves", ""]
     if png is not None:
@@ -355,10 +361,13 @@ def write_report(
     storage_url: str | None = None,
     tracking_uri: str | None = None,
     log: bool = True,
+    out: str | Path | None = None,
 ) -> dict:
-    """Write ``report.md``, ``report.html`` and the figures into ``run_dir``; with ``log`` also log them (and
-    the best trial's metric) to the sweep's MLflow parent run."""
+    """Write ``report.md``, ``report.html`` and the figures into ``out`` (default ``run_dir``); with ``log``
+    also log them (and the best trial's metric) to the sweep's MLflow parent run."""
     run_dir = Path(run_dir).resolve()
+    out_given = out is not None
+    out = Path(out).resolve() if out is not None else run_dir
     info_file = run_dir / "sweep.json"
     if not info_file.exists():
         raise ConfigError(
@@ -370,6 +379,9 @@ def write_report(
     from recursive_lightning.sweep.servers import check_database
 
     check_database(storage_url, "the study", "Optuna storage")  # a server that is down: one sentence
+    # a read-only sweep directory (shared storage, a copy): one sentence before any work, not a traceback after it
+    check_outputs("report", out, out_given, tracking_uri if log else None, tracking_options="--no-mlflow")
+    out.mkdir(parents=True, exist_ok=True)
     if spec is None:
         from recursive_lightning.sweep.spec import load_sweep
 
@@ -401,7 +413,7 @@ def write_report(
             "",
         ]
     ranked = ppl_metric if any(ppl_metric in r["metrics"] for r in rows) else metric
-    result_lines, figures, data = _results_sections(rows, axes, spec, ranked, tracking_uri, run_dir)
+    result_lines, figures, data = _results_sections(rows, axes, spec, ranked, tracking_uri, run_dir, out)
     rows = data["trials"]  # the trials' values as their directories hold them
     lines += result_lines
     for axis in axes:
@@ -428,10 +440,10 @@ def write_report(
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         safe = "".join(c if c.isalnum() else "_" for c in axis)
-        png = _plot_axis(table, axis, used, run_dir / f"report_{safe}.png", hints.get("plot", "auto"))
+        png = _plot_axis(table, axis, used, out / f"report_{safe}.png", hints.get("plot", "auto"))
         figures.append(png)
         lines += [f"![{axis}]({png.name})", ""]
-    ctx_png, ctx_lines = _context_lengths(rows, axes, spec, run_dir)
+    ctx_png, ctx_lines = _context_lengths(rows, axes, spec, out)
     if ctx_png is not None:
         figures.append(ctx_png)
         lines += ctx_lines
@@ -441,13 +453,13 @@ def write_report(
             lines.append(f"- trial {r['number']} ({r['key']}): {r['error']}")
         lines.append("")
     md = "\n".join(lines)
-    path = run_dir / "report.md"
+    path = out / "report.md"
     atomic_write_text(path, md)
     from recursive_lightning.sweep.report_html import markdown_to_html
 
-    html_path = run_dir / "report.html"
+    html_path = out / "report.html"
     atomic_write_text(
-        html_path, markdown_to_html(md.replace(VIEWER_HINT, ""), run_dir, title=f"sweep {spec.name}")
+        html_path, markdown_to_html(md.replace(VIEWER_HINT, ""), out, title=f"sweep {spec.name}")
     )
     parent = attrs.get("mlflow_parent_run_id") or info.get("parent_run_id")
     if parent and log:
@@ -502,8 +514,12 @@ def _log_best(tracking_uri: str, parent: str, rows: list[dict], ranked: str, bes
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="recursive_lightning report", description="Tables and plots of a sweep.")
     p.add_argument("--run-dir", required=True, help="the sweep's run directory")
+    p.add_argument(
+        "--out", help="write report.md, report.html and the figures here (default: the run directory)"
+    )
+    p.add_argument("--no-mlflow", action="store_true", help="do not log the report to the sweep's parent run")
     args = p.parse_args(argv)
-    out = write_report(args.run_dir)
+    out = write_report(args.run_dir, log=not args.no_mlflow, out=args.out)
     print(out["markdown"])
     print(f"\nreport: {out['path']}")
     return 0

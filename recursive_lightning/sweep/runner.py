@@ -54,6 +54,7 @@ from recursive_lightning.tracking import (
     set_tags,
     set_terminated,
     ui_command,
+    writable_dir_problem,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -159,10 +160,15 @@ def _requeue_dead_local(study, storage, storage_url: str) -> list[int]:
 
 
 def resolved_spec(spec: SweepSpec) -> dict[str, Any]:
-    """What decides a sweep's results: its metric, search and evaluation, and every grid point's config."""
+    """What decides a sweep's results: its metric, search, pruning and evaluation, and every grid point's config."""
     points = spec.grid() if spec.search is None else [{}]
     out = {
-        "fields": {"metric": spec.metric, "search": spec.search, "evaluate": spec.evaluate},
+        "fields": {
+            "metric": spec.metric,
+            "search": spec.search,
+            "evaluate": spec.evaluate,
+            "pruning": spec.pruning,
+        },
         "points": {point_key(p): spec.trial_config(p).flat() for p in points},
     }
     return json.loads(json.dumps(out, sort_keys=True, default=str))
@@ -277,6 +283,10 @@ def _prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_ur
             log_artifact(tracking_uri, parent, spec.path)
     else:  # a re-run continues the sweep: its parent run is running again
         client(tracking_uri).update_run(parent, status="RUNNING")
+        # run in a moved or copied sweep directory: attached workers find it, and its store, where it lies now
+        for k, v in (("tracking_uri", tracking_uri), ("run_dir", str(run_dir))):
+            if study.user_attrs.get(k) != v:
+                study.set_user_attr(k, v)
     if spec.path is not None:
         atomic_write_text(run_dir / "sweep.yaml", spec.path.read_text())
     atomic_write_text(
@@ -455,18 +465,8 @@ def _finished_result(cfg, trial_dir: Path):
     r = read_json(trial_dir / "result.json")
     if r is None or int(r.get("steps") or 0) < cfg.train.max_steps or not _has_val(r.get("metrics") or {}):
         return None
-    try:
-        return TrainResult(
-            run_dir=trial_dir,
-            steps=int(r["steps"]),
-            tokens=int(r["tokens"]),
-            metrics={k: float(v) for k, v in r["metrics"].items()},
-            last_checkpoint=Path(r["last_checkpoint"]) if r.get("last_checkpoint") else None,
-            best_checkpoint=Path(r["best_checkpoint"]) if r.get("best_checkpoint") else None,
-            mlflow_run_id=str(r["mlflow_run_id"]),
-            tracking_uri=str(r["tracking_uri"]),
-            seconds=float(r.get("seconds") or 0.0),
-        )
+    try:  # its checkpoints where the trial directory lies now (a moved or copied sweep)
+        return TrainResult.from_dict(r, trial_dir)
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -520,7 +520,7 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
     import optuna
     from optuna.trial import TrialState
 
-    from recursive_lightning.training.run import train
+    from recursive_lightning.training.run import rebased, train
 
     trial = optuna.trial.Trial(study, trial_id)
     if spec.search is None:
@@ -549,6 +549,10 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
     record = read_json(trial_dir / SWEEP_RESULT)
     if record is not None and not _same_config(record.get("config") or {}, flat):
         record = None
+    if (
+        record is not None
+    ):  # recorded before the sweep directory was moved or copied: its checkpoint is here now
+        record["checkpoint"] = str(rebased(record["checkpoint"], record.get("trial_dir"), trial_dir))
     result = None if record is not None else _finished_result(cfg, trial_dir)
     pruned = bool(record and record.get("pruned"))
     if record is not None or result is not None:
@@ -632,6 +636,7 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
             "steps": result.steps,
             "mlflow_run_id": result.mlflow_run_id,
             "checkpoint": str(result.last_checkpoint),
+            "trial_dir": str(trial_dir.resolve()),
             "config": flat,
         }
         atomic_write_text(trial_dir / SWEEP_RESULT, json.dumps(record, indent=2, default=str))
@@ -750,18 +755,7 @@ def _train_in_subprocess(
     if sys.platform.startswith("linux"):  # the train command dies with this worker, as the worker does
         cmd = [sys.executable, "-c", _DIE_WITH_PARENT_EXEC, str(os.getpid()), *cmd]
     subprocess.run(cmd, check=True)
-    r = json.loads((trial_dir / "result.json").read_text())
-    return TrainResult(
-        run_dir=Path(r["run_dir"]),
-        steps=r["steps"],
-        tokens=r["tokens"],
-        metrics=r["metrics"],
-        last_checkpoint=Path(r["last_checkpoint"]) if r["last_checkpoint"] else None,
-        best_checkpoint=Path(r["best_checkpoint"]) if r["best_checkpoint"] else None,
-        mlflow_run_id=r["mlflow_run_id"],
-        tracking_uri=r["tracking_uri"],
-        seconds=r["seconds"],
-    )
+    return TrainResult.from_dict(json.loads((trial_dir / "result.json").read_text()), trial_dir)
 
 
 def worker(
@@ -1047,6 +1041,12 @@ def main(argv: list[str]) -> int:
     run_dir = Path(args.run_dir or recorded.get("run_dir") or Path("runs") / "sweeps" / spec.name).resolve()
     storage = args.storage or default_storage(run_dir)
     tracking = args.tracking_uri or recorded.get("tracking_uri") or default_tracking_uri(run_dir)
+    problem = writable_dir_problem(run_dir)
+    if problem is not None:  # a file, or read-only storage: one sentence, before any work
+        raise ConfigError(
+            f"the sweep's run directory '{run_dir}' cannot hold its trials: {problem}; pass --run-dir with a "
+            "folder you can write to."
+        )
     check_stores(storage, tracking)  # one sentence for a store the sweep cannot reach, before any work
     run_dir.mkdir(parents=True, exist_ok=True)
     workers = args.workers if args.workers is not None else spec.workers

@@ -173,6 +173,7 @@ def recorded_study(storage_url: str, name: str, tracking_uri: str | None = None)
     except KeyError:
         return {}
     out = {k: str(attrs[k]) for k in ("run_dir", "tracking_uri") if attrs.get(k)}
+    out.update(_moved_with_its_study(storage_url, out.get("run_dir")))
     if (
         tracking_uri
         and out.get("tracking_uri")
@@ -183,6 +184,25 @@ def recorded_study(storage_url: str, name: str, tracking_uri: str | None = None)
             f"('{out['tracking_uri']}'); leave --tracking-uri out to use the study's."
         )
     return out
+
+
+def _moved_with_its_study(storage_url: str, recorded_dir: str | None) -> dict[str, str]:
+    """A SQLite study inside a sweep directory that was moved or copied since it recorded ``recorded_dir``: the
+    directory and tracking store are where the study lies now (its ``sweep.json``), not at the old path."""
+    from recursive_lightning.tracking import _sqlite_parts, absolute_uri
+
+    parts = _sqlite_parts(absolute_uri(storage_url))
+    if parts is None or recorded_dir is None:
+        return {}
+    here = Path(parts[0]).parent
+    info = here / "sweep.json"
+    if here == Path(recorded_dir) or not info.is_file():
+        return {}
+    try:
+        tracking = json.loads(info.read_text()).get("tracking_uri")
+    except ValueError:
+        return {}
+    return {"run_dir": str(here), **({"tracking_uri": absolute_uri(tracking, base=here)} if tracking else {})}
 
 
 @contextlib.contextmanager

@@ -75,6 +75,40 @@ class TrainResult:
             "seconds": self.seconds,
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], run_dir: Path) -> TrainResult:
+        """A ``result.json`` read back from ``run_dir`` where it lies now: paths recorded inside the run directory
+        at the time (the checkpoints) follow it when it was moved or copied, and the tracking store is the one
+        the directory records (``default_tracking_uri``). Raises KeyError / TypeError / ValueError on a
+        damaged record."""
+        old = d.get("run_dir")
+
+        def here(path: str | None) -> Path | None:
+            return None if not path else rebased(path, old, run_dir)
+
+        return cls(
+            run_dir=run_dir,
+            steps=int(d["steps"]),
+            tokens=int(d["tokens"]),
+            metrics={k: float(v) for k, v in d["metrics"].items()},
+            last_checkpoint=here(d.get("last_checkpoint")),
+            best_checkpoint=here(d.get("best_checkpoint")),
+            mlflow_run_id=str(d["mlflow_run_id"]),
+            tracking_uri=default_tracking_uri(run_dir),
+            seconds=float(d.get("seconds") or 0.0),
+        )
+
+
+def rebased(path: str | os.PathLike, old_dir: str | os.PathLike | None, new_dir: str | os.PathLike) -> Path:
+    """``path``, recorded while its directory was ``old_dir``, where that directory lies now (``new_dir``); a path
+    outside ``old_dir`` (or with no ``old_dir`` recorded) as it was."""
+    if old_dir:
+        try:
+            return Path(new_dir) / Path(path).relative_to(old_dir)
+        except ValueError:
+            pass
+    return Path(path)
+
 
 def build_datamodule(cfg: RunConfig, run_dir: str | os.PathLike | None = None):
     """The data module of ``cfg``; with the run's ``run_dir``, ``data.tokenizer: init`` (an uptraining run) is
