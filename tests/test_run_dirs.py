@@ -49,10 +49,15 @@ def text_file(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ item 1 and 4
-def test_resume_of_a_finished_run_keeps_its_result(finished, tmp_path):
+@pytest.mark.parametrize("result_lost", [False, True], ids=["result-kept", "killed-before-result"])
+def test_resume_of_a_finished_run_keeps_its_result(finished, tmp_path, result_lost):
+    """`--resume` of a finished run rewrites the same metrics; killed after its last checkpoint but before
+    result.json, it validates that checkpoint again to the same metrics."""
     run_dir = _copy(finished[0], tmp_path / "run")
     before = json.loads((run_dir / "result.json").read_text())
     assert before["metrics"]["val/heldout/loss"] > 0
+    if result_lost:
+        (run_dir / "result.json").unlink()
     r = train(RunConfig.from_dict(finished[1]), run_dir, resume=True)
     after = json.loads((run_dir / "result.json").read_text())
     assert r.steps == after["steps"] == 12
