@@ -221,3 +221,24 @@ def test_a_sweep_killed_then_moved_resumes_where_it_lies_now(
     (child,) = [r for r in children if r.data.tags["point_key"] == resumed.user_attrs["point_key"]]
     assert Path(child.data.tags["checkpoint"]) == ckpt
     assert not run_dir.exists()  # nothing was written at the old path
+
+
+@pytest.mark.parametrize("fault", ["mid_training:1", "after_result_write:1"])
+def test_spawned_workers_killed_at_a_named_point_resume_to_the_same_results(
+    fault, baseline, tmp_path, data_cache, empty_store
+):
+    """`--workers 2`: each worker process SIGKILLs itself at the named point of its first trial; the sweep
+    command says a worker died and exits non-zero, and the same command run again finishes every grid point
+    once with the uninterrupted metrics."""
+    spec = write_sweep(tmp_path, data_cache)
+    run_dir = fresh_run_dir(tmp_path, empty_store)
+    code, out = sweep(spec, run_dir, fault, "--workers", "2")
+    assert code not in (0, -9), out  # the command itself was not killed: it reports its dead workers
+    assert "exited with code" in out
+    code, out = sweep(spec, run_dir, None, "--workers", "2")
+    assert code == 0, out
+    assert_complete(run_dir, baseline)
+    if fault.startswith("after_result_write"):  # both results were on disk: kept, nothing trained again
+        assert out.count("finished before; its result is kept") == 2 and "(resuming)" not in out, out
+    else:
+        assert out.count("(resuming)") == 2, out
