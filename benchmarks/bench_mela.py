@@ -15,6 +15,11 @@ expansion 2, C=64), against one square float32 matmul of the same FLOPs (counted
 
 ``decode``: greedy cached decoding of 1K and 8K tokens with cpu-mela, each in a fresh process: tokens/s, peak
 RSS of the process and the decoding state's size at the end.
+
+``eval``: the ``eval`` command with ``--context-lengths`` at 1x and 16x the training length (256 and 4,096) on a
+cpu-mela checkpoint and on cpu-transformerpp, each in a fresh process: peak RSS and time (issue 16: Mela's
+16x within 2x of its 1x peak; Mela's decoder is chunk-local and is scored a few chunks at a time, Transformer++
+needs the full window).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -198,9 +204,61 @@ def part_decode(args) -> None:
     print(f"\npeak RSS 8K vs 1K: {100 * growth:+.1f}% (goal: the same peak)")
 
 
+EVAL = """
+import json, resource, sys
+from recursive_lightning.cli import main
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def part_eval(args) -> None:
+    """`eval --context-lengths` of a cpu-mela checkpoint (and the Transformer++ of its size) at 1x and 16x the
+    training length, each in a fresh process: the same 8,192 held-out tokens scored at both lengths."""
+    import tempfile
+    import time as _time
+
+    from recursive_lightning.config import RunConfig, load_yaml
+    from recursive_lightning.training.run import train
+
+    print(
+        f"\n## eval --context-lengths at 1x and 16x the training length ({args.seq_len}), a fresh process each\n"
+    )
+    print("| model | context length | peak RSS (MB) | seconds | perplexity |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")}
+    tmp = Path(tempfile.mkdtemp(prefix="bench-mela-eval-"))
+    peaks = {}
+    for name in (args.mela, args.transformerpp):
+        raw = load_yaml(Path(__file__).resolve().parents[1] / "experiments" / "cpu" / "mela.yaml")
+        raw["model"]["preset"] = name
+        raw["data"]["seq_len"] = args.seq_len
+        raw["train"].update(max_steps=2, warmup_steps=1, val_every=2, checkpoint_every=2, progress=False)
+        run = tmp / name
+        train(
+            RunConfig.from_dict(raw), run, tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}"
+        )  # weights do not matter
+        for L in (args.seq_len, 16 * args.seq_len):
+            cmd = [sys.executable, "-c", EVAL, "eval", str(run), "--ppl", "heldout=embedded:heldout",
+                   "--tasks", "none", "--context-lengths", str(L), "--ctx-max-tokens", "8192", "--no-mlflow",
+                   "--out", str(tmp / f"{name}-{L}")]  # fmt: skip
+            t = _time.perf_counter()
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            dt = _time.perf_counter() - t
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            res = json.loads(next((tmp / f"{name}-{L}").glob("eval-*.json")).read_text())
+            ppl = res["ppl_ctx"]["lengths"][str(L)]["ppl"]
+            peaks[(name, L)] = r["peak_rss_mb"]
+            print(f"| {name} | {L:,} | {r['peak_rss_mb']:.0f} | {dt:.1f} | {ppl:.1f} |", flush=True)
+    for name in (args.mela, args.transformerpp):
+        ratio = peaks[(name, 16 * args.seq_len)] / peaks[(name, args.seq_len)]
+        goal = " (goal for Mela: within 2x)" if name == args.mela else ""
+        print(f"\n{name}: peak RSS at 16x / 1x = {ratio:.2f}{goal}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("all", "train", "loop", "decode"), default="all")
+    p.add_argument("--part", choices=("all", "train", "loop", "decode", "eval"), default="all")
     p.add_argument("--mela", default="cpu-mela")
     p.add_argument("--transformerpp", default="cpu-transformerpp")
     p.add_argument("--batch", type=int, default=8)
@@ -223,6 +281,8 @@ def main() -> int:
         part_loop(args)
     if args.part in ("all", "decode"):
         part_decode(args)
+    if args.part in ("all", "eval"):
+        part_eval(args)
     return 0
 
 

@@ -28,6 +28,79 @@ def test_ablation_files_validate(path):
     assert spec.grid()
 
 
+_TABLE4 = ["full", "no-newton-schulz", "no-memstack", "no-gating", "fusion-weighted-sum", "fusion-none",
+           "no-hmm-attention", "no-neural-memory", "transformerpp"]  # fmt: skip
+# sweep file -> (axis, rows in order, seeds, the field(s) each row changes from the first row's config)
+MELA_SWEEPS = {
+    "mela-ablations.yaml": ("ablation", _TABLE4, 1),
+    "cpu/mela-ablations.yaml": ("ablation", _TABLE4, 1),
+    "mela-cycles.yaml": ("variant", ["default", "l-cycles-1", "l-cycles-2", "h-cycles-2", "h-layers-2",
+                                     "l-layers-2", "l-layers-8", "transformerpp"], 1),
+    "cpu/mela-cycles.yaml": ("variant", ["default", "l-cycles-1", "l-cycles-4", "h-cycles-4", "h-layers-8",
+                                         "l-layers-2", "l-layers-8", "transformerpp"], 1),
+    "cpu/mela-context.yaml": ("model", ["mela", "transformerpp"], 2),
+}  # fmt: skip
+ROW_CHANGES = {
+    "no-newton-schulz": {"model.memory_update": "forgetting"}, "no-memstack": {"model.memstack": False},
+    "no-gating": {"model.hmm_gate": False}, "fusion-weighted-sum": {"model.fusion": "weighted_sum"},
+    "fusion-none": {"model.fusion": "none"}, "no-hmm-attention": {"model.hmm_attention": False},
+    "no-neural-memory": {"model.neural_memory": False},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(MELA_SWEEPS))
+def test_mela_sweep_files_expand_to_their_grids(name):
+    """Mela Tables 2-4 and the context-length study: the intended rows, each a Mela model with only its own
+    field changed from the first row (Transformer++ rows: the LLaMA-style decoder alone), every point buildable."""
+    from recursive_lightning.model.accounting import describe
+
+    axis, rows, seeds = MELA_SWEEPS[name]
+    spec = load_sweep(ROOT / "ablations" / name)
+    grid = spec.grid()
+    assert len(grid) == len(rows) * seeds
+    assert list(dict.fromkeys(p[axis] for p in grid)) == rows
+    first = spec.trial_config(grid[0]).flat()
+    for point in grid:
+        cfg = spec.trial_config(point)
+        row = point[axis]
+        if row == "transformerpp":
+            assert cfg.model.arch == "recursive" and cfg.model.preset.startswith(
+                ("transformerpp", "cpu-transformerpp")
+            )
+            continue
+        assert cfg.model.arch == "mela"
+        flat = cfg.flat()
+        changed = {k: flat[k] for k in flat if k.startswith("model.") and flat[k] != first.get(k)}
+        if row in ROW_CHANGES:
+            assert changed == ROW_CHANGES[row], row
+        elif "-" in row and row.split("-")[0] in ("l", "h"):  # l-cycles-4, h-layers-8, ...
+            level, what, n = row.split("-")
+            assert changed == {f"model.{level}_{what}": int(n)}, row
+        else:
+            assert changed == {}, row
+        assert describe(cfg.model, seq_len=cfg.data.seq_len)["params_total"] > 0  # builds (meta device)
+
+
+@pytest.mark.parametrize("name", ["cpu/mela-ablations.yaml", "cpu/mela-cycles.yaml", "cpu/mela-context.yaml"])
+def test_a_mela_point_and_the_transformerpp_point_of_each_cpu_sweep_train(name, tmp_path, data_cache):
+    """One Mela grid point (not the first: it changes a field) and the Transformer++ point train two steps
+    with the file's recipe and validate to a finite loss."""
+    import math
+
+    from recursive_lightning.config import RunConfig
+    from recursive_lightning.training.run import train
+
+    axis, rows, _ = MELA_SWEEPS[name]
+    spec = load_sweep(ROOT / "ablations" / name)
+    grid = [p for p in spec.grid() if p["train.seed"] == 0]
+    for point in (grid[1] if len(rows) > 2 else grid[0], grid[-1]):
+        raw = spec.trial_config(point).to_dict()
+        raw["data"].update(batch_size=2, val_batches=1, cache_dir=data_cache)
+        raw["train"].update(max_steps=2, warmup_steps=1, val_every=2, checkpoint_every=2)
+        r = train(RunConfig.from_dict(raw), tmp_path / point[axis])
+        assert r.steps == 2 and math.isfinite(r.metrics["val/heldout/loss"]), point
+
+
 def test_table4_buffer_grid():
     spec = load_sweep(ROOT / "ablations" / "mesh-buffer.yaml")
     assert [spec.trial_config(p).model.buffer_slots for p in spec.grid()] == [3, 4, 5, 6]  # N_loop + 1 + k

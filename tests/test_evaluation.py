@@ -458,6 +458,27 @@ def test_context_length_table(ckpts, tokenizer):
     assert docs["segments"] == 1
 
 
+@pytest.mark.parametrize("family", ["vanilla", "mela"])
+def test_context_length_ppl_is_the_models_own_logprobs(family, ckpts, tokenizer):
+    """Perplexity at a context length L = exp(mean NLL) of the model's own next-token log-probabilities over
+    the same windows: the stream [eos, text...] cut into segments of L + 1 tokens overlapping by one, each one
+    forward pass (Mela: a few chunks at a time through its cache; in float64, see test_mela.py's drift note)."""
+    model = load_checkpoint(ckpts[family]).model.double()
+    text = " ".join(_texts())
+    ids = [tokenizer.token_to_id("<|endoftext|>"), *tokenizer.encode(text).ids]
+    L, segments = MAX_LEN, 3
+    got = perplexity_by_context_length(model, tokenizer, text, [L], max_tokens=segments * L)[L]
+    assert got["segments"] == segments and got["tokens"] == segments * L
+    nll = 0.0
+    with torch.no_grad():
+        for k in range(segments):
+            seg = torch.tensor([ids[k * L : k * L + L + 1]])
+            logp = F.log_softmax(model(seg[:, :-1])[0].double(), -1)
+            nll -= logp.gather(-1, seg[0, 1:, None]).sum().item()
+    assert got["nll"] == pytest.approx(nll, rel=1e-7)  # scored with a float32 log-softmax
+    assert got["ppl"] == pytest.approx(math.exp(nll / (segments * L)), rel=1e-7)
+
+
 def test_chunk_local_model_scores_long_inputs_chunk_by_chunk(ckpts, tokenizer, monkeypatch):
     """Mela's long contexts run through its decoding cache a few chunks at a time: the same log-probs as
     one forward pass, and no call sees more than one piece."""

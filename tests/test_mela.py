@@ -217,6 +217,25 @@ def test_memstack_adds_z_at_memory_rows_only():
     assert torch.equal(stack[0][:, 0], torch.zeros_like(stack[0][:, 0]))  # nothing at chunk 0
 
 
+@pytest.mark.parametrize("memstack", [True, False])
+def test_describe_bounds_the_decoding_state(memstack):
+    """describe's decoding state is what the cache holds at its largest (within one token's keys, values and
+    text row): decoding three chunks token by token never exceeds it."""
+    cfg = preset("cpu-mela")
+    cfg.memstack = memstack
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    cache, largest = model.new_cache(), 0
+    with torch.no_grad():
+        model.hidden(torch.randint(0, cfg.vocab_size, (1, 5)), cache=cache)
+        for _ in range(3 * cfg.tokens_per_chunk):
+            model.hidden(torch.randint(0, cfg.vocab_size, (1, 1)), cache=cache)
+            largest = max(largest, cache.numel())
+    bound = describe(cfg, seq_len=256)["decode_state_elements"]
+    one_token = 2 * len(model.layers) * cfg.kv_heads * cfg.head_dim + cfg.d_model
+    assert largest <= bound <= largest + one_token
+
+
 def test_cached_decoding_equals_full_forward_with_constant_state():
     torch.manual_seed(6)
     cfg = tiny()

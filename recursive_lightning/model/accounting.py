@@ -238,7 +238,8 @@ def describe_mela(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) ->
         "flops_hmm_other": under("hmm") - attention - memory_all,
         "flops_convention": MELA_CONVENTION,
         "decode_state_elements": batch_size
-        * (memory_state + kv + C * cfg.d_model * cfg.h_cycles + PC * cfg.d_model),
+        # at most: a full chunk's keys/values and text, the memory rows (one set per H cycle with MemStack)
+        * (memory_state + kv + C * cfg.d_model * (cfg.h_cycles if cfg.memstack else 1) + PC * cfg.d_model),
     }
     if cfg.preset in MELA_TABLE1_SHARES:
         out["table1_memory_pct"], out["table1_language_pct"] = MELA_TABLE1_SHARES[cfg.preset]
@@ -323,7 +324,7 @@ def format_mela(d: dict[str, Any]) -> str:
         f"  Newton-Schulz   {f(d['flops_newton_schulz'])}",
         f"  HMM other       {f(d['flops_hmm_other'])}",
         f"                  convention: {d['flops_convention']}",
-        f"decoding state    {d['decode_state_elements']:,} elements, constant in the sequence length",
+        f"decoding state    at most {d['decode_state_elements']:,} elements, constant in the sequence length",
         *notes,
     ]
     return "\n".join(lines)

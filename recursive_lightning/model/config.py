@@ -44,7 +44,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # Transformer++ (LLaMA: RMSNorm, SwiGLU, full rotary, GQA, no biases) and Mela (arch: mela), Mela Table 1.
-# Decoder depth, heads and memory shape are not in the table: our fit, see MELA_FIT below.
+# Decoder depth, heads and memory shape are not in the table: our fit, see MELA_SIZES below and the README.
 LLAMA = {
     "norm": "rmsnorm",
     "mlp": "swiglu",
