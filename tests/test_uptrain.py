@@ -417,3 +417,38 @@ def test_train_only_config_errors_are_one_sentence():
         with pytest.raises(ConfigError) as err:
             RunConfig.from_dict({"train": train_cfg})
         assert says in _one_sentence(err)
+
+
+@pytest.mark.slow
+def test_init_from_on_two_fsdp2_processes_starts_from_the_source(tmp_path, tiny_run, docs):
+    """`train --init-from` as a 2-process FSDP2 job (gloo on the CPU): every rank starts from the source's
+    layers before sharding, and train_only holds under FSDP2 (the parts outside it equal the source's after
+    the frozen steps, read back from the sharded checkpoint; the core moved)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from recursive_lightning.training.checkpoint import load_checkpoint, save_model_checkpoint
+
+    vanilla_run = RunConfig.from_dict(_small_data(tiny_run(layout="4", topology="base"), docs))
+    torch.manual_seed(0)
+    source = RecursiveLM(vanilla_run.model)
+    save_model_checkpoint(tmp_path / "vanilla" / "checkpoints" / "last.ckpt", source, vanilla_run, _bpe(300))
+    cfg = _small_data(tiny_run(layout="1+2R2+1", topology="mesh"), docs, tokenizer="init")
+    cfg["train"].update(max_steps=2, checkpoint_every=2, val_every=2, init_from=str(tmp_path / "vanilla"))
+    cfg["train"].update(init_strategy="lower", train_only=["topology", "core"], train_only_steps=2)
+    cfg["train"].update(strategy="fsdp", devices=2, accelerator="cpu")
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "recursive_lightning", "train", "--config", str(tmp_path / "cfg.yaml")]
+    p = subprocess.run([*cmd, "--run-dir", str(tmp_path / "run")], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert ckpt.is_dir()  # a sharded (distributed) checkpoint
+    ours = load_checkpoint(ckpt).model.state_dict()
+    theirs = source.state_dict()
+    for k in ("embed.weight", "head.weight", "norm.weight", "prelude.layers.0.attn.qkv.weight"):
+        assert torch.equal(ours[k], theirs[k]), k  # copied on both ranks, frozen for two steps
+    assert torch.equal(ours["coda.layers.0.mlp.up.weight"], theirs["prelude.layers.3.mlp.up.weight"])
+    assert not torch.equal(ours["cores.0.layers.0.mlp.up.weight"], theirs["prelude.layers.1.mlp.up.weight"])
