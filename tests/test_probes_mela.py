@@ -48,8 +48,9 @@ def tokens():
     return torch.randint(0, 97, (N, L), generator=torch.Generator().manual_seed(1))
 
 
-def _inputs_of(model, memory, call, tokens, batch_size):
-    """The input x of the ``call``-th forward of one NeuralMemory during ``model.hidden``, run in the
+def _inputs_of(model, memory, call, tokens, batch_size, per_chunk):
+    """The input x of the ``call``-th application of one NeuralMemory during ``model.hidden``, over every
+    chunk (the HMM runs chunk by chunk: the memory is called ``per_chunk`` times a chunk), run in the
     capture's batches (the same float paths: deep in the recursion, batch sizes differ in the last bits)."""
     seen, xs = [], []
     handle = memory.register_forward_hook(lambda m, args, out: seen.append(args[0]))
@@ -58,7 +59,7 @@ def _inputs_of(model, memory, call, tokens, batch_size):
             for i in range(0, len(tokens), batch_size):
                 seen.clear()
                 model.hidden(tokens[i : i + batch_size])
-                xs.append(seen[call])
+                xs.append(torch.cat(seen[call::per_chunk], dim=1))
     finally:
         handle.remove()
     return torch.cat(xs)
@@ -72,7 +73,8 @@ def test_recorded_gates_are_the_sigmoid_of_the_heads(model, tokens, app):
     module, block = cap.applications[a]["module"], cap.applications[a]["block"]
     memory = (model.hmm.l_module if module == "l" else model.hmm.h_module).blocks[block].memory
     call = sum(1 for b in cap.applications[:a] if (b["module"], b["block"]) == (module, block))
-    x = _inputs_of(model, memory, call, tokens, 2)  # (N, patches, d)
+    per_chunk = sum(1 for b in cap.applications if (b["module"], b["block"]) == (module, block))
+    x = _inputs_of(model, memory, call, tokens, 2, per_chunk)  # (N, patches, d)
     T = cap.memory_chunks
     assert x.shape[1] == T * C
     chunks = x.view(N, T, C, -1)

@@ -200,7 +200,7 @@ def describe_mela(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) ->
                     else model.hmm.h_module.blocks[j].memory.init_weights
                 )
             ]
-            for k, j in model.hmm.applications
+            for k, j in model.hmm.memory_slots  # one per block (memory_carry cycles) or per application
         )
         if cfg.neural_memory
         else 0
@@ -225,6 +225,12 @@ def describe_mela(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) ->
         "n_chunks": n_chunks,  # N_c = N_p / C = decoder chunks of P*C tokens
         "decoder_length": seq_len + n_chunks * C,  # N (P+1) / P when P*C divides N
         "hmm_chunks_computed": hmm_chunks,
+        # readings (issue 31; README "Mela"): C counts patches (Sec. 3.1 N_c = N_p / C, Sec. 4.1 chunks of
+        # P*C tokens, Fig. 3b P=4, C=1); each block's memory carried through the cycles or not
+        "chunk_unit": "patches",
+        "memory_carry": cfg.memory_carry,
+        "memory_read": cfg.memory_read,
+        "fusion": cfg.fusion,
         "block_applications": apps,
         "block_applications_with_grad": with_grad,
         "flops_forward": flops,
@@ -316,6 +322,15 @@ def format_mela(d: dict[str, Any]) -> str:
         f"HLR               {d['block_applications']} memory-block applications per forward, "
         f"{d['block_applications_with_grad']} with gradients; HMM over {d['hmm_chunks_computed']} chunk(s) "
         "(the last chunk's memory is read by no token)",
+        f"readings          chunk_size C counts patches (P*C = {d['patch_size'] * d['chunk_size']} tokens a chunk); "
+        f"memory_carry {d['memory_carry']} ("
+        + (
+            "each block's memory continues through the H x L cycles and on to the next chunk"
+            if d["memory_carry"] == "cycles"
+            else "every block application scans from its block's M_0"
+        )
+        + f"); memory_read {d['memory_read']}; fusion {d['fusion']}"
+        + (" (h only, parameter-free)" if d["fusion"] == "none" else ""),
         f"forward FLOPs     {d['flops_forward'] / 1e12:.4f}e12 for {d['batch_size']}x{d['seq_len']} tokens, by part:",
         f"  decoder         {f(d['flops_decoder'])}",
         f"  HMM attention   {f(d['flops_hmm_attention'])}",

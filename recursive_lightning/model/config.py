@@ -165,7 +165,7 @@ _MULTIRES_FIELDS = ("downscale", "upscale", "offset", "shift", "gain", "allow_no
 _RECURSIVE_FIELDS = ("topology", "buffer", "mesh_transition_input", *_MULTIRES_FIELDS)
 _MELA_FIELDS = (
     "patch_size", "chunk_size", "h_cycles", "l_cycles", "h_layers", "l_layers", "hmm_d_model", "hmm_heads",
-    "memory_heads", "memory_depth", "memory_expansion", "memory_update", "ns_steps", "memory_read",
+    "memory_heads", "memory_depth", "memory_expansion", "memory_update", "ns_steps", "memory_read", "memory_carry",
     "memory_max_lr", "hmm_attention", "hmm_gate", "neural_memory", "fusion", "memstack",
 )  # fmt: skip
 
@@ -228,6 +228,10 @@ class ModelConfig:
     # [reading] the HMM output at chunk t retrieves from the memory after (M_t) or before (M_{t-1}, Eq. 9
     # literally) that chunk's update; decoder chunk t+1 reads it (neural_memory.py explains the choice)
     memory_read: str = "after"
+    # [reading] which fast-weight state a memory block application starts from (hierarchical_memory.py):
+    # cycles (one memory per block, carried through the H x L cycles chunk by chunk: consolidation
+    # accumulates, Sec. 3.2) | none (every application scans from its block's M_0)
+    memory_carry: str = "cycles"
     # [reading] theta = memory_max_lr * sigmoid(.) (Titans' max_lr); Eqs. 1-5 diverge without a bound
     memory_max_lr: float = 0.01
     hmm_attention: bool = True  # gated attention in every memory block (Table 4 "attention in memory module")
@@ -389,6 +393,7 @@ class ModelConfig:
         _choice("memory_update", self.memory_update, MEMORY_UPDATES)
         _choice("fusion", self.fusion, FUSIONS)
         _choice("memory_read", self.memory_read, ("after", "before"))
+        _choice("memory_carry", self.memory_carry, ("cycles", "none"))
         if not 0 < self.memory_max_lr < float("inf"):
             raise ConfigError(f"model.memory_max_lr must be a positive number, not {self.memory_max_lr!r}.")
         for name in (
@@ -409,6 +414,12 @@ class ModelConfig:
         if self.hmm_width % self.hmm_n_heads:
             raise ConfigError(
                 f"model.hmm_d_model {self.hmm_width} must be divisible by model.hmm_heads {self.hmm_n_heads}."
+            )
+        if self.fusion == "none" and self.hmm_width != self.d_model:
+            raise ConfigError(
+                f"model.fusion 'none' passes the h state to the decoder as it is (Sec. 3.3, parameter-free), so "
+                f"model.hmm_d_model {self.hmm_width} must equal model.d_model {self.d_model}; set them equal or "
+                "use fusion mlp or weighted_sum."
             )
         if self.hmm_width % self.memory_heads:
             raise ConfigError(

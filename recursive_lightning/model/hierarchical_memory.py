@@ -17,9 +17,25 @@ of C patches (rotary positions 0..C-1), so that a patch sees no later patch and 
 can be computed when the chunk completes (decoding); the residual around each sub-layer and the absence
 of an FFN are our reading of Fig. 1b; input fusions are 2-layer GELU MLPs like the output fusion.
 
-Every memory block application (H * (L * l_layers + h_layers) per forward) scans the chunks with its own
-state, starting from its block's learned M_0; ``forward`` takes and returns these states so that decoding
-can feed one chunk at a time (``mela.py``).
+Which fast-weight state a block application starts from [reading, ``memory_carry``]:
+
+* ``cycles`` (default): each memory block has one memory (M, S), carried from application to application
+  through the H x L cycles and on to the next chunk; ``forward`` runs all cycles over chunk t before chunk
+  t+1, so the carry stays causal. It follows Sec. 3.2, "the l state and h state are refined H-1 times ...
+  followed by a single final refinement step" and "through their interaction, memory representations undergo
+  progressive transformation during consolidation": a block's memory is part of what is refined, and
+  consolidation accumulates in it (Sec. 5.3: "deeper recurrent updates in the H-module deliver gains"), where
+  Eqs. 10-11 give one recurrence per memory, not one per application. The H-1 cycles without gradients
+  write constant increments into each memory; the state entering the last cycle keeps the gradient of the
+  state the chunk started from (M_0 or the previous chunk's), as HRM's one-step gradient [reading]. At the
+  paper's 4K (2 chunks, the HMM read at chunk 0 only) this gives eta its gradient: the momentum S entering
+  the last cycle is the earlier cycles' (with ``none`` it is S_0 = 0 and eta gets none).
+* ``none``: every application (H * (L * l_layers + h_layers) per forward) scans the chunks from its block's
+  learned M_0, as HRM/TRM restart nothing but their l and h states.
+
+``forward`` takes and returns the states (``memory_slots``: per block or per application) so that decoding
+can feed one chunk at a time (``mela.py``); it runs chunk by chunk from the patchify on, the operations that
+decoding runs, so cached decoding reproduces the full forward's memory rows exactly.
 """
 
 from __future__ import annotations
@@ -34,6 +50,15 @@ from torch import nn
 from recursive_lightning.model.block import Rotary
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.model.neural_memory import MemoryState, NeuralMemory
+
+
+def _straight_through(start: MemoryState, now: MemoryState) -> MemoryState:
+    """``now`` in value, ``start`` in gradient: start + (now - start) with the increment detached."""
+
+    def st(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        return None if a is None or b is None else [x + (y - x).detach() for x, y in zip(a, b)]
+
+    return MemoryState(st(start.weights, now.weights), st(start.momentum, now.momentum))
 
 
 class GatedAttention(nn.Module):
@@ -133,6 +158,8 @@ class DualMemoryFusion(nn.Module):
         if self.kind == "weighted_sum":
             self.w_h = nn.Parameter(torch.full((d,), 0.5))
             self.w_l = nn.Parameter(torch.full((d,), 0.5))
+        # "none" is parameter-free (config.validate refuses hmm_d_model != d_model); the weighted sum is
+        # projected to the decoder width when the widths differ [reading]
         self.proj = nn.Linear(d, d_out, bias=False) if d != d_out else None
 
     def forward(self, l_state: torch.Tensor, h_state: torch.Tensor) -> torch.Tensor:
@@ -166,36 +193,82 @@ class HierarchicalMemory(nn.Module):
             out += [("h", j) for j in range(cfg.h_layers)]
         return out
 
+    @property
+    def memory_slots(self) -> list[tuple[str, int]]:
+        """The fast-weight states a forward keeps: one per memory block with ``memory_carry: cycles``, one per
+        block application with ``none``."""
+        cfg = self.cfg
+        if cfg.memory_carry == "cycles":
+            return [("l", j) for j in range(cfg.l_layers)] + [("h", j) for j in range(cfg.h_layers)]
+        return self.applications
+
     def forward(self, x: torch.Tensor, states: list | None = None) -> tuple[list[torch.Tensor], list]:
         """x: token embeddings (b, N, d) with N a multiple of P*C. Returns z(1..H) (only z(H) without
-        MemStack), each (b, N/P, d_model), and the memory states after the last chunk (one per block
-        application)."""
+        MemStack), each (b, N/P, d_model), and the memory states after the last chunk (one per entry of
+        ``memory_slots``)."""
         cfg = self.cfg
-        # (b, N_p, d_hmm); the residual streams stay in the embeddings' dtype under autocast, as the decoder's
-        x_p = self.patchify(x.transpose(1, 2)).transpose(1, 2).to(x.dtype)
-        states = list(states) if states is not None else [None] * len(self.applications)
-        new_states: list = []
+        states = list(states) if states is not None else [None] * len(self.memory_slots)
+        if cfg.memory_carry == "cycles":
+            blocks = list(self.l_module.blocks) + list(self.h_module.blocks)
+            states = [  # M_0 made explicit, so that the straight-through in _hlr reaches it
+                b.memory.initial_state(x.shape[0]) if s is None and b.memory is not None else s
+                for s, b in zip(states, blocks)
+            ]
+        # Chunk by chunk, from the patchify on: the HMM's attention is local to a chunk and its memory scans
+        # the chunks in order, so this is the all-chunks pass, computed with the very operations (shapes
+        # included) that decoding runs when a chunk completes. Newton-Schulz lifts rounding differences in an
+        # update's near-null directions ~500x a step, so any other order makes cached decoding drift from the
+        # full forward (1e-2 after 20 chunks in float32 when the patchify and the HMM ran over all chunks at
+        # once); with the same operations the memory rows agree exactly.
+        PC, outs = cfg.tokens_per_chunk, []
+        for t in range(x.shape[1] // PC):
+            chunk = x[:, t * PC : (t + 1) * PC].contiguous()
+            # (b, C, d_hmm); the residual streams stay in the embeddings' dtype under autocast, as the decoder's
+            x_p = self.patchify(chunk.transpose(1, 2)).transpose(1, 2).to(x.dtype)
+            zs, states = self._hlr(x_p, states)
+            outs.append(zs)
+        return [torch.cat(z, dim=1) for z in zip(*outs)], states
+
+    def _hlr(self, x_p: torch.Tensor, states: list) -> tuple[list[torch.Tensor], list]:
+        """HLR (Sec. 3.2) over x_p (b, n, d_hmm), n a multiple of C, from ``states`` (per memory slot)."""
+        cfg = self.cfg
+        carry = cfg.memory_carry == "cycles"
+        slot = {key: i for i, key in enumerate(self.memory_slots)} if carry else None
+        grad = torch.is_grad_enabled()
+        start = list(states)  # the chunk's starting states (carrying gradients from earlier chunks)
+        new_states: list = []  # ``none``: one state per application, in execution order
         l_state = h_state = x_p
         zs = []
+
+        def run(module: MemoryModule, name: str, inputs: list[torch.Tensor], n_blocks: int) -> torch.Tensor:
+            if carry:  # the block's one memory, continued from its previous application
+                keys = [slot[(name, j)] for j in range(n_blocks)]
+                out, st = module(inputs, [states[k] for k in keys])
+                for k, s in zip(keys, st):
+                    states[k] = s
+            else:  # from the state of this application (M_0 or the previous chunk's)
+                out, st = module(inputs, states[len(new_states) : len(new_states) + n_blocks])
+                new_states.extend(st)
+            self._note(out)
+            return out
+
         for i in range(cfg.h_cycles):
             last = i == cfg.h_cycles - 1
-            with torch.set_grad_enabled(
-                torch.is_grad_enabled() and last
-            ):  # HLR: H-1 cycles without gradients
+            if carry and last and grad and cfg.h_cycles > 1:
+                # the H-1 cycles without gradients wrote constant increments into each memory; the state
+                # entering the last cycle still depends on the chunk's starting state (M_0 or the previous
+                # chunk's) through the identity [reading, as HRM's one-step gradient], so M_0 and the
+                # cross-chunk memory keep their gradients
+                states = [
+                    s if s0 is None or s is None else _straight_through(s0, s) for s0, s in zip(start, states)
+                ]
+            with torch.set_grad_enabled(grad and last):  # HLR: H-1 cycles without gradients
                 for _ in range(cfg.l_cycles):
-                    l_state, st = self.l_module(
-                        [l_state, h_state, x_p], states[len(new_states) : len(new_states) + cfg.l_layers]
-                    )
-                    new_states += st
-                    self._note(l_state)
-                h_state, st = self.h_module(
-                    [h_state, l_state], states[len(new_states) : len(new_states) + cfg.h_layers]
-                )
-                new_states += st
-                self._note(h_state)
+                    l_state = run(self.l_module, "l", [l_state, h_state, x_p], cfg.l_layers)
+                h_state = run(self.h_module, "h", [h_state, l_state], cfg.h_layers)
             if cfg.memstack or last:
                 zs.append(self.fusions[i if cfg.memstack else 0](l_state, h_state))
-        return zs, new_states
+        return zs, states if carry else new_states
 
     def _note(self, x: torch.Tensor) -> None:
         if self.record is not None:

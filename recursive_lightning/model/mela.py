@@ -185,3 +185,58 @@ class MelaLM(Generates, nn.Module):
                 cache.text, cache.text_len = [], 0
                 cache.chunks += 1
         return self.norm(torch.cat(outs, dim=1))
+
+
+def memory_without_gradient(cfg: ModelConfig, seq_len: int) -> list[str]:
+    """Names of the memory parameters (one per block and kind, e.g. ``hmm.h_module.blocks.0.memory.eta``)
+    that get no gradient from the loss at ``seq_len`` tokens. Which parameters the loss reaches depends on
+    the chunk count, the cycles, the blocks and the readings, not on the widths or on P and C: a copy with
+    width 8, P = C = 1, H decoder layers and min(chunks, 4) tokens takes one backward pass on the CPU (milliseconds)."""
+    if cfg.arch != "mela":
+        return []
+    n_chunks = min(-(-seq_len // cfg.tokens_per_chunk), 4)  # reachability is the same from 3 chunks on
+    small = dataclasses.replace(
+        cfg,
+        d_model=8,
+        n_heads=2,
+        n_kv_heads=1,
+        hmm_d_model=8,
+        hmm_heads=2,
+        memory_heads=1,
+        vocab_size=5,
+        patch_size=1,
+        chunk_size=1,
+        layout=str(cfg.h_cycles),  # MemStack's z(H-1) reaches the text through one more layer
+        n_layers_hint=None,
+        tie_embeddings=False,
+    )
+    with torch.device("cpu"):
+        torch.manual_seed(0)
+        model = MelaLM(small)
+        idx = torch.randint(0, small.vocab_size, (1, n_chunks + 1))
+        with torch.enable_grad():
+            model.loss(idx[:, :-1], idx[:, 1:]).backward()
+    dead = []
+    for name, p in model.hmm.named_parameters():
+        if p.grad is None or not p.grad.abs().sum():
+            base = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
+            if f"hmm.{base}" not in dead:
+                dead.append(f"hmm.{base}")
+    return dead
+
+
+def memory_gradient_warning(cfg: ModelConfig, seq_len: int) -> str | None:
+    """One sentence for ``train`` when the loss reaches some HMM parameters not at all (None when it reaches
+    every one)."""
+    dead = memory_without_gradient(cfg, seq_len)
+    if not dead:
+        return None
+    hint = " or memory_carry cycles" if cfg.memory_carry == "none" else ""
+    hint += " or memory_read after" if cfg.memory_read == "before" else ""
+    shown = ", ".join(dead[:6]) + (f" and {len(dead) - 6} more" if len(dead) > 6 else "")
+    return (
+        f"warning: at data.seq_len {seq_len} ({-(-seq_len // cfg.tokens_per_chunk)} chunk(s) of P*C = "
+        f"{cfg.tokens_per_chunk} tokens, memory_carry {cfg.memory_carry}, memory_read {cfg.memory_read}) the "
+        f"loss gives no gradient to {shown}; use more chunks per sequence (a longer data.seq_len or a smaller "
+        f"model.chunk_size){hint}."
+    )

@@ -23,7 +23,7 @@ the HMM's output at chunk j-1. With ``after`` (default) that output retrieves fr
 j-1's update: decoder chunk j then reads the state built from chunks 0..j-1, the same state Eq. 9 gives
 chunk j, which is "the memory as it stood after chunk j-1" of our design notes. ``before`` applies Eq. 9
 inside the HMM literally: the memory then reaches the decoder one chunk late, and at the paper's training
-length (4,096 tokens = 2 chunks) no memory update would ever be read.
+length (4,096 tokens = 2 chunks) the H-module's updates are never read (``train`` warns, naming them).
 
 Readings of ours (the paper is silent): q and k are L2-normalised per head (as in Titans); theta, eta and
 alpha are sigmoids of linear maps of the normed input, theta per position (scaled by ``max_lr``, as Titans'
@@ -190,7 +190,7 @@ class NeuralMemory(nn.Module):
         self.eta = nn.Linear(d, heads) if update != "plain" else None  # surprise decay eta_t (Eq. 3)
         self.alpha = nn.Linear(d, heads) if update in ("forgetting", "newton_schulz") else None  # Eq. 4
         dims = [self.head_dim] + [expansion * self.head_dim] * (depth - 1) + [self.head_dim]
-        self.init_weights = nn.ParameterList(  # M_0, learned; each block application scans from it
+        self.init_weights = nn.ParameterList(  # M_0, learned (hierarchical_memory.py: memory_carry)
             nn.Parameter(torch.empty(heads, i, o)) for i, o in zip(dims[:-1], dims[1:])
         )
         self.record: list[dict[str, torch.Tensor]] | None = None  # probes: per-chunk update statistics

@@ -240,12 +240,14 @@ def capture_mela(
                 rec.start_batch()
                 model.hidden(batch)
                 if memories:
-                    got = [key for key, _ in rec.calls]
-                    if got != list(model.hmm.applications):
+                    got, want = [key for key, _ in rec.calls], list(model.hmm.applications)
+                    # memory_carry cycles runs every application once per chunk (chunk-major), none once
+                    if not got or len(got) % len(want) or got != want * (len(got) // len(want)):
                         raise RuntimeError(f"recorded memory applications {got} differ from the model's")
-                    for a, (_, rows) in enumerate(rec.calls):
+                    for c, (_, rows) in enumerate(rec.calls):
+                        a, offset = c % len(want), c // len(want)
                         for row in rows:
-                            t, i = row["chunk"], row["tensor"]
+                            t, i = row["chunk"] + offset, row["tensor"]
                             sums["surprise"][a, t, i] += b * row["surprise_norm"]
                             sums["singular"][a, t, i] += b * row["update_singular_values"].double().numpy()
                             if i == 0:  # theta, eta, alpha are shared by the tensors of one update

@@ -265,6 +265,13 @@ def train(
             f"set model.vocab_size >= {vocab} or use a smaller data.tokenizer."
         )
 
+    if cfg.model.arch == "mela":  # a memory that cannot learn at this length says so (Mela, issue 31)
+        from recursive_lightning.model.mela import memory_gradient_warning
+
+        warning = memory_gradient_warning(cfg.model, cfg.data.seq_len)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+
     # ---- MLflow: one experiment per config name, one run per run directory
     tracking_uri = absolute_uri(tracking_uri) if tracking_uri else default_tracking_uri(run_dir)
     exp_id = ensure_experiment(tracking_uri, experiment or cfg.name, run_dir / "mlartifacts")
