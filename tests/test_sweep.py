@@ -100,7 +100,7 @@ def test_sweep_killed_mid_trial_resumes(tmp_path, data_cache):
 
     trials = study_trials(run_dir)
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-    assert sorted(t.params["variant"] for t in complete) == ["anchor", "mesh"]
+    assert sorted(t.user_attrs["point"]["variant"] for t in complete) == ["anchor", "mesh"]
     assert len(trials) == 2  # each grid point is one trial: the interrupted one was resumed, not copied
     c, parent, children = child_runs(run_dir)
     assert len(parent) == 1 and len(children) == 2
@@ -312,10 +312,12 @@ def test_a_failing_grid_point_is_retried_then_reported(tmp_path, data_cache):
     assert p.returncode == 1, out  # the parent run ended FAILED: not the exit status of a finished sweep
     assert "FAILED" in out and "sweep finished" not in out
     trials = study_trials(run_dir)
-    bad = [t for t in trials if t.params.get("variant") == "bad"]
+    bad = [t for t in trials if t.user_attrs["point"]["variant"] == "bad"]
     assert [t.state for t in bad] == [optuna.trial.TrialState.FAIL] * 2
     assert all("model.vocab_size" in t.user_attrs["error"] for t in bad)
-    assert [t.state for t in trials if t.params.get("variant") == "ok"] == [optuna.trial.TrialState.COMPLETE]
+    assert [t.state for t in trials if t.user_attrs["point"]["variant"] == "ok"] == [
+        optuna.trial.TrialState.COMPLETE
+    ]
     report = (run_dir / "report.md").read_text()
     assert "## Failed trials" in report and "model.vocab_size" in report
     _, (parent,), _ = child_runs(run_dir)

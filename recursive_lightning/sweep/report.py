@@ -54,7 +54,9 @@ def collect(storage_url: str, study_name: str) -> tuple[list[dict], list[dict], 
     for t in study.get_trials(deepcopy=False):
         row = {
             "number": t.number,
-            "params": dict(t.params),
+            # a grid trial's point is its fixed parameters (runner.grid_point); a search trial's, its params
+            "params": dict(t.params)
+            or dict(t.user_attrs.get("point") or t.system_attrs.get("fixed_params") or {}),
             "metrics": dict(t.user_attrs.get("metrics", {})),
             "value": t.value,
             "state": t.state.name,

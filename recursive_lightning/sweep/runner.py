@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import fcntl
 import json
 import os
@@ -39,6 +40,7 @@ from typing import Any
 from recursive_lightning import faults
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.processes import parent_death_signal
+from recursive_lightning.sweep.devices import CPU, device_pool, devices_needed, hold_devices
 from recursive_lightning.sweep.servers import check_stores, database_lock, recorded_study
 from recursive_lightning.sweep.spec import SweepSpec, load_sweep, point_key
 from recursive_lightning.tracking import (
@@ -56,6 +58,7 @@ from recursive_lightning.tracking import (
     ui_command,
     writable_dir_problem,
 )
+from recursive_lightning.uris import mask_url
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SWEEP = REPO / "ablations" / "default.yaml"
@@ -174,6 +177,17 @@ def resolved_spec(spec: SweepSpec) -> dict[str, Any]:
     return json.loads(json.dumps(out, sort_keys=True, default=str))
 
 
+def grid_point(trial, spec: SweepSpec) -> dict[str, Any]:
+    """The grid point a (frozen) trial of a grid study stands for, in the spec's axis order: the fixed
+    parameters it was enqueued with (``params`` for trials of studies from before the grid could grow)."""
+    fixed = {
+        **trial.params,
+        **(trial.system_attrs.get("fixed_params") or {}),
+        **trial.user_attrs.get("point", {}),
+    }
+    return {a.name: fixed[a.name] for a in spec.axes}
+
+
 def _spec_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(fields whose value changed, grid points no longer in the sweep) between two ``resolved_spec``s. Fields
     only one side has (added to the config since) are not compared."""
@@ -186,10 +200,40 @@ def _spec_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], 
     return sorted(changed), removed
 
 
-def check_unchanged(spec: SweepSpec, study, run_dir: Path, record: bool) -> None:
+def _study_axes(study) -> set[str] | None:
+    """The axis names of a grid study's trials (None when it has none yet)."""
+    names: set[str] = set()
+    for t in study.get_trials(deepcopy=False):
+        names |= (
+            set(t.params)
+            | set(t.system_attrs.get("fixed_params") or {})
+            | set(t.user_attrs.get("point") or {})
+        )
+    return names or None
+
+
+def edited_sweep_advice(spec: SweepSpec, run_dir: Path, storage_url: str | None) -> str:
+    """What to do with a sweep file that cannot continue a study: on a server database the conflict is the
+    study, named after the sweep, in that shared database (a new --run-dir alone meets the same study)."""
+    kept = run_dir / "sweep.yaml"
+    if storage_url is None or storage_url.startswith("sqlite"):
+        return (
+            f"run the edited sweep into a new --run-dir, or restore the file it was run with (kept as {kept})"
+        )
+    return (
+        f"the study '{spec.name}' in the shared database {mask_url(storage_url)} holds the old grid, so give the "
+        f"edited sweep a new `name:` (a new study there) and a new --run-dir, or pass --storage with a new "
+        f"database, or restore the file it was run with (kept as {kept})"
+    )
+
+
+def check_unchanged(
+    spec: SweepSpec, study, run_dir: Path, record: bool, storage_url: str | None = None
+) -> None:
     """Refuse, in one sentence, to continue a sweep directory with a sweep file that changes the config of a
-    grid point it already holds (or drops points): its finished trials would be reported as results of the
-    edited file. Added grid points (more seeds, a new row) are fine. ``record`` stores the new file's grid."""
+    grid point it already holds (or drops points, or adds or drops an axis): its finished trials would be
+    reported as results of the edited file. Added grid points (more seeds, a value or a row of an axis) are
+    fine: only they are trained. ``record`` stores the new file's grid."""
     new = resolved_spec(spec)
     raw = study.user_attrs.get(RESOLVED_ATTR)
     if raw is not None:
@@ -203,6 +247,20 @@ def check_unchanged(spec: SweepSpec, study, run_dir: Path, record: bool) -> None
         old = {"fields": {}, "points": json.loads(json.dumps(points, default=str))} if points else None
     else:
         old = None
+    axes_before = _study_axes(study) if spec.search is None else None
+    if axes_before is not None:
+        axes_now = {a.name for a in spec.axes}
+        added, dropped = sorted(axes_now - axes_before), sorted(axes_before - axes_now)
+        if added or dropped:
+            what = "; ".join(
+                [f"new axis {', '.join(added)}"] * bool(added)
+                + [f"axis {', '.join(dropped)} removed"] * bool(dropped)
+            )
+            raise ConfigError(
+                f"sweep '{spec.name}' in '{run_dir}' was run with the axes {', '.join(sorted(axes_before))} "
+                f"({what}: every earlier grid point would change, not only new ones be added); "
+                f"{edited_sweep_advice(spec, run_dir, storage_url)}."
+            )
     if old is not None:
         changed, removed = _spec_changes(old, new)
         if changed or removed:
@@ -214,8 +272,7 @@ def check_unchanged(spec: SweepSpec, study, run_dir: Path, record: bool) -> None
                 what.append(f"grid point{'s' if len(removed) > 1 else ''} {', '.join(removed[:4])} removed")
             raise ConfigError(
                 f"sweep '{spec.name}' in '{run_dir}' was run with a different sweep file ({'; '.join(what)}), "
-                f"so its results are not this file's; run the edited sweep into a new --run-dir, or restore "
-                f"the file it was run with (kept as {run_dir / 'sweep.yaml'})."
+                f"so its results are not this file's; {edited_sweep_advice(spec, run_dir, storage_url)}."
             )
         new = {"fields": new["fields"], "points": {**old["points"], **new["points"]}}
     if record and (raw is None or json.loads(raw) != new):
@@ -249,14 +306,18 @@ def _prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_ur
     study = optuna.create_study(
         study_name=spec.name, storage=storage, direction="minimize", load_if_exists=True, sampler=sampler
     )
-    check_unchanged(spec, study, run_dir, record=True)
+    check_unchanged(spec, study, run_dir, record=True, storage_url=storage_url)
     trials = study.get_trials(deepcopy=False)
     if spec.search is None:
         present = {t.user_attrs.get("point_key") for t in trials}
         for point in spec.grid():
             key = point_key(point)
             if key not in present:
-                study.enqueue_trial(point, user_attrs={"point_key": key, "attempt": 0}, skip_if_exists=False)
+                # the point is a fixed parameter set read back by run_trial, never suggested from a distribution:
+                # a grown grid (one more seed, a new row) needs no change to earlier trials' distributions
+                study.enqueue_trial(
+                    point, user_attrs={"point_key": key, "attempt": 0, "point": point}, skip_if_exists=False
+                )
     _requeue_dead_local(study, storage, storage_url)
     # the MLflow parent run of the sweep
     exp_id = ensure_experiment(tracking_uri, spec.name, run_dir / "mlartifacts")
@@ -524,7 +585,7 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
 
     trial = optuna.trial.Trial(study, trial_id)
     if spec.search is None:
-        point = {a.name: trial.suggest_categorical(a.name, a.labels) for a in spec.axes}
+        point = grid_point(study._storage.get_trial(trial_id), spec)
     else:
         point = {}
         for name, dist in spec.search["space"].items():
@@ -581,27 +642,41 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
                 "optuna.study": spec.name,
             }
             faults.point("before_training")
-            if _multi_process(cfg):
-                result = _train_in_subprocess(
-                    cfg, trial_dir, resume, tracking_uri, spec.name, key, parent, tags, point
+            pool = device_pool()
+
+            def waiting() -> None:
+                print(
+                    f"[sweep {spec.name}] trial {trial.number}: waiting for {need} free device(s) of "
+                    f"{','.join(pool)} (other workers hold them)",
+                    flush=True,
                 )
-            else:
-                result = train(
-                    cfg,
-                    trial_dir,
-                    resume=resume,
-                    tracking_uri=tracking_uri,
-                    experiment=spec.name,
-                    run_name=key,
-                    parent_run_id=parent,
-                    tags=tags,
-                    callbacks=callbacks,
-                    params=axis_params(point, flat),
-                )
-            pruned = pruner_cb is not None and pruner_cb.pruned
-            if not pruned and not _has_val(result.metrics) and result.steps >= cfg.train.max_steps:
-                if not _multi_process(cfg):
-                    result = _validate_last_checkpoint(cfg, result)
+
+            need = devices_needed(cfg, pool)
+            # the trial's devices, held while it trains: its `train` process sees only them
+            with hold_devices(run_dir, pool, need, on_wait=waiting) as held:
+                tags["devices"] = ",".join(held) or CPU
+                faults.point("devices_held")
+                if held or _multi_process(cfg):
+                    result = _train_in_subprocess(
+                        cfg, trial_dir, resume, tracking_uri, spec.name, key, parent, tags, point, held
+                    )
+                else:
+                    result = train(
+                        cfg,
+                        trial_dir,
+                        resume=resume,
+                        tracking_uri=tracking_uri,
+                        experiment=spec.name,
+                        run_name=key,
+                        parent_run_id=parent,
+                        tags=tags,
+                        callbacks=callbacks,
+                        params=axis_params(point, flat),
+                    )
+                pruned = pruner_cb is not None and pruner_cb.pruned
+                if not pruned and not _has_val(result.metrics) and result.steps >= cfg.train.max_steps:
+                    if not held and not _multi_process(cfg):
+                        result = _validate_last_checkpoint(cfg, result)
         faults.point("after_result_write")
         metrics = dict(result.metrics)
         if spec.evaluate:  # perplexity sets and (optionally) lm-eval tasks on the finished trial
@@ -721,13 +796,19 @@ def _train_in_subprocess(
     parent: str,
     tags: dict[str, str],
     point: dict[str, Any],
+    devices: list[str] | None = None,
 ):
     """A multi-device trial (DDP / FSDP2) runs as its own `train` command: Lightning's launcher re-executes
-    that command once per rank, which it cannot do for a sweep worker. Pruning is not available there."""
+    that command once per rank, which it cannot do for a sweep worker. So does every trial given ``devices``
+    of the pool (its ``CUDA_VISIBLE_DEVICES``: a process's CUDA devices are fixed when it first uses CUDA).
+    Pruning is not available there."""
     from recursive_lightning.training.run import TrainResult
 
     trial_dir.mkdir(parents=True, exist_ok=True)
     cfg_file = trial_dir / "trial.yaml"
+    if devices:  # its devices, renumbered 0 .. d-1 inside it: a count (ids or `auto` would name others)
+        cfg = copy.deepcopy(cfg)
+        cfg.train.devices = len(devices)
     atomic_write_text(cfg_file, cfg.to_yaml())
     cmd = [
         sys.executable,
@@ -754,7 +835,8 @@ def _train_in_subprocess(
     cmd = [*slurm_launcher(cfg), *cmd]
     if sys.platform.startswith("linux"):  # the train command dies with this worker, as the worker does
         cmd = [sys.executable, "-c", _DIE_WITH_PARENT_EXEC, str(os.getpid()), *cmd]
-    subprocess.run(cmd, check=True)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices)} if devices else None
+    subprocess.run(cmd, check=True, env=env)
     return TrainResult.from_dict(json.loads((trial_dir / "result.json").read_text()), trial_dir)
 
 
@@ -828,6 +910,7 @@ def worker(
                     study.enqueue_trial(
                         params,
                         user_attrs={
+                            **({"point": trial.user_attrs["point"]} if "point" in trial.user_attrs else {}),
                             "point_key": trial.user_attrs.get("point_key"),
                             "attempt": attempt + 1,
                             "retry_of": trial.number,
@@ -836,6 +919,23 @@ def worker(
                     )
         done += 1
     return done
+
+
+def check_devices(spec: SweepSpec, pool: list[str]) -> None:
+    """Refuse, before any training, a grid point that asks for more devices than this machine's pool has."""
+    if not pool:
+        return
+    for point in spec.grid() if spec.search is None else [{}]:
+        need = devices_needed(spec.trial_config(point), pool)
+        if need > len(pool):
+            where = ", ".join(f"{k}={v}" for k, v in point.items())
+            raise ConfigError(
+                f"sweep '{spec.name}'"
+                + (f" at {where}" if where else "")
+                + f": train.devices asks for {need} "
+                f"devices but this machine's device pool ({','.join(pool)}, from CUDA_VISIBLE_DEVICES or the "
+                f"GPUs torch sees) has {len(pool)}; lower train.devices or run it where more GPUs are visible."
+            )
 
 
 def prepare_data(spec: SweepSpec) -> None:
@@ -876,15 +976,18 @@ def close_parent(
     spec: SweepSpec, storage_url: str, tracking_uri: str, interrupted: bool = False
 ) -> str | None:
     """End the sweep's MLflow parent run once no trial is waiting or running (see ``sweep_state``), KILLED on
-    an interrupt. Returns the status set, or None while trials are still under way (other workers or machines):
-    whichever process ends the last trial closes it."""
+    an interrupt that leaves grid points unfinished. Returns the status set, or None while trials are still
+    under way (other workers or machines): whichever process ends the last trial closes it. The status is the
+    grid's as it now stands: a command that stops or fails after every point finished leaves it FINISHED."""
     import optuna
 
     study = optuna.load_study(study_name=spec.name, storage=_storage(storage_url, spec.max_retries))
     parent = study.user_attrs.get("mlflow_parent_run_id")
     if parent is None:
         return None
-    status = "KILLED" if interrupted else sweep_state(spec, study)
+    status = sweep_state(spec, study)
+    if interrupted and status is None:
+        status = "KILLED"
     if status is not None:
         set_terminated(tracking_uri, parent, status)
     return status
@@ -1034,6 +1137,11 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(int(os.environ["RL_TORCH_THREADS"]))
     sweep_file = Path(args.file)
     spec = load_sweep(sweep_file)
+    if args.max_trials is not None and args.max_trials < 1:
+        raise ConfigError(
+            f"--max-trials must be >= 1, not {args.max_trials}; leave it out to run until no grid point is left."
+        )
+    check_devices(spec, device_pool())  # one sentence before any work
     # an attached worker finds the run directory and tracking store the study was prepared with
     recorded = (
         recorded_study(args.storage, spec.name, args.tracking_uri) if args.attach and args.storage else {}
@@ -1079,7 +1187,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError(
                 f"--attach: no study named '{spec.name}' in {storage}; start the sweep without --attach first."
             ) from None
-        check_unchanged(spec, study, run_dir, record=False)
+        check_unchanged(spec, study, run_dir, record=False, storage_url=storage)
     # SIGTERM (a scheduler, or the command stopping its workers) ends the sweep like Ctrl-C: the parent run is
     # closed KILLED instead of staying RUNNING
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
