@@ -185,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         module = sys.modules[__name__] if module_name == __name__ else importlib.import_module(module_name)
         return int(getattr(module, func)(rest) or 0)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        from recursive_lightning.uris import mask_url
+
+        print(f"error: {mask_url(str(e))}", file=sys.stderr)  # a database URL in it: its password masked
         return 2
     except Terminated as e:  # SIGTERM (pre-emption): resumable, and not a finished run
         print(str(e), file=sys.stderr)

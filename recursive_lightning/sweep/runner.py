@@ -336,7 +336,7 @@ def _prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_ur
                 "sweep.name": spec.name,
                 "sweep.file": str(spec.path),
                 "sweep.axes": json.dumps({a.name: a.labels for a in spec.axes}, default=str),
-                "sweep.storage": storage_url,
+                "sweep.storage": mask_url(storage_url),
                 "sweep.grid_size": len(spec.grid()),
             },
         )
@@ -429,39 +429,68 @@ def _claim(study, storage, storage_url: str, ask: bool = False) -> int | None:
     return trial_id
 
 
-def _late_trials(study, storage) -> list[int]:
-    """Running trials that missed two heartbeats (their worker may be dead; Optuna fails them after GRACE_S),
-    measured as Optuna measures staleness: by the database server's clock."""
-    saved = storage.grace_period
-    storage.grace_period = 2 * HEARTBEAT_S
-    try:
-        return storage._get_stale_trial_ids(study._study_id)
-    finally:
-        storage.grace_period = saved
+def _running_heartbeats(storage, study_id: int):
+    """(the database server's clock, {trial id: last heartbeat or None} of the study's running trials)."""
+    import sqlalchemy
+    from optuna.storages._rdb import models
+    from optuna.trial import TrialState
+
+    with storage.scoped_session() as session:
+        now = session.execute(sqlalchemy.func.now()).scalar().replace(tzinfo=None)
+        rows = (
+            session.query(models.TrialModel.trial_id, models.TrialHeartbeatModel.heartbeat)
+            .outerjoin(
+                models.TrialHeartbeatModel, models.TrialHeartbeatModel.trial_id == models.TrialModel.trial_id
+            )
+            .filter(models.TrialModel.state == TrialState.RUNNING, models.TrialModel.study_id == study_id)
+            .all()
+        )
+    return now, {tid: (beat.replace(tzinfo=None) if beat is not None else None) for tid, beat in rows}
 
 
 def _take_over(study, storage, storage_url: str) -> int | None:
-    """No grid point is waiting. While a running trial of another worker is late with its heartbeats, wait for
-    it to go stale (Optuna then fails it and enqueues its retry, ``RetryHeartbeatStaleTrialCallback``) and
-    claim the retry: it resumes from the dead worker's last checkpoint in the shared run directory, into the
-    same MLflow child run. Returns None when no trial is late (the others are alive, or none is running)."""
+    """No grid point is waiting: watch the other workers' running trials until each is shown alive (its
+    heartbeat advances: left to its worker) or taken over. A trial whose heartbeats stop goes stale after
+    GRACE_S (Optuna fails it and enqueues its retry, ``RetryHeartbeatStaleTrialCallback``, claimed here); one
+    that never sent a heartbeat (its worker died between its claim and its first beat, which Optuna never
+    calls stale) is put back to WAITING once it has been seen without one for GRACE_S. The claimed trial
+    resumes from the dead worker's last checkpoint in the shared run directory, into the same MLflow child
+    run. Returns None when no trial is running or every running one has a live worker."""
+    from optuna.exceptions import UpdateFinishedTrialError
     from optuna.storages import fail_stale_trials
+    from optuna.trial import TrialState
 
+    first: dict[int, tuple[Any, Any]] = {}  # trial id -> (heartbeat, database time) when first seen
+    alive: set[int] = set()
     announced = False
-    while _late_trials(study, storage):
-        if not announced:
-            print(
-                f"[sweep {study.study_name}] a running trial missed its heartbeats: waiting up to {GRACE_S}s "
-                "to take it over",
-                flush=True,
-            )
-            announced = True
-        time.sleep(min(float(HEARTBEAT_S), POLL_S))
+    while True:
         fail_stale_trials(study)
         trial_id = _claim(study, storage, storage_url)
         if trial_id is not None:
             return trial_id
-    return None
+        now, beats = _running_heartbeats(storage, study._study_id)
+        suspects = []
+        for tid, beat in beats.items():
+            if tid in alive:
+                continue
+            beat0, seen = first.setdefault(tid, (beat, now))
+            if beat is not None and (beat0 is None or beat > beat0):
+                alive.add(tid)  # its worker is beating
+            elif beat is None and (now - seen).total_seconds() > GRACE_S:
+                with _claim_lock(storage_url), contextlib.suppress(UpdateFinishedTrialError):
+                    storage.set_trial_state_values(tid, state=TrialState.WAITING)
+            else:
+                suspects.append(tid)
+        if not suspects:
+            return None
+        if not announced:
+            print(
+                f"[sweep {study.study_name}] {len(suspects)} running trial(s) sent no recent heartbeat: watching "
+                f"them up to {GRACE_S}s to take over any whose worker died",
+                flush=True,
+            )
+            announced = True
+        time.sleep(min(float(HEARTBEAT_S), POLL_S))
 
 
 class PruningCallback:
@@ -870,6 +899,7 @@ def worker(
                 trial_id = _take_over(study, storage, storage_url)
             if trial_id is None:
                 break
+            faults.point("after_claim")  # claimed, no heartbeat sent yet
         else:
             n = len(
                 study.get_trials(
@@ -1025,6 +1055,19 @@ def _wait_for_local_trials(spec: SweepSpec, storage_url: str) -> bool:
         time.sleep(POLL_S)
 
 
+def _unfinished(spec: SweepSpec, storage_url: str) -> dict[str, list[str]]:
+    """The grid points of trials still waiting and still running."""
+    import optuna
+    from optuna.trial import TrialState
+
+    study = optuna.load_study(study_name=spec.name, storage=_storage(storage_url, spec.max_retries))
+    out: dict[str, list[str]] = {"waiting": [], "running": []}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING)):
+        key = str(t.user_attrs.get("point_key") or f"trial {t.number}")
+        out["waiting" if t.state == TrialState.WAITING else "running"].append(key)
+    return out
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """A worker must not train unattended once the sweep command that started it is gone: on Linux the
     kernel SIGKILLs it when its parent dies (as if it had been killed with it; its trial is resumed from its
@@ -1082,6 +1125,51 @@ def _spawn_workers(n: int, sweep_file: Path, run_dir: Path, storage: str, tracki
     return next((c for c in codes if c), 0)  # a worker killed by a signal has a negative code
 
 
+def _no_study(spec: SweepSpec, storage: str) -> ConfigError:
+    return ConfigError(
+        f"--attach: no study named '{spec.name}' in {mask_url(storage)}; start the sweep without --attach first."
+    )
+
+
+def _study_file_exists(spec: SweepSpec, storage: str) -> None:
+    """A refused ``--attach`` leaves nothing behind: a SQLite study file that does not exist is not created."""
+    if storage.startswith("sqlite:///") and storage != "sqlite:///:memory:":
+        if not Path(storage.removeprefix("sqlite:///")).is_file():
+            raise _no_study(spec, storage)
+
+
+def _attached_study(spec: SweepSpec, storage: str):
+    import optuna
+
+    _study_file_exists(spec, storage)
+    try:
+        return optuna.load_study(study_name=spec.name, storage=_storage(storage, spec.max_retries))
+    except KeyError:
+        raise _no_study(spec, storage) from None
+
+
+def check_attach_dir(spec: SweepSpec, study, run_dir: Path) -> None:
+    """Refuse, in one sentence, an ``--attach`` worker whose run directory is not the study's: another sweep's
+    directory, or the study's path where this machine does not see the shared directory (its trials would
+    train elsewhere into duplicate child runs). The study's directory holds ``sweep.json`` naming the sweep
+    and its MLflow parent run."""
+    info = read_json(run_dir / "sweep.json")
+    recorded = study.user_attrs.get("run_dir")
+    parent = study.user_attrs.get("mlflow_parent_run_id")
+    if info is None:
+        raise ConfigError(
+            f"--attach: the run directory '{run_dir}' does not hold the sweep '{spec.name}' (no sweep.json: not "
+            f"the study's directory{f' {recorded}' if recorded else ''}, or its shared file system is not mounted "
+            "here); pass --run-dir with the study's directory as this machine sees it."
+        )
+    if info.get("name") != spec.name or (parent and info.get("parent_run_id") != parent):
+        raise ConfigError(
+            f"--attach: the run directory '{run_dir}' holds another sweep ('{info.get('name')}', parent run "
+            f"{info.get('parent_run_id')}), not the study '{spec.name}' (parent run {parent}); pass --run-dir "
+            f"with the study's directory{f' ({recorded})' if recorded else ''} or leave it out."
+        )
+
+
 class _Stop(KeyboardInterrupt):
     """SIGTERM to the sweep command: stop like Ctrl-C, exit 143."""
 
@@ -1137,6 +1225,8 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(int(os.environ["RL_TORCH_THREADS"]))
     sweep_file = Path(args.file)
     spec = load_sweep(sweep_file)
+    if args.attach and args.storage:
+        _study_file_exists(spec, args.storage)  # opening a missing SQLite file would create it
     if args.max_trials is not None and args.max_trials < 1:
         raise ConfigError(
             f"--max-trials must be >= 1, not {args.max_trials}; leave it out to run until no grid point is left."
@@ -1156,6 +1246,10 @@ def main(argv: list[str]) -> int:
             "folder you can write to."
         )
     check_stores(storage, tracking)  # one sentence for a store the sweep cannot reach, before any work
+    if args.attach:  # the study, its grid and its run directory, checked before anything is written
+        study = _attached_study(spec, storage)
+        check_unchanged(spec, study, run_dir, record=False, storage_url=storage)
+        check_attach_dir(spec, study, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     workers = args.workers if args.workers is not None else spec.workers
     if workers < 1:
@@ -1169,25 +1263,15 @@ def main(argv: list[str]) -> int:
             prepare_data(spec)
             print(
                 f"[sweep {spec.name}] prepared in {run_dir}; start workers (on any machine that reaches the stores "
-                f"and this directory) with: sweep {sweep_file} --attach --storage {storage}",
+                f"and this directory) with: sweep {sweep_file} --attach --storage {mask_url(storage)}",
                 flush=True,
             )
             return 0
         print(
             f"[sweep {spec.name}] {len(spec.grid()) if spec.search is None else spec.search['n_trials']} trials; "
-            f"study in {storage}; tracking {tracking}",
+            f"study in {mask_url(storage)}; tracking {mask_url(tracking)}",
             flush=True,
         )
-    else:
-        import optuna
-
-        try:
-            study = optuna.load_study(study_name=spec.name, storage=_storage(storage, spec.max_retries))
-        except KeyError:
-            raise ConfigError(
-                f"--attach: no study named '{spec.name}' in {storage}; start the sweep without --attach first."
-            ) from None
-        check_unchanged(spec, study, run_dir, record=False, storage_url=storage)
     # SIGTERM (a scheduler, or the command stopping its workers) ends the sweep like Ctrl-C: the parent run is
     # closed KILLED instead of staying RUNNING
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -1239,18 +1323,38 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
         return EXIT_FAILED
-    if args.attach and not crashed:  # a scheduler's worker is done: other workers run the last trials
+    unfinished = _unfinished(spec, storage)
+    if (
+        args.attach
+        and not crashed
+        and unfinished["running"]
+        and not unfinished["waiting"]
+        and not args.max_trials
+    ):
+        # a scheduler's worker is done: live workers (their heartbeats advance) run the last trials
         print(
-            f"[sweep {spec.name}] this worker is done: no grid point is waiting; the worker that ends the last "
-            "trial closes the sweep",
+            f"[sweep {spec.name}] this worker is done: no grid point is waiting and live workers run "
+            f"{', '.join(unfinished['running'])}; the worker that ends the last trial closes the sweep",
             flush=True,
         )
         return 0
-    why = (
-        f"a worker process exited with code {crashed}; re-run the same command to resume its trial"
-        if crashed
-        else "trials are still waiting or running (other machines or --max-trials); the report is partial and "
-        "the last process to end a trial closes the sweep"
+    left = unfinished["waiting"] + unfinished["running"]
+    again = (
+        f"sweep {sweep_file} --attach --storage {mask_url(storage)}"
+        if args.attach
+        else f"sweep {sweep_file} --run-dir {run_dir}"
+        + (f" --storage {mask_url(storage)}" if args.storage else "")
     )
-    print(f"[sweep {spec.name}] not finished: {why}", file=sys.stderr, flush=True)
+    why = (
+        f"a worker process exited with code {crashed}"
+        if crashed
+        else "trials are still waiting or running (other machines or --max-trials)"
+    )
+    shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
+    print(
+        f"[sweep {spec.name}] not finished: {why}; unfinished grid point(s) {shown or '(none named)'}: run "
+        f"`{again}` to finish them (the report is partial until then)",
+        file=sys.stderr,
+        flush=True,
+    )
     return EXIT_UNFINISHED

@@ -32,22 +32,18 @@ from pathlib import Path
 
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.processes import dies_with_parent
+from recursive_lightning.uris import mask_url, same_server
 
 CONNECT_TIMEOUT_S = 10
 
 
 def _shown(url: str) -> str:
-    """``url`` with its password hidden."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url
+    """``url`` with its password hidden (:func:`recursive_lightning.uris.mask_url`)."""
+    return mask_url(url)
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(getattr(e, "orig", None) or e).strip()
+    text = mask_url(str(getattr(e, "orig", None) or e)).strip()
     return text.splitlines()[0].strip().rstrip(".") if text else type(e).__name__
 
 
@@ -67,7 +63,7 @@ def check_database(url: str, option: str, what: str) -> None:
         parsed = make_url(url)
     except ArgumentError:
         raise ConfigError(
-            f"{option} '{url}' is not a database URL; write postgresql+psycopg://USER@HOST:PORT/DATABASE "
+            f"{option} '{mask_url(url)}' is not a database URL; write postgresql+psycopg://USER@HOST:PORT/DATABASE "
             "(or sqlite:///PATH for one machine)."
         ) from None
     if parsed.get_backend_name() == "sqlite":
@@ -140,12 +136,13 @@ def check_tracking_server(uri: str, option: str = "--tracking-uri") -> None:
             else "is it an `mlflow server`? fix the URL"
         )
         raise ConfigError(
-            f"the MLflow tracking server {option} '{uri}' answered HTTP {e.code} to {url}; {hint}."
+            f"the MLflow tracking server {option} '{mask_url(uri)}' answered HTTP {e.code} to {mask_url(url)}; "
+            f"{hint}."
         ) from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
         raise ConfigError(
-            f"cannot reach the MLflow tracking server {option} '{uri}' ({reason}); start `mlflow server` there "
+            f"cannot reach the MLflow tracking server {option} '{mask_url(uri)}' ({reason}); start `mlflow server` there "
             "(see the README's 'Run a sweep on a cluster') or fix the URL, then run the command again."
         ) from None
 
@@ -174,14 +171,10 @@ def recorded_study(storage_url: str, name: str, tracking_uri: str | None = None)
         return {}
     out = {k: str(attrs[k]) for k in ("run_dir", "tracking_uri") if attrs.get(k)}
     out.update(_moved_with_its_study(storage_url, out.get("run_dir")))
-    if (
-        tracking_uri
-        and out.get("tracking_uri")
-        and tracking_uri.rstrip("/") != out["tracking_uri"].rstrip("/")
-    ):
+    if tracking_uri and out.get("tracking_uri") and not same_server(tracking_uri, out["tracking_uri"]):
         raise ConfigError(
-            f"--tracking-uri '{tracking_uri}' is not the tracking store the study '{name}' logs to "
-            f"('{out['tracking_uri']}'); leave --tracking-uri out to use the study's."
+            f"--tracking-uri '{mask_url(tracking_uri)}' is not the tracking store the study '{name}' logs to "
+            f"('{mask_url(out['tracking_uri'])}'); leave --tracking-uri out to use the study's."
         )
     return out
 
@@ -370,7 +363,7 @@ def main() -> int:
         storage = pg.create_database("optuna")
         backend = pg.create_database("mlflow")
         with LocalMlflowServer(backend, pg.root / "artifacts") as server:
-            print(f"--storage {storage} --tracking-uri {server.uri}", flush=True)
+            print(mask_url(f"--storage {storage} --tracking-uri {server.uri}"), flush=True)
             with contextlib.suppress(KeyboardInterrupt):
                 while True:
                     time.sleep(3600)

@@ -192,13 +192,13 @@ def train(
     ``params``: MLflow params beside the config's (a sweep's axes)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import MLFlowLogger
 
     from recursive_lightning.model.accounting import describe
     from recursive_lightning.training import parallel
     from recursive_lightning.training.checkpoint import AtomicCheckpointIO, latest_good, read_checkpoint
     from recursive_lightning.training.host import keep_freed_memory
     from recursive_lightning.training.module import RecursiveLMModule
+    from recursive_lightning.training.step_logger import step_once_logger
 
     t0 = time.time()
     parallel.check_supported(cfg.train)
@@ -306,9 +306,8 @@ def train(
         from recursive_lightning.training.partial import TrainOnly
 
         extra_cbs.append(TrainOnly(cfg.train.train_only, cfg.train.train_only_steps))
-    logger = MLFlowLogger(
-        experiment_name=experiment or cfg.name, tracking_uri=tracking_uri, run_id=run_id, log_model=False
-    )
+    # a resumed run retrains the steps since its last checkpoint: each step's metrics are logged once
+    logger = step_once_logger(experiment or cfg.name, tracking_uri, run_id, resumed=resume_from is not None)
 
     t = cfg.train
     periodic = ModelCheckpoint(
