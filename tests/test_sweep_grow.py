@@ -159,6 +159,13 @@ def test_adding_a_seed_a_value_and_a_row_trains_only_the_new_points(tmp_path, da
         parent, _ = parent_and_children(tracking)
         assert parent.info.status == "FINISHED"
 
+    # a later command stopped (Ctrl-C, SIGTERM) once every grid point has finished leaves the parent FINISHED
+    from recursive_lightning.sweep import runner
+    from recursive_lightning.sweep.spec import load_sweep
+
+    assert runner.close_parent(load_sweep(spec), storage, tracking, interrupted=True) == "FINISHED"
+    assert parent_and_children(tracking)[0].info.status == "FINISHED"
+
 
 def test_a_grown_sweep_on_postgresql_and_the_edited_sweep_advice_there(
     pg, mlflow_server, tmp_path, data_cache
