@@ -431,6 +431,11 @@ def test_a_partial_sweep_says_so_and_an_attached_worker_finishes_it_where_it_lie
     p = run_sweep([spec, "--run-dir", run_dir, "--max-trials", 1])
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 3, out
+    # one sentence naming the unfinished point and the command that finishes it
+    from recursive_lightning.sweep.spec import point_key
+
+    left = point_key({"variant": "mesh", "train.seed": 0})
+    assert f"unfinished grid point(s) {left}: run `sweep {spec} --run-dir {run_dir.resolve()}`" in out, out
     assert "The sweep is not finished" in (run_dir / "report.md").read_text()
     moved = tmp_path / "b" / "run"
     moved.parent.mkdir()

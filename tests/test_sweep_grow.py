@@ -163,7 +163,10 @@ def test_adding_a_seed_a_value_and_a_row_trains_only_the_new_points(tmp_path, da
     from recursive_lightning.sweep import runner
     from recursive_lightning.sweep.spec import load_sweep
 
-    assert runner.close_parent(load_sweep(spec), storage, tracking, interrupted=True) == "FINISHED"
+    assert (
+        runner.close_parent(load_sweep(run_dir / "sweep.yaml"), storage, tracking, interrupted=True)
+        == "FINISHED"
+    )
     assert parent_and_children(tracking)[0].info.status == "FINISHED"
 
 
