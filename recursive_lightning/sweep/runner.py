@@ -684,6 +684,8 @@ def slurm_launcher(cfg, environ: dict[str, str] | None = None) -> list[str]:
         f"--nodes={nodes}",
         f"--ntasks={nodes * per_node}",
         f"--ntasks-per-node={per_node}",
+        # each rank this job's --cpus-per-task, whatever srun's version inherits (22.05 none, 23.11 all)
+        f"--cpus-per-task={env.get('SLURM_CPUS_PER_TASK') or 1}",
         "--kill-on-bad-exit=1",
         "--export=ALL",
     ]
@@ -754,7 +756,18 @@ def _train_in_subprocess(
     cmd = [*slurm_launcher(cfg), *cmd]
     if sys.platform.startswith("linux"):  # the train command dies with this worker, as the worker does
         cmd = [sys.executable, "-c", _DIE_WITH_PARENT_EXEC, str(os.getpid()), *cmd]
-    subprocess.run(cmd, check=True)
+    proc = subprocess.Popen(cmd)
+    try:
+        code = proc.wait()
+    except BaseException:
+        # SIGTERM / Ctrl-C to this worker (SLURM's --signal=B: reaches only the worker): the `train` step stops
+        # at a step boundary too (srun passes SIGTERM on to every rank), and is waited for
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        raise
+    if code:
+        raise subprocess.CalledProcessError(code, cmd)
     return TrainResult.from_dict(json.loads((trial_dir / "result.json").read_text()), trial_dir)
 
 
