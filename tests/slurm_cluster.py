@@ -62,7 +62,7 @@ class SlurmCluster:
         key.chmod(0o400)
         (r / "plugstack.conf").write_text("")
         # ``gpus`` stand-in GPUs (empty files for device files; SLURM drops file-less GPUs): --gpus-per-node is
-        # accepted and scheduled, and each step sees CUDA_VISIBLE_DEVICES as on a GPU node
+        # accepted and counted as on a GPU node (no CUDA_VISIBLE_DEVICES: they are no devices)
         for i in range(self.gpus):
             (r / f"nvidia{i}").touch()
         files = f"{r}/nvidia[0-{self.gpus - 1}]" if self.gpus > 1 else f"{r}/nvidia0"
@@ -102,9 +102,7 @@ class SlurmCluster:
                     "AccountingStorageType=accounting_storage/none",
                     "JobAcctGatherType=jobacct_gather/none",
                     "JobCompType=jobcomp/none",
-                    "SlurmdParameters=config_overrides",
-                    "DebugFlags=Gres",
-                    "SlurmdDebug=debug",  # the node's CPUs as configured here, not the host's
+                    "SlurmdParameters=config_overrides",  # the node's CPUs as configured here, not the host's
                     f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=4000{gres} State=UNKNOWN",
                     f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
                     "",
@@ -152,9 +150,12 @@ class SlurmCluster:
                 raise RuntimeError(f"{what} did not start ({', '.join(dead) or 'timeout'}): {logs}")
             time.sleep(0.2)
 
-    def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-        """A SLURM client command against this cluster."""
-        p = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60)
+    def run(
+        self, *cmd: str, check: bool = True, env: dict | None = None, cwd=None
+    ) -> subprocess.CompletedProcess:
+        """A SLURM client command against this cluster (``env``: the submitter's environment, with SLURM_CONF)."""
+        p = subprocess.run(cmd, env={**(env or self.env), "SLURM_CONF": str(self.conf)}, cwd=cwd,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
         if check and p.returncode:
             raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr.strip()}")
         return p

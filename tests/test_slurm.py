@@ -158,3 +158,59 @@ def test_the_follow_up_job_writes_the_report_after_the_array(cluster_sweep):
     assert f"report: {report}" in s["report_out"]
     text = report.read_text()
     assert "2 finished trials" in text and "not finished" not in text
+
+
+_STEP = """
+import subprocess, sys
+from recursive_lightning.config import RunConfig
+from recursive_lightning.sweep.runner import slurm_launcher
+import yaml
+
+cfg = RunConfig.from_dict(yaml.safe_load(open(sys.argv[1])))
+rank = "import os; print('rank', os.environ['SLURM_PROCID'], 'of', os.environ['SLURM_NTASKS'], 'gpus', " \\
+    "os.environ.get('SLURM_GPUS_ON_NODE'), flush=True)"
+print("step exit", subprocess.run([*slurm_launcher(cfg), sys.executable, "-c", rank]).returncode, flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "resources, ranks",
+    [
+        (["--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1"], 2),
+        (["--ntasks=1", "--cpus-per-task=2"], 0),
+    ],
+    ids=["one-task-per-device", "one-task"],
+)
+def test_a_two_device_point_starts_its_srun_step_in_the_array_task(
+    slurm, tmp_path, tiny_run, resources, ranks
+):
+    """The worker's `srun` step for a point with train.devices=2, inside the allocation of sweep-array.sbatch
+    sized as its comment says (one task per device): both ranks start on the node's two GPUs (stand-ins here;
+    Lightning picks its own by local rank). The old sizing (one task, several CPUs) cannot hold the step."""
+    import yaml
+
+    raw = tiny_run()
+    raw["train"].update({"devices": 2, "strategy": "ddp"})
+    (tmp_path / "point.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "step.py").write_text(_STEP)
+    python = tmp_path / "python"  # RL_PYTHON: the worker replaced by the step it would start
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {tmp_path / 'step.py'} {tmp_path / 'point.yaml'}\n")
+    python.chmod(0o755)
+    env = {**ENV, **slurm.env, "RL_SWEEP": "s.yaml", "RL_STORAGE": "sqlite:///x", "RL_PYTHON": str(python)}
+    job = slurm.run(
+        "sbatch",
+        "--parsable",
+        "--array=0",
+        *resources,
+        str(SCRIPTS / "sweep-array.sbatch"),
+        env=env,
+        cwd=tmp_path,
+    ).stdout.strip()
+    slurm.wait_ended(f"{job}_0", timeout=120)
+    out = (tmp_path / f"sweep-{job}_0.out").read_text()
+    started = sorted(line for line in out.splitlines() if line.startswith("rank "))
+    if ranks:
+        assert started == ["rank 0 of 2 gpus 2", "rank 1 of 2 gpus 2"], out
+        assert "step exit 0" in out, out
+    else:
+        assert not started and "More processors requested than permitted" in out, out

@@ -759,11 +759,11 @@ def _train_in_subprocess(
     proc = subprocess.Popen(cmd)
     try:
         code = proc.wait()
-    except BaseException:
+    except BaseException as e:
         # SIGTERM / Ctrl-C to this worker (SLURM's --signal=B: reaches only the worker): the `train` step stops
-        # at a step boundary too (srun passes SIGTERM on to every rank), and is waited for
+        # at a step boundary too (srun passes the signal on to every rank), and is waited for
         with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGINT if type(e) is KeyboardInterrupt else signal.SIGTERM)
         proc.wait()
         raise
     if code:
