@@ -213,7 +213,29 @@ class SlurmCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        self._kill_leftovers()
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def _kill_leftovers(self) -> None:
+        """SIGKILL what still runs of the cluster when a job did not end before the daemons stopped: a
+        ``slurmstepd`` (it outlives slurmd by design; it runs in the cluster's folder) and the job's processes
+        (their environment names this cluster's SLURM_CONF)."""
+        root, conf = str(self.root), f"SLURM_CONF={self.conf}".encode()
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                cwd = os.readlink(proc / "cwd").removesuffix(" (deleted)")
+                ours = (
+                    cwd == root
+                    or cwd.startswith(root + "/")
+                    or conf in (proc / "environ").read_bytes().split(b"\0")
+                )
+            except OSError:
+                continue
+            if ours:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(proc.name), signal.SIGKILL)
 
     def __enter__(self) -> SlurmCluster:
         return self.start()
