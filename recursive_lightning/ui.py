@@ -23,8 +23,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from recursive_lightning import faults
 from recursive_lightning.errors import UserError
-from recursive_lightning.processes import dies_with_parent
+from recursive_lightning.processes import dies_with_parent, stop_group
 from recursive_lightning.tracking import (
     _sqlite_parts,
     absolute_uri,
@@ -122,16 +123,21 @@ def start_server(uri: str, host: str, port: int, workdir: Path) -> subprocess.Po
     )
     url = f"http://{host}:{port}/health"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = (workdir / "server.log").read_text(errors="replace")[-2000:]
-            raise UserError(f"ui: mlflow server exited with code {proc.returncode}:\n{tail}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.3)
+    try:
+        while time.monotonic() < deadline:
+            faults.point("ui_server_starting")
+            if proc.poll() is not None:
+                tail = (workdir / "server.log").read_text(errors="replace")[-2000:]
+                raise UserError(f"ui: mlflow server exited with code {proc.returncode}:\n{tail}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return proc
+            except OSError:
+                time.sleep(0.3)
+    except BaseException:  # SIGTERM / Ctrl-C while it starts: its uvicorn and huey workers are stopped too
+        stop_server(proc)
+        raise
     stop_server(proc)
     raise UserError(
         f"ui: mlflow server on {host}:{port} did not answer within 120 s; see {workdir}/server.log."
@@ -139,13 +145,8 @@ def start_server(uri: str, host: str, port: int, workdir: Path) -> subprocess.Po
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    """Stop the server with every process of its group (uvicorn, huey workers), not only the leader."""
+    stop_group(proc, timeout=30)
 
 
 def experiment_links(uri: str, base_url: str) -> list[str]:
@@ -198,6 +199,8 @@ def main(argv: list[str]) -> int:
     def _stop(
         signum, frame
     ):  # SIGTERM or a closed terminal stops the server too (it runs in its own session)
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # once: a second signal must not cut the stopping short
+            signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _stop)

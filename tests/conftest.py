@@ -46,3 +46,22 @@ def tiny_config(data_cache: str, **model) -> dict:
 def tiny_run(data_cache):
     """``tiny_run(**model_overrides)``: :func:`tiny_config` with this session's data cache."""
     return lambda **model: tiny_config(data_cache, **model)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A real single-node SLURM cluster (munged, slurmctld, slurmd from slurm-wlm; tests/slurm_cluster.py),
+    stopped with every daemon at the module's end; skipped in one line where it cannot start."""
+    from slurm_cluster import SlurmCluster, unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    try:
+        cluster = SlurmCluster(gpus=2).start()
+    except RuntimeError as e:
+        pytest.skip(f"SLURM did not start here: {str(e).splitlines()[0][:200]}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -788,6 +788,8 @@ def slurm_launcher(cfg, environ: dict[str, str] | None = None) -> list[str]:
         f"--nodes={nodes}",
         f"--ntasks={nodes * per_node}",
         f"--ntasks-per-node={per_node}",
+        # each rank this job's --cpus-per-task, whatever srun's version inherits (22.05 none, 23.11 all)
+        f"--cpus-per-task={env.get('SLURM_CPUS_PER_TASK') or 1}",
         "--kill-on-bad-exit=1",
         "--export=ALL",
     ]
@@ -865,7 +867,18 @@ def _train_in_subprocess(
     if sys.platform.startswith("linux"):  # the train command dies with this worker, as the worker does
         cmd = [sys.executable, "-c", _DIE_WITH_PARENT_EXEC, str(os.getpid()), *cmd]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices)} if devices else None
-    subprocess.run(cmd, check=True, env=env)
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        code = proc.wait()
+    except BaseException as e:
+        # SIGTERM / Ctrl-C to this worker (SLURM's --signal=B: reaches only the worker): the `train` step stops
+        # at a step boundary too (srun passes the signal on to every rank), and is waited for
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT if type(e) is KeyboardInterrupt else signal.SIGTERM)
+        proc.wait()
+        raise
+    if code:
+        raise subprocess.CalledProcessError(code, cmd)
     return TrainResult.from_dict(json.loads((trial_dir / "result.json").read_text()), trial_dir)
 
 
