@@ -215,6 +215,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         if isinstance(value, int | float) and not isinstance(value, bool):
             return str(value)
+        if (
+            isinstance(value, dict) and len(value) == 1
+        ):  # YAML reads `select: 0-3` (or `select:`) as a mapping
+            ((k, v),) = value.items()
+            if isinstance(k, str) and (v is None or isinstance(v, str | int)):
+                return f"{k}:{'' if v is None else v}"
         raise ConfigError(f"{where} must be a string, not {value!r}.")
     return value
 

@@ -321,12 +321,29 @@ def skipped_line(skipped: dict[str, str]) -> str:
     )
 
 
+def quiet_git_commit() -> str | None:
+    """The commit of the git checkout around the current directory, or None outside one, without a word on
+    stderr (lm-eval's own asks git and lets it print `fatal: not a git repository` once per evaluation)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always"], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
 def run_tasks(
     lm: Any, tasks: Sequence[str], shots: int, limit: int | float | None, tm: Any
 ) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` of ``tasks`` at ``shots``; a dataset that cannot be had offline becomes
     one UserError sentence naming the task."""
     import lm_eval
+    import lm_eval.evaluator
+
+    lm_eval.evaluator.get_git_commit_hash = quiet_git_commit  # recorded in the result, quietly
 
     try:
         return lm_eval.simple_evaluate(
@@ -462,6 +479,14 @@ def evaluate_checkpoint(
     )
     sets = _parse_sets(ppl_sets)
     tasks, optional = expand_tasks(tasks)
+    if context_lengths is not None:
+        context_lengths = check_context_lengths(context_lengths)
+    if not tasks and not sets:
+        # an empty record would replace the last one (eval-last.json) and say nothing
+        raise UserError(
+            "eval has nothing to evaluate: no tasks (--tasks none) and no perplexity set; name tasks with "
+            "--tasks or pass a text set with --ppl NAME=PATH."
+        )
     shots = [int(s) for s in shots] if tasks else []
     if any(s < 0 for s in shots):
         raise UserError(f"shots must be >= 0, not {shots}.")
@@ -484,6 +509,11 @@ def evaluate_checkpoint(
             notes.insert(0, skipped_line(skipped))
         if not tasks:
             shots = []
+            if not sets:
+                raise UserError(
+                    f"eval has nothing to evaluate: every task was skipped ({', '.join(skipped)}: their data "
+                    f"cannot be had) and no --ppl set was given; {out} is left as it was."
+                )
     for line in notes:  # before the (long) evaluation starts
         if show:
             print(f"note: {line}", file=sys.stderr)
@@ -764,6 +794,19 @@ def _ints(text: str, what: str) -> list[int]:
         raise UserError(f"{what} must be a comma-separated list of integers, not '{text}'.") from None
 
 
+def check_context_lengths(lengths: Sequence[int]) -> list[int]:
+    """``lengths`` as a list of positive token counts, or one sentence naming the bad value."""
+    out = list(lengths)
+    if not out:
+        raise UserError("--context-lengths is empty; give token counts, e.g. --context-lengths 256,1024.")
+    bad = [L for L in out if not isinstance(L, int) or isinstance(L, bool) or L < 1]
+    if bad:
+        raise UserError(
+            f"--context-lengths must be positive numbers of tokens, not {bad[0]!r}; e.g. --context-lengths 256,1024."
+        )
+    return out
+
+
 def _limit(text: str | None) -> int | float | None:
     if text is None:
         return None
@@ -876,7 +919,9 @@ def main(argv: list[str] | None = None) -> int:
         tasks=[DEFAULT_ALIAS] if tasks is None else tasks,
         shots=_ints(args.shots, "--shots"),
         limit=_limit(args.limit),
-        context_lengths=_ints(args.context_lengths, "--context-lengths") if args.context_lengths else None,
+        context_lengths=None
+        if args.context_lengths is None
+        else check_context_lengths(_ints(args.context_lengths, "--context-lengths")),
         ctx_set=args.ctx_ppl,
         ctx_block=args.ctx_block,
         ctx_max_tokens=args.ctx_max_tokens,

@@ -1034,6 +1034,9 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(int(os.environ["RL_TORCH_THREADS"]))
     sweep_file = Path(args.file)
     spec = load_sweep(sweep_file)
+    from recursive_lightning.validation import check_evaluate_block  # read after training: checked now
+
+    check_evaluate_block(spec.evaluate, sweep_file.parent, str(sweep_file))
     # an attached worker finds the run directory and tracking store the study was prepared with
     recorded = (
         recorded_study(args.storage, spec.name, args.tracking_uri) if args.attach and args.storage else {}

@@ -575,18 +575,21 @@ def main(argv: list[str]) -> int:
     if args.resume and (run_dir / "config.yaml").exists() and not args.config:
         cfg = load_run_config(run_dir / "config.yaml", overrides)
     tags = dict(t.split("=", 1) for t in args.tag if "=" in t)
-    result = train(
-        cfg,
-        run_dir,
-        resume=args.resume,
-        ckpt_path=args.ckpt_path,
-        tracking_uri=args.tracking_uri,
-        experiment=args.experiment,
-        run_name=args.run_name,
-        parent_run_id=args.parent_run_id,
-        tags=tags,
-        params=dict(t.split("=", 1) for t in args.param if "=" in t),
-    )
+    from recursive_lightning.validation import undo_on_refusal
+
+    with undo_on_refusal(run_dir):  # a refused run leaves nothing behind (no config.yaml, no tracking store)
+        result = train(
+            cfg,
+            run_dir,
+            resume=args.resume,
+            ckpt_path=args.ckpt_path,
+            tracking_uri=args.tracking_uri,
+            experiment=args.experiment,
+            run_name=args.run_name,
+            parent_run_id=args.parent_run_id,
+            tags=tags,
+            params=dict(t.split("=", 1) for t in args.param if "=" in t),
+        )
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
     if rank_zero_only.rank == 0:  # DDP / FSDP: every rank returns here, one line is enough

@@ -60,6 +60,7 @@ import json
 import math
 import re
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,6 +114,8 @@ def parse_strategy(text: str) -> tuple[str, list[list[int]] | None]:
             lo = int(m.group(1))
             layers += range(lo, int(m.group(2) or lo) + 1)
         groups.append(layers)
+    if not any(groups):
+        raise ConfigError(f"train.init_strategy '{text}' lists no source layers; name them ({_EXAMPLE}).")
     return "select", groups
 
 
@@ -314,6 +317,11 @@ def load_source(spec: str) -> Source:
         from recursive_lightning.model.model import RecursiveLM
         from recursive_lightning.training.checkpoint import load_checkpoint
 
+        if path.is_file() and not zipfile.is_zipfile(path):  # torch.save writes a zip archive
+            raise ConfigError(
+                f"train.init_from '{path}' is neither a checkpoint (.ckpt) nor a model directory; pass a "
+                "checkpoint or run directory of this package, or a Hugging Face model directory (with config.json)."
+            )
         loaded = load_checkpoint(path)
         model = loaded.model
         if not isinstance(model, RecursiveLM) or model.layout.kind != "vanilla":
