@@ -256,9 +256,13 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
             f"config file '{path}' does not exist; pass a YAML file such as experiments/cpu/looped-mesh.yaml."
         )
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{path}' is not valid YAML ({str(e).splitlines()[0]}).") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file '{path}' is not text (not UTF-8); pass a YAML file.") from None
+    except OSError as e:
+        raise ConfigError(f"config file '{path}' cannot be read ({e.strerror}).") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping with name/model/data/train sections.")
     return data

@@ -39,6 +39,23 @@ def undo_on_refusal(folder: str | Path, keep_if: str = "checkpoints") -> Iterato
         raise
 
 
+def check_device(name: str) -> None:
+    """One sentence for a device torch does not know, or CUDA asked for where there is none."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device '{name}' is not a torch device; use cpu, cuda or cuda:N.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device '{name}': this machine has no CUDA device; use --device cpu.")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(
+            f"--device '{name}': this machine has {torch.cuda.device_count()} CUDA device(s); use cuda:0 to "
+            f"cuda:{torch.cuda.device_count() - 1}."
+        )
+
+
 def _positive_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 

@@ -624,8 +624,30 @@ def _embedded_metadata(loaded: Any, tasks: Sequence[str], notes: list[str]) -> d
             f"{HELDOUT_FRACTION} the embedded tasks are built from, so some of their documents were in its training "
             f"split; train with data.val_fraction >= {HELDOUT_FRACTION} for a clean score."
         )
+    mismatch = foreign_tokenizer(data)
+    if mismatch:
+        notes.append(
+            f"{', '.join(t for t in tasks if t in EMBEDDED_NAMES)} are built from the embedded corpus for a model "
+            f"whose tokenizer was trained on it (data.tokenizer 'bpe:N', as `train` makes by default), but this "
+            f"checkpoint's tokenizer is {mismatch}: its accuracy there says little about the model."
+        )
     cache = Path(data.cache_dir).expanduser().resolve() if data is not None and data.cache_dir else None
     return {"cache_dir": str(cache or default_cache_dir())}
+
+
+def foreign_tokenizer(data: Any) -> str | None:
+    """A description of the run's tokenizer when it is not a ``bpe:N`` trained on the embedded corpus (the
+    tokenizer the embedded tasks are made for), else None."""
+    if data is None:
+        return None
+    spec = str(getattr(data, "tokenizer", "") or "")
+    if spec.startswith("bpe:") and getattr(data, "path", None) is None:
+        return None
+    if spec.startswith("bpe:"):
+        return f"'{spec}' trained on data.path '{data.path}'"
+    if spec.strip() == "init":
+        return "'init' (the tokenizer of its train.init_from source)"
+    return f"'{spec}'"
 
 
 def _mlflow_target(loaded: Any, run_dir: Path, tracking_uri: str | None) -> dict[str, Any]:
@@ -708,13 +730,15 @@ def _log_mlflow(result: dict[str, Any], json_path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------- output
 def print_report(result: dict[str, Any]) -> None:
+    from recursive_lightning import formatting as fmt
+
     rows_ppl = [
-        (n, f"{r['ppl']:.3f}", f"{r['bits_per_byte']:.4f}", str(r["tokens"]))
+        (n, fmt.ppl(r["ppl"]), f"{r['bits_per_byte']:.4f}", str(r["tokens"]))
         for n, r in result["ppl"].items()
     ]
     ctx = result.get("ppl_ctx", {}).get("lengths", {})
     rows_ctx = [
-        (L, f"{r['ppl']:.3f}", f"{r['ppl_last']:.3f}", str(r["segments"]), "yes" if r["extrapolated"] else "")
+        (L, fmt.ppl(r["ppl"]), fmt.ppl(r["ppl_last"]), str(r["segments"]), "yes" if r["extrapolated"] else "")
         if "ppl" in r
         else (L, "-", "-", "-", f"skipped: {r['skipped']}")
         for L, r in ctx.items()
@@ -731,7 +755,7 @@ def print_report(result: dict[str, Any]) -> None:
         for k in shots:
             h = result["headline"][k].get(t)
             cells.append(
-                f"{100 * h['value']:.2f}"
+                fmt.accuracy(h["value"])
                 if h and not any(x in h["metric"] for x in NOT_ACCURACY)
                 else (f"{h['value']:.3f}" if h else "-")
             )
@@ -742,7 +766,7 @@ def print_report(result: dict[str, Any]) -> None:
             (
                 "average",
                 "",
-                *[f"{100 * result['avg'][k]:.2f}" if result["avg"][k] is not None else "-" for k in shots],
+                *[fmt.accuracy(result["avg"][k]) if result["avg"][k] is not None else "-" for k in shots],
             )
         )
     title = f"{result['run_name']} @ step {result['global_step']} ({Path(result['checkpoint']).name})"
@@ -911,8 +935,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, not {args.batch_size}.")
+    for flag in ("batch_size", "max_length", "stride", "ctx_block", "ctx_max_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, not {value}.")
     evaluate_checkpoint(
         args.checkpoint,
         ppl_sets=args.ppl,

@@ -1037,6 +1037,8 @@ def main(argv: list[str]) -> int:
     from recursive_lightning.validation import check_evaluate_block  # read after training: checked now
 
     check_evaluate_block(spec.evaluate, sweep_file.parent, str(sweep_file))
+    if args.workers is not None and args.workers < 1:  # before the run directory is made
+        raise ConfigError(f"--workers must be >= 1, not {args.workers}.")
     # an attached worker finds the run directory and tracking store the study was prepared with
     recorded = (
         recorded_study(args.storage, spec.name, args.tracking_uri) if args.attach and args.storage else {}
