@@ -126,3 +126,47 @@ def check_evaluate_block(evaluate: dict, here: Path, where: str) -> None:
             f"{where}: evaluate has nothing to evaluate (no tasks and no ppl set); add evaluate.tasks or "
             "evaluate.ppl, or remove the block."
         )
+
+
+def trial_metrics(evaluate: dict) -> list[str]:
+    """The metric names a sweep's trial produces (``val/heldout/*`` and what its ``evaluate:`` block adds, as
+    ``evaluation.run.flat_metrics`` names them); ``eval/<task>/<k>shot/`` prefixes end in ``/``."""
+    from recursive_lightning.evaluation.run import _safe, expand_tasks
+
+    names = ["val/heldout/loss", "val/heldout/ppl"]
+    for name in (evaluate.get("ppl") or {}) if isinstance(evaluate.get("ppl"), dict) else {}:
+        names += [f"eval/ppl/{_safe(str(name))}", f"eval/bpb/{_safe(str(name))}"]
+    for length in evaluate.get("context_lengths") or []:
+        names += [f"eval/ppl_ctx/{length}", f"eval/ppl_ctx_last/{length}"]
+    tasks, _ = expand_tasks(evaluate.get("tasks") or [])
+    for k in evaluate.get("shots", [0]) if tasks else []:
+        names += [f"eval/{_safe(t)}/{k}shot/" for t in tasks] + [f"eval/avg/{k}shot"]
+    return names
+
+
+def check_late_fields(spec: Any, here: Path, where: str) -> None:
+    """Every field of a sweep that is read only after a trial has trained, checked before the first step: the
+    ``evaluate:`` block, the ranking ``metric`` (a trial must produce it), ``pruning`` and ``report.plot``."""
+    check_evaluate_block(spec.evaluate, here, where)
+    names = trial_metrics(spec.evaluate)
+    metric = spec.metric
+    if not any(
+        metric == n or (n.endswith("/") and metric.startswith(n) and len(metric) > len(n)) for n in names
+    ):
+        shown = ", ".join(n + "<metric>" if n.endswith("/") else n for n in names)
+        raise ConfigError(
+            f"{where}: metric '{metric}' is not one a trial of this sweep produces; choose one of {shown}."
+        )
+    pruning = spec.pruning or {}
+    unknown = sorted(set(pruning) - {"enabled", "warmup_steps"})
+    if unknown:
+        raise ConfigError(f"{where}: pruning.{unknown[0]} is not a pruning field; use enabled, warmup_steps.")
+    warm = pruning.get("warmup_steps", 0)
+    if isinstance(warm, bool) or not isinstance(warm, int) or warm < 0:
+        raise ConfigError(f"{where}: pruning.warmup_steps must be an integer >= 0, not {warm!r}.")
+    plot = (spec.report or {}).get("plot", "auto")
+    if plot not in ("auto", "bar", "line"):
+        raise ConfigError(f"{where}: report.plot must be auto, bar or line, not {plot!r}.")
+    unknown = sorted(set(spec.report or {}) - {"plot", "baseline"})
+    if unknown:
+        raise ConfigError(f"{where}: report.{unknown[0]} is not a report field; use plot, baseline.")

@@ -54,6 +54,11 @@ def make_inputs(folder: Path, root: Path) -> None:
         "sw-workers.yaml": base + "workers: 0\n",
         "sw-baseline.yaml": base + "report: {baseline: nope}\n",
         "sw-ok.yaml": base,
+        "sw-metric.yaml": base + "metric: val/heldout/pppl\n",
+        "sw-metric-eval.yaml": base
+        + "metric: eval/embedded_lastword/5shot/acc\nevaluate: {tasks: [embedded_lastword]}\n",
+        "sw-pruning.yaml": base + "pruning: {enabled: true, warmup: 3}\n",
+        "sw-plot.yaml": base + "report: {plot: pie}\n",
     }
     for name, text in sweeps.items():
         (folder / name).write_text(text)
@@ -228,6 +233,10 @@ CASES: list[tuple[str, list[str], str]] = [
         "--workers",
     ),
     ("sweep-baseline", ["sweep", "{in}/sw-baseline.yaml", "--run-dir", "{out}/s"], "baseline"),
+    ("sweep-metric", ["sweep", "{in}/sw-metric.yaml", "--run-dir", "{out}/s"], "val/heldout/pppl"),
+    ("sweep-metric-shots", ["sweep", "{in}/sw-metric-eval.yaml", "--run-dir", "{out}/s"], "5shot"),
+    ("sweep-pruning", ["sweep", "{in}/sw-pruning.yaml", "--run-dir", "{out}/s"], "pruning.warmup"),
+    ("sweep-report-plot", ["sweep", "{in}/sw-plot.yaml", "--run-dir", "{out}/s"], "report.plot"),
     ("sweep-run-dir-file", ["sweep", "{in}/sw-noaxes.yaml", "--run-dir", "{in}/aplainfile"], "aplainfile"),
     # ---- report: missing and wrong directories
     ("report-missing", ["report", "--run-dir", "{out}/nothing"], "nothing"),

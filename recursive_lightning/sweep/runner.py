@@ -1034,9 +1034,9 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(int(os.environ["RL_TORCH_THREADS"]))
     sweep_file = Path(args.file)
     spec = load_sweep(sweep_file)
-    from recursive_lightning.validation import check_evaluate_block  # read after training: checked now
+    from recursive_lightning.validation import check_late_fields  # read after training: checked now
 
-    check_evaluate_block(spec.evaluate, sweep_file.parent, str(sweep_file))
+    check_late_fields(spec, sweep_file.parent, str(sweep_file))
     if args.workers is not None and args.workers < 1:  # before the run directory is made
         raise ConfigError(f"--workers must be >= 1, not {args.workers}.")
     # an attached worker finds the run directory and tracking store the study was prepared with
