@@ -86,6 +86,9 @@ def _generate(argv: list[str]) -> int:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), not {args.temperature}.")
     if args.top_k is not None and args.top_k < 1:
         raise UserError(f"--top-k must be >= 1, not {args.top_k}.")
+    from recursive_lightning.validation import check_device
+
+    check_device(args.device)
     loaded = load_checkpoint(args.checkpoint, device=args.device)
     if loaded.tokenizer is None:
         raise UserError(f"checkpoint '{loaded.path}' carries no tokenizer, which generation needs.")

@@ -78,8 +78,20 @@ def servable(uri: str, workdir: Path) -> str:
     return private
 
 
+def check_address(host: str, port: int) -> None:
+    """One sentence for a port outside 1-65535 or a host name that does not resolve."""
+    if not 1 <= port <= 65535:
+        raise UserError(f"ui: --port must be between 1 and 65535, not {port}; e.g. --port 5000.")
+    try:
+        socket.getaddrinfo(host, port)
+    except OSError:
+        raise UserError(
+            f"ui: --host '{host}' is not an address of this machine; e.g. --host 127.0.0.1."
+        ) from None
+
+
 def free_port(host: str, preferred: int) -> int:
-    for port in (preferred, *range(preferred + 1, preferred + 50)):
+    for port in (preferred, *range(preferred + 1, min(preferred + 50, 65536))):
         with socket.socket() as s:
             try:
                 s.bind((host, port))
@@ -179,6 +191,7 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--tracking-uri", help="serve this store instead (sqlite:///..., postgresql://...)")
     args = p.parse_args(argv)
+    check_address(args.host, args.port)
     if args.tracking_uri and args.tracking_uri.startswith(("http://", "https://")):
         print(f"the runs are served by their tracking server: open {args.tracking_uri} in a browser")
         return 0

@@ -250,8 +250,9 @@ def format_description(d: dict[str, Any]) -> str:
     if d.get("arch") == "mela":
         return format_mela(d)
 
-    def m(x: int) -> str:
-        return f"{x:,} ({x / 1e6:.1f}M)"
+    from recursive_lightning import formatting as fmt
+
+    m = fmt.params
 
     lines = [
         f"layout            {d['layout']} ({d['kind']}, {d['n_loop']} loop steps, {d['n_compute_layers']} unrolled layers)",
@@ -267,12 +268,12 @@ def format_description(d: dict[str, Any]) -> str:
     if d["params_combination"]:
         lines.append(f"params combin.    {d['params_combination']:,}")
     lines += [
-        f"forward FLOPs     {d['flops_forward'] / 1e12:.3f}e12 for {d['batch_size']}x{d['seq_len']} tokens",
+        f"forward FLOPs     {fmt.flops(d['flops_forward'])} for {d['batch_size']}x{d['seq_len']} tokens",
         f"                  convention: {d['flops_convention']}",
-        f"                  fvcore-style (1/MAC, no attention): {d['flops_forward_fvcore'] / 1e9:,.1f} GFLOPs",
+        f"                  fvcore-style (1/MAC, no attention): {fmt.flops(d['flops_forward_fvcore'])}",
     ]
     if "flops_mesh_eq8" in d:
-        lines.append(f"MeSH Eq. 8 extra  {d['flops_mesh_eq8'] / 1e9:.3f} GFLOPs (fvcore units)")
+        lines.append(f"MeSH Eq. 8 extra  {fmt.flops(d['flops_mesh_eq8'])} (fvcore units)")
     return "\n".join(lines)
 
 
@@ -282,8 +283,10 @@ def format_mela(d: dict[str, Any]) -> str:
     def m(x: int) -> str:
         return f"{x:>15,} ({x / 1e6:8.2f}M, {100 * x / total:5.2f}%)"
 
+    from recursive_lightning import formatting as fmt
+
     def f(x: int) -> str:
-        return f"{x / 1e9:12,.2f} GFLOPs ({100 * x / d['flops_forward']:5.1f}%)"
+        return f"{fmt.flops(x):>13} ({100 * x / d['flops_forward']:5.1f}%)"
 
     table = ""
     if "table1_memory_pct" in d:
@@ -316,7 +319,7 @@ def format_mela(d: dict[str, Any]) -> str:
         f"HLR               {d['block_applications']} memory-block applications per forward, "
         f"{d['block_applications_with_grad']} with gradients; HMM over {d['hmm_chunks_computed']} chunk(s) "
         "(the last chunk's memory is read by no token)",
-        f"forward FLOPs     {d['flops_forward'] / 1e12:.4f}e12 for {d['batch_size']}x{d['seq_len']} tokens, by part:",
+        f"forward FLOPs     {fmt.flops(d['flops_forward'])} for {d['batch_size']}x{d['seq_len']} tokens, by part:",
         f"  decoder         {f(d['flops_decoder'])}",
         f"  HMM attention   {f(d['flops_hmm_attention'])}",
         f"  memory proj.    {f(d['flops_memory_projections'])}",

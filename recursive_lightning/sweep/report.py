@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning import faults
+from recursive_lightning import formatting as fmt
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.sweep.results import mean_std
 from recursive_lightning.sweep.spec import SEED_AXIS
@@ -192,7 +193,7 @@ def _context_lengths(rows: list[dict], axes: list[str], spec, out: Path) -> tupl
     ]
     for label, pts in means.items():
         lines.append(
-            "| " + " | ".join([label, *(f"{pts[L]:.2f}" if L in pts else "" for L in lengths)]) + " |"
+            "| " + " | ".join([label, *(fmt.ppl(pts[L]) if L in pts else "" for L in lengths)]) + " |"
         )
     return png, [*lines, "", f"![perplexity by context length]({png.name})", ""]
 
@@ -437,8 +438,11 @@ def write_report(
         )
         for label, mean, std, n, extra in order:
             star = " ★" if label == best else ""
-            cells = [f"{_fmt(label)}{star}", f"{mean:.3f} ± {std:.3f}", str(n)]
-            cells += [f"{extra[c][0]:.3f} ± {extra[c][1]:.3f}" if c in extra else "" for c in extra_cols]
+            cells = [f"{_fmt(label)}{star}", f"{fmt.metric(used, mean)} ± {fmt.metric(used, std)}", str(n)]
+            cells += [
+                f"{fmt.metric(c, extra[c][0])} ± {fmt.metric(c, extra[c][1])}" if c in extra else ""
+                for c in extra_cols
+            ]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         safe = "".join(c if c.isalnum() else "_" for c in axis)

@@ -1238,6 +1238,11 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(int(os.environ["RL_TORCH_THREADS"]))
     sweep_file = Path(args.file)
     spec = load_sweep(sweep_file)
+    from recursive_lightning.validation import check_late_fields  # read after training: checked now
+
+    check_late_fields(spec, sweep_file.parent, str(sweep_file))
+    if args.workers is not None and args.workers < 1:  # before the run directory is made
+        raise ConfigError(f"--workers must be >= 1, not {args.workers}.")
     if args.attach and args.storage:
         _study_file_exists(spec, args.storage)  # opening a missing SQLite file would create it
     if args.max_trials is not None and args.max_trials < 1:
