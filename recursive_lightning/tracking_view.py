@@ -163,7 +163,14 @@ def experiment_links(tracking_uri: str, base_url: str) -> list[str]:
     from recursive_lightning.tracking import client
 
     c = client(tracking_uri)
-    keys = publish_views(tracking_uri)
+    try:
+        keys: dict[str, str | None] = dict(publish_views(tracking_uri))
+    except Exception:  # a store this user may read but not tag: the runs table unranked, still classic
+        keys = {
+            e.experiment_id: None
+            for e in c.search_experiments()
+            if c.search_runs([e.experiment_id], max_results=1)
+        }
     lines = []
     for exp in c.search_experiments():
         if exp.experiment_id not in keys:
@@ -203,6 +210,25 @@ def parent_note(
         + ", ".join(f"[{name}]({run_url('', experiment_id, rid)})" if rid else name for name, rid in runs),
     ]
     return "\n".join(lines)
+
+
+def trial_note(
+    experiment_id: str,
+    parent_run_id: str,
+    row: str,
+    seed: Any,
+    rank: int,
+    metric: str,
+    value: float,
+    row_mean: float,
+) -> str:
+    """A trial's description: its grid point, its place in the report's order and a link to the report."""
+    report = run_url("", experiment_id, parent_run_id, "report/report.html")
+    seed_text = f", seed {seed}" if seed is not None else ""
+    return (
+        f"Grid point **`{row}`**{seed_text}: rank **{rank}** in the sweep's report; `{metric}` {value:.4g} "
+        f"(the row's mean over its seeds {row_mean:.4g}). [The sweep's report]({report})"
+    )
 
 
 def server_links(tracking_uri: str) -> list[str]:

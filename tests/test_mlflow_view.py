@@ -188,6 +188,16 @@ def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep)
         )
         assert child, "the description links the best trial's run"
         base = table_url.split("/#/", 1)[0]
+        # the same store behind a tracking server: `ui --tracking-uri http://...` prints the same links there
+        served = subprocess.run(
+            [sys.executable, "-m", "recursive_lightning", "ui", "--tracking-uri", base],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert served.returncode == 0, served.stderr
+        assert table_url in served.stdout and parent_url in served.stdout, served.stdout
         trial_page = _dom(f"{base}/{child.group(1)}", width=1600)
         assert "Evaluation runs" not in trial_page and names[0] in trial_page and "axis.variant" in trial_page
     finally:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from recursive_lightning.sweep.results import Row, mean_std, trial_value
@@ -102,19 +101,33 @@ def runs_section(ranking: Sequence[Ranked], metric: str) -> list[str]:
     return [*lines, ""]
 
 
+def _log(client: Any, run_id: str, metrics: dict[str, float], tags: dict[str, str]) -> None:
+    """Metrics and tags of one run in one request (one transaction; one round trip to a tracking server)."""
+    import time
+
+    from mlflow.entities import Metric, RunTag
+
+    now = int(time.time() * 1000)
+    client.log_batch(
+        run_id,
+        metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+        tags=[RunTag(k, str(v)) for k, v in tags.items()],
+    )
+
+
 def log_ranking(
     tracking_uri: str,
     parent: str,
     ranking: Sequence[Ranked],
     metric: str,
     table: Sequence[str],
-    report_files: Sequence[Path] = (),
 ) -> None:
-    """Write the ranking to MLflow: ``row/<metric>`` and ``report/rank`` (1 = best) on each trial's run, the parent's tags (``best_row``,
-    ``best_trial``, ``best_trial_run_id``, ``report.metric``), metric ``best/<metric>`` (the best row's mean)
-    and description (``tracking_view.parent_note``), and the experiment's ranked view of its runs table."""
+    """Write the ranking to MLflow: ``row/<metric>``, ``report/rank`` (1 = best) and a description on each
+    trial's run; the parent's tags (``best_row``, ``best_trial``, ``best_trial_run_id``, ``report.metric``),
+    metric ``best/<metric>`` (the best row's mean) and description (``tracking_view.parent_note``); and the
+    experiment's ranked view of its runs table."""
     from recursive_lightning import tracking_view
-    from recursive_lightning.tracking import client, log_metrics, set_tags
+    from recursive_lightning.tracking import client
 
     c = client(tracking_uri)
     exp_id = c.get_run(parent).info.experiment_id
@@ -123,22 +136,28 @@ def log_ranking(
         if r.mean is None:
             continue
         for t in r.trials:
-            if trial_value(t, metric) is None:
+            value = trial_value(t, metric)
+            if value is None:
                 continue
             place += 1
             if t.get("mlflow_run_id"):
-                log_metrics(
-                    tracking_uri,
+                note = tracking_view.trial_note(
+                    exp_id, parent, r.name, t["params"].get(SEED_AXIS), place, metric, value, r.mean
+                )
+                _log(
+                    c,
                     t["mlflow_run_id"],
                     {tracking_view.ROW_PREFIX + metric: r.mean, tracking_view.RANK: place},
+                    {tracking_view.NOTE_TAG: note},
                 )
     row, trial = best(ranking)
     tags: dict[str, Any] = {tracking_view.RANKED_TAG: metric}
+    metrics = {}
     if row is not None:
         tags.update(best_row=row.name, best_trial=str(trial.get("key")))
         if trial.get("mlflow_run_id"):
             tags["best_trial_run_id"] = trial["mlflow_run_id"]
-        log_metrics(tracking_uri, parent, {f"best/{metric}": row.mean})
+        metrics[f"best/{metric}"] = row.mean
     tags[tracking_view.NOTE_TAG] = tracking_view.parent_note(
         exp_id,
         parent,
@@ -148,5 +167,5 @@ def log_ranking(
         table,
         [(run_name(t), t.get("mlflow_run_id")) for r in ranking for t in r.trials],
     )
-    set_tags(tracking_uri, parent, tags)
+    _log(c, parent, metrics, tags)
     tracking_view.publish_views(tracking_uri, [exp_id])
