@@ -144,6 +144,22 @@ def _table_rows(dom: str, names: list[str]) -> dict[int, str]:
     return rows
 
 
+def _lines(proc: subprocess.Popen, n: int, timeout: float = 120) -> list[str]:
+    """The first ``n`` lines ``proc`` prints, or as many as it printed within ``timeout`` seconds."""
+    import select
+    import time
+
+    lines, deadline = [], time.monotonic() + timeout
+    while len(lines) < n and time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.decode(errors="replace"))
+    return lines + [""] * (n - len(lines))
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed")
 def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep):
     run_dir, _ = ranked_sweep
@@ -153,12 +169,13 @@ def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep)
         env=ENV,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
+        bufsize=0,  # unbuffered: select() sees every line not yet read
         start_new_session=True,
     )
     try:
-        lines = [ui.stdout.readline() for _ in range(3)]
+        lines = _lines(ui, 3)
         assert lines[0].startswith("MLflow UI at"), "".join(lines)
+        assert all(": http" in ln for ln in lines[1:]), "".join(lines)  # the table's link, the parent's
         table_url = lines[1].split(": ", 1)[1].strip()
         parent_url = lines[2].split(": ", 1)[1].strip()
         assert "viewStateShareKey=" in table_url and "workflowType=machine_learning" in table_url
