@@ -33,6 +33,8 @@ RANKING_FALLBACK = ("val/heldout/ppl", "val/heldout/loss", "train/loss")
 # params shown for `train` runs when none differ between the experiment's runs
 TRAIN_PARAMS = ("model.preset", "model.layout", "model.topology")
 MAX_VARYING_PARAMS = 6
+MAX_NOTE_RUNS = 12  # trials linked from the parent's description
+NOTE_LIMIT = 8000  # MLflow's limit on a run tag's value (mlflow.utils.validation.MAX_TAG_VAL_LENGTH)
 MAX_RUN_LINKS = 3  # run pages `ui` prints for an experiment without a sweep
 
 
@@ -125,9 +127,9 @@ def runs_view(runs: Sequence[Any]) -> dict[str, Any] | None:
         "searchFilter": "",
         "selectedColumns": columns,
         "columnOrder": columns,  # the axes first (MLflow otherwise puts every metric before the params)
-        # a sweep's parent carries no trial metric: it sorts last, its trials listed above it
-        "runsExpanded": {r.info.run_id: True for r in runs if _is_sweep_parent(r)},
     }
+    # a sweep's parent carries no trial metric: sorted by one, it comes last and MLflow lists its trials flat
+    # above it (MLflow 3.17 leaves a shared view's runsExpanded out, so the view does not set it)
     if order is not None:
         view.update(orderByKey=metric_column(order), orderByAsc=True)
     return view
@@ -198,6 +200,11 @@ def parent_note(
     """The sweep's parent run's description: the winner, a link to ``report.html`` (relative: it opens on
     whatever address serves the UI), the report's results table and its trials' run pages."""
     report = run_url("", experiment_id, parent_run_id, "report/report.html")
+    shown = [
+        f"[{name}]({run_url('', experiment_id, rid)})" if rid else name for name, rid in runs[:MAX_NOTE_RUNS]
+    ]
+    if len(runs) > MAX_NOTE_RUNS:
+        shown.append(f"… {len(runs) - MAX_NOTE_RUNS} more in the runs table")
     lines = [
         (f"**Best: `{best_row}`** — {best_line}" if best_row is not None else "No finished trial yet."),
         "",
@@ -206,10 +213,24 @@ def parent_note(
         "",
         *table,
         "",
-        "Trials, best first: "
-        + ", ".join(f"[{name}]({run_url('', experiment_id, rid)})" if rid else name for name, rid in runs),
+        "Trials, best first: " + ", ".join(shown),
     ]
-    return "\n".join(lines)
+    return fit_note(lines)
+
+
+def fit_note(lines: Sequence[str], limit: int = NOTE_LIMIT) -> str:
+    """``lines`` joined, whole lines dropped from the end (the table's last rows) to fit MLflow's tag limit,
+    with a line saying so."""
+    text = "\n".join(lines)
+    if len(text) <= limit:
+        return text
+    cut = "\n\n(cut to fit MLflow's description; the report has every row)"
+    kept: list[str] = []
+    for line in lines:
+        if len("\n".join([*kept, line])) + len(cut) > limit:
+            break
+        kept.append(line)
+    return "\n".join(kept) + cut
 
 
 def trial_note(

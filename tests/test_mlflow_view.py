@@ -263,3 +263,20 @@ def test_the_best_trial_belongs_to_the_best_row():
     row, t = best(ranking)
     assert row.name == "b" and row.mean == pytest.approx(2.25) and t["key"] == "b0"
     assert [t["key"] for r in ranking for t in r.trials] == ["b0", "b1", "a0", "a1", "c0"]
+
+
+def test_a_large_sweep_s_description_fits_mlflow_s_limit():
+    """60 trials and a 60-row table: the parent's description stays within MLflow's 8,000 characters (a longer
+    tag fails the whole batch, and the parent would lose its best_* tags), cut at a whole line and saying so."""
+    from recursive_lightning.tracking_view import NOTE_LIMIT, parent_note
+
+    table = ["| row | seeds | ppl |", "|---|---|---|"] + [
+        f"| variant-{i:03d} | 2 | {i}.0 ± 0.1 |" * 4 for i in range(60)
+    ]
+    runs = [(f"variant-{i:03d}-0-abcdef", "f" * 32) for i in range(60)]
+    note = parent_note("1", "e" * 32, "val/heldout/ppl", "variant-000", "the best", table, runs)
+    assert len(note) <= NOTE_LIMIT
+    assert note.endswith("the report has every row)") and "Open the report (report.html)" in note
+    assert "| variant-000 |" in note and "48 more in the runs table" not in note  # the trials' line was cut
+    small = parent_note("1", "e" * 32, "val/heldout/ppl", "variant-000", "the best", table[:5], runs)
+    assert "48 more in the runs table" in small and len(small) < NOTE_LIMIT
