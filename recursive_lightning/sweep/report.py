@@ -5,7 +5,9 @@ std: parameters (non-embedding) and forward FLOPs per token (``model.accounting.
 ``config.yaml``), training tokens/s and wall-clock, validation perplexity on each named set and downstream
 accuracy per task with their average (MeSH Tables 1-2), and, with ``report: {baseline: <row>}`` and several
 seeds, the paired difference (same seed) of every row to the baseline with a 95 % t-interval over the seed
-pairs. Every value is read from what the trials left on disk: ``trials/<point>/sweep_result.json`` (metrics,
+pairs; the ranking metric against training FLOPs and wall-clock per row (``sweep/cost.py``) and every trial by
+its MLflow run name in rank order (``sweep/ranking.py``, the one definition of "best"). Every value is read
+from what the trials left on disk: ``trials/<point>/sweep_result.json`` (metrics,
 the study's copy only where that file is absent), ``result.json`` (wall-clock, tokens), ``config.yaml`` and
 the trial's MLflow child run (per-step history: tokens/s and the learning curves). A value a row does not
 have is shown as missing (—), never filled in.
