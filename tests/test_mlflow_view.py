@@ -97,20 +97,28 @@ def test_one_definition_of_best(ranked_sweep):
 
 
 def test_report_plots_the_ranking_metric_against_flops_and_wall_clock(ranked_sweep):
+    """Per row: training FLOPs = 3 x forward FLOPs/token (describe of the trial's config.yaml) x its tokens
+    (result.json) and wall-clock (result.json's seconds), mean over the seeds, as the figure's table says."""
+    from recursive_lightning.config import load_run_config
+    from recursive_lightning.model.accounting import describe
+
     run_dir, _ = ranked_sweep
     md = (run_dir / "report.md").read_text()
-    assert "## Cost: per FLOP and per second" in md
     assert (run_dir / "report_cost.png").stat().st_size > 10_000
-    section = md.split("## Cost", 1)[1].split("\n## ", 1)[0]
+    section = md.split("## Cost: per FLOP and per second", 1)[1].split("\n## ", 1)[0]
     for row in ("base", "mesh"):
-        line = next(ln for ln in section.splitlines() if ln.startswith(f"| {row} |"))
-        flops = float(line.split("|")[3].split("±")[0])
-        trials = [
-            json.loads((d / "result.json").read_text())
-            for d in (run_dir / "trials").iterdir()
-            if d.name.startswith(f"{row}-")
-        ]
-        assert flops > 0 and len(trials) == 2
+        cells = next(ln for ln in section.splitlines() if ln.startswith(f"| {row} |")).split("|")
+        flops, seconds = [], []
+        for d in (run_dir / "trials").iterdir():
+            if d.name.startswith(f"{row}-"):
+                result = json.loads((d / "result.json").read_text())
+                cfg = load_run_config(d / "config.yaml")
+                per_token = describe(cfg.model, seq_len=cfg.data.seq_len)["flops_forward"] / cfg.data.seq_len
+                flops.append(3 * per_token * result["tokens"])
+                seconds.append(result["seconds"])
+        assert len(flops) == 2
+        assert float(cells[3].split("±")[0]) == pytest.approx(sum(flops) / 2, rel=5e-3)
+        assert float(cells[4].split("±")[0]) == pytest.approx(sum(seconds) / 2, rel=5e-3, abs=1e-3)
 
 
 def _dom(url: str, width: int = 2400) -> str:
