@@ -32,6 +32,7 @@ from recursive_lightning.tracking import (
     default_tracking_uri,
     relocate_artifacts,
 )
+from recursive_lightning.tracking_view import experiment_links, server_links
 
 DEFAULT_DIRS = (Path("runs") / "sweeps" / "default",)
 
@@ -161,20 +162,18 @@ def stop_server(proc: subprocess.Popen) -> None:
     stop_group(proc, timeout=30)
 
 
-def experiment_links(uri: str, base_url: str) -> list[str]:
-    """One line per experiment of the store: its name and its page in the UI."""
-    from recursive_lightning.tracking import client
-
-    c = client(uri)
-    lines = []
-    for exp in c.search_experiments():
-        if exp.name == "Default" and not c.search_runs([exp.experiment_id], max_results=1):
-            continue
-        # workflowType: MLflow 3.17 opens an experiment on its GenAI overview (traces, prompts) unless told
-        lines.append(
-            f"  {exp.name}: {base_url}/#/experiments/{exp.experiment_id}?workflowType=machine_learning"
-        )
-    return lines
+def _served_elsewhere(uri: str, what: str) -> int:
+    """A store behind its own tracking server: its experiments' ranked links on that server."""
+    try:
+        lines = server_links(uri)
+    except Exception as e:  # unreachable: one sentence
+        raise UserError(
+            f"ui: {what} does not answer ({type(e).__name__}); start it or pass another --tracking-uri."
+        ) from None
+    print(f"{what}; open:", flush=True)
+    for line in lines:
+        print(line, flush=True)
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -193,8 +192,9 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     check_address(args.host, args.port)
     if args.tracking_uri and args.tracking_uri.startswith(("http://", "https://")):
-        print(f"the runs are served by their tracking server: open {args.tracking_uri} in a browser")
-        return 0
+        return _served_elsewhere(
+            args.tracking_uri, f"the runs are served by their tracking server {args.tracking_uri}"
+        )
     if args.tracking_uri:
         uri = absolute_uri(args.tracking_uri)
     else:
@@ -206,8 +206,7 @@ def main(argv: list[str]) -> int:
             )
         uri = store_of(run_dir)
         if uri.startswith(("http://", "https://")):
-            print(f"'{run_dir}' logs to a tracking server: open {uri} in a browser")
-            return 0
+            return _served_elsewhere(uri, f"'{run_dir}' logs to the tracking server {uri}")
 
     def _stop(
         signum, frame

@@ -204,9 +204,16 @@ def test_ui_serves_a_copied_sweep_directory(two_worker_sweep, tmp_path):
         }
         parent_tags = {t["key"]: t["value"] for t in parents[0]["data"]["tags"]}
         parent_metrics = {m["key"]: m["value"] for m in parents[0]["data"]["metrics"]}
-        assert parent_tags["best_trial"] == min(ppl, key=ppl.get)
-        assert parent_metrics["best/val/heldout/ppl"] == pytest.approx(min(ppl.values()))
-        assert parent_tags["best_row"] in ("base", "mesh")
+        # one definition of best: the row with the lowest mean over its seeds, its lowest seed
+        means = {
+            v: (ppl[a] + ppl[b]) / 2
+            for v in ("base", "mesh")
+            for a, b in [sorted(k for k in ppl if k.startswith(v))]
+        }
+        best_row = min(means, key=means.get)
+        assert parent_tags["best_row"] == best_row
+        assert parent_tags["best_trial"] == min((k for k in ppl if k.startswith(best_row)), key=ppl.get)
+        assert parent_metrics["best/val/heldout/ppl"] == pytest.approx(means[best_row])
         child = children[0][0]["info"]
         assert str(copy) in child["artifact_uri"]
         listed = _get(f"{base}/artifacts/list?run_id={child['run_id']}")

@@ -5,7 +5,9 @@ std: parameters (non-embedding) and forward FLOPs per token (``model.accounting.
 ``config.yaml``), training tokens/s and wall-clock, validation perplexity on each named set and downstream
 accuracy per task with their average (MeSH Tables 1-2), and, with ``report: {baseline: <row>}`` and several
 seeds, the paired difference (same seed) of every row to the baseline with a 95 % t-interval over the seed
-pairs. Every value is read from what the trials left on disk: ``trials/<point>/sweep_result.json`` (metrics,
+pairs; the ranking metric against training FLOPs and wall-clock per row (``sweep/cost.py``) and every trial by
+its MLflow run name in rank order (``sweep/ranking.py``, the one definition of "best"). Every value is read
+from what the trials left on disk: ``trials/<point>/sweep_result.json`` (metrics,
 the study's copy only where that file is absent), ``result.json`` (wall-clock, tokens), ``config.yaml`` and
 the trial's MLflow child run (per-step history: tokens/s and the learning curves). A value a row does not
 have is shown as missing (—), never filled in.
@@ -203,7 +205,7 @@ def _results_sections(
 ) -> tuple[list[str], list[Path], dict[str, Any]]:
     """The papers' tables (results, downstream accuracy, paired differences to the baseline) and the
     learning-curve figure. Returns (markdown lines, figures, structured data for callers and tests)."""
-    from recursive_lightning.sweep import curves, results
+    from recursive_lightning.sweep import cost, curves, ranking, results
     from recursive_lightning.sweep.spec import row_names
 
     describe_cache: dict[str, dict] = {}
@@ -219,9 +221,8 @@ def _results_sections(
         t["tokens_per_sec"] = curves.training_tokens_per_sec(t["history"])
     rows = results.build_rows(trials, axes, row_names(spec.axes) if spec.search is None else ())
     main_cols, heads, shots = results.columns(trials, ranked)
-    ranked_means = {r.name: [v for v in r.values(ranked) if v is not None] for r in rows}
-    scored = {n: sum(v) / len(v) for n, v in ranked_means.items() if v}
-    best = min(scored, key=scored.get) if scored else None
+    ranks = ranking.rank(rows, ranked)
+    best = ranking.best(ranks)[0].name if ranking.best(ranks)[0] is not None else None
     seeds = max((len(r.trials) for r in rows), default=0)
     lines = [
         "## Results",
@@ -247,6 +248,7 @@ def _results_sections(
             )
             + " |"
         )
+    results_table = lines[4:]
     lines += [
         "",
         "- **params (non-emb.)** and **fwd FLOPs/token**: `model.accounting.describe` of the trial's "
@@ -355,7 +357,25 @@ def _results_sections(
         lines += [f"No trial has a metric history in {tracking_uri}.", ""]
     if problems:
         lines += ["Could not read the history of: " + "; ".join(problems), ""]
-    return lines, figures, {"trials": trials, "rows": rows, "table": table, "paired": paired, "best": best}
+    cost_png, cost_points = cost.plot(rows, ranked, out / "report_cost.png", spec.name)
+    if cost_png is not None:
+        figures.append(cost_png)
+    lines += cost.section(cost_png, cost_points, ranked)
+    lines += ranking.runs_section(ranks, ranked)
+    return (
+        lines,
+        figures,
+        {
+            "trials": trials,
+            "rows": rows,
+            "table": table,
+            "paired": paired,
+            "best": best,
+            "ranking": ranks,
+            "results_table": results_table,
+            "cost": cost_points,
+        },
+    )
 
 
 def write_report(
@@ -477,7 +497,9 @@ def write_report(
             from recursive_lightning.tracking import log_metrics
 
             if rows:
-                _log_best(tracking_uri, parent, rows, ranked, data["best"])
+                from recursive_lightning.sweep.ranking import log_ranking
+
+                log_ranking(tracking_uri, parent, data["ranking"], ranked, data["results_table"])
                 log_metrics(
                     tracking_uri, parent, {"trials/finished": len(rows), "trials/failed": len(failed)}
                 )
@@ -492,29 +514,12 @@ def write_report(
         "table": data["table"],
         "paired": data["paired"],
         "best_row": data["best"],
+        "ranking": data["ranking"],
+        "ranked": ranked,
+        "cost": data["cost"],
         "failed": failed,
         "unfinished": unfinished,
     }
-
-
-def _log_best(tracking_uri: str, parent: str, rows: list[dict], ranked: str, best_row: str | None) -> None:
-    """The parent run names what the report ranks first: the metric ``best/<ranked metric>`` (the best trial's
-    value of the metric the report ranks by) and the tags ``best_trial`` (its grid point), ``best_trial_run_id``
-    and ``best_row`` (the row with the best mean over seeds, ★ in the report)."""
-    from recursive_lightning.tracking import client, log_metrics
-
-    scored = [r for r in rows if r["metrics"].get(ranked) is not None]
-    if not scored:
-        return
-    best = min(scored, key=lambda r: r["metrics"][ranked])
-    metrics = {f"best/{ranked}": best["metrics"][ranked]}
-    c = client(tracking_uri)
-    c.set_tag(parent, "best_trial", str(best["key"]))
-    if best.get("mlflow_run_id"):
-        c.set_tag(parent, "best_trial_run_id", best["mlflow_run_id"])
-    if best_row is not None:
-        c.set_tag(parent, "best_row", best_row)
-    log_metrics(tracking_uri, parent, metrics)
 
 
 def main(argv: list[str]) -> int:

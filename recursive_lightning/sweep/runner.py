@@ -55,9 +55,9 @@ from recursive_lightning.tracking import (
     read_json,
     set_tags,
     set_terminated,
-    ui_command,
     writable_dir_problem,
 )
+from recursive_lightning.tracking_view import ui_hint
 from recursive_lightning.uris import mask_url
 
 REPO = Path(__file__).resolve().parents[2]
@@ -1321,6 +1321,7 @@ def main(argv: list[str]) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not args.no_report:
+        from recursive_lightning.sweep.ranking import summary_line
         from recursive_lightning.sweep.report import write_report
 
         # one writer at a time: workers on several machines may end together (the report's files have fixed names)
@@ -1328,9 +1329,10 @@ def main(argv: list[str]) -> int:
             report = write_report(run_dir, spec=spec, storage_url=storage, tracking_uri=tracking)
         print(report["markdown"])
         print(f"\nreport: {report['path']}")
+        print(f"best: {summary_line(report)}")
     faults.point("before_close_parent")
     status = close_parent(spec, storage, tracking)
-    print(f"compare the runs in the MLflow UI: {ui_command(run_dir, tracking)}")
+    print(ui_hint(run_dir, tracking))
     if status == "FINISHED":
         print(f"[sweep {spec.name}] finished in {time.time() - t0:.0f}s", flush=True)
         return 0
