@@ -1,0 +1,51 @@
+"""Wall time of ``python -m recursive_lightning describe --preset P`` for every preset, as a user runs it
+(a fresh process: imports, meta-device build, FLOP count), interleaved over ``--reps`` rounds; medians.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_describe.py --reps 3
+
+Goal (issue 30): under 3 s for every preset on a quiet machine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    from recursive_lightning.model.config import PRESETS
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--presets", nargs="*", default=list(PRESETS))
+    args = p.parse_args()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    times: dict[str, list[float]] = {k: [] for k in args.presets}
+    for _ in range(args.reps):
+        for name in args.presets:
+            t0 = time.perf_counter()
+            subprocess.run(
+                [sys.executable, "-m", "recursive_lightning", "describe", "--preset", name],
+                env=env,
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+            times[name].append(time.perf_counter() - t0)
+    print(
+        f"describe --preset P (seq_len 4096), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
+        f"{args.reps} interleaved reps, median wall seconds of a fresh process; load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
+    for name, ts in times.items():
+        print(f"  {name:<22} {statistics.median(ts):6.2f} s")
+    print(f"  slowest                {max(statistics.median(t) for t in times.values()):6.2f} s")
+
+
+if __name__ == "__main__":
+    main()
