@@ -140,7 +140,11 @@ def main() -> None:
             if busy is not None:
                 busy.kill()
                 busy.wait()
-        print(f"\n{cond}:\n| workload | " + " | ".join(args.settings) + " | default / 1 thread |")
+        print(
+            f"\n{cond}:\n| workload | "
+            + " | ".join(args.settings)
+            + " | default / 1 thread (medians; paired: median of per-rep ratios) |"
+        )
         print("| --- |" + " ---: |" * (len(args.settings) + 1))
         for name in args.workloads:
             med = {s: statistics.median(r for r, _ in got[(name, s)]) for s in args.settings}
@@ -148,7 +152,10 @@ def main() -> None:
                 f"{med[s]:,.0f}" + (f" ({got[(name, s)][0][1]})" if s == "default" else "")
                 for s in args.settings
             ]
-            ratio = f"{med['default'] / med['1']:.2f}x" if "default" in med and "1" in med else ""
+            ratio = ""
+            if "default" in med and "1" in med:
+                pairs = [d / o for (d, _), (o, _) in zip(got[(name, "default")], got[(name, "1")])]
+                ratio = f"{med['default'] / med['1']:.2f}x; paired {statistics.median(pairs):.2f}x"
             print(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
         sys.stdout.flush()
 
