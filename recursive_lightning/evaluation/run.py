@@ -543,7 +543,9 @@ def evaluate_checkpoint(
         "notes": notes,
     }
     for name, docs in texts.items():
-        r = perplexity(model, tok, docs, max_length=lm.max_length, stride=stride, batch_size=lm.batch_size)
+        r = perplexity(
+            model, tok, docs, lm.max_length, stride, lm.batch_size, label=f"eval perplexity {name}"
+        )
         result["ppl"][name] = {**r, "path": str(sets[name])}
     if context_lengths:
         name = ctx_set or next(iter(sets), None)
@@ -560,6 +562,7 @@ def evaluate_checkpoint(
             max_tokens=ctx_max_tokens,
             mode=ctx_mode,
             batch_size=lm.batch_size,
+            label=f"eval context {name}",
         )
         result["ppl_ctx"] = {
             "set": name,

@@ -211,7 +211,9 @@ def _results_sections(
     describe_cache: dict[str, dict] = {}
     trials = [results.load_trial(run_dir, t, spec, describe_cache) for t in trials]
     problems = []
-    for t in trials:  # per-step history from the trial's MLflow child run
+    from recursive_lightning.progress import tracked  # a bar on a terminal, a line every 30 s in a log
+
+    for t in tracked(trials, "report: trial histories", lambda _: 1, unit="trial"):  # from MLflow child runs
         t["history"] = {}
         if t.get("mlflow_run_id"):
             try:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig, load_run_config, load_yaml
 from recursive_lightning.errors import ConfigError, Terminated
 from recursive_lightning.tracking import (
@@ -300,6 +301,7 @@ def train(
         cfg.train.seed, workers=True, verbose=False
     )  # init must not depend on what data prep consumed
     module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
+    thread_policy.apply_for(cfg.model)  # inside a CLI command (recursive_lightning/threads.py)
     module.mlflow_run_id = run_id
     extra_cbs = []
     if cfg.train.init_from:  # the record rides in every checkpoint; a resume restores it from there
