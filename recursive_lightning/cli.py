@@ -86,6 +86,9 @@ def _generate(argv: list[str]) -> int:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), not {args.temperature}.")
     if args.top_k is not None and args.top_k < 1:
         raise UserError(f"--top-k must be >= 1, not {args.top_k}.")
+    from recursive_lightning.validation import check_device
+
+    check_device(args.device)
     loaded = load_checkpoint(args.checkpoint, device=args.device)
     if loaded.tokenizer is None:
         raise UserError(f"checkpoint '{loaded.path}' carries no tokenizer, which generation needs.")
@@ -153,13 +156,39 @@ commands:
 
 `python -m recursive_lightning <command> --help` for the options of each command.
 
+--threads N (before or after the command): CPU threads of torch (and of the processes a command starts);
+default: one for models narrower than d_model 512 and for any model while the other cores are busy
+(OMP_NUM_THREADS, when set, is respected as well). See "Threads" in the README.
+
 With no command at all, `python -m recursive_lightning` runs `sweep`: the full default sweep
 (ablations/default.yaml, about 5 minutes on 2 CPU cores) into runs/sweeps/default under the current
 directory; it says so before it starts."""
 
 
+def _pop_threads(argv: list[str]) -> tuple[list[str], int | None]:
+    """The global ``--threads N`` / ``--threads=N`` taken out of ``argv`` (anywhere in it)."""
+    out, threads, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--threads" or a.startswith("--threads="):
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in a else 2
+            if not value.isdigit() or int(value) < 1:
+                raise UserError(f"--threads must be a whole number of CPU threads >= 1, not {value!r}.")
+            threads = int(value)
+            continue
+        out.append(a)
+        i += 1
+    return out, threads
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv, threads = _pop_threads(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not argv or argv[0] in ("-h", "--help"):
         if not argv:
             # the package's main job: the embedded default sweep
@@ -179,13 +208,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
     module_name, func = COMMANDS[command]
+    from recursive_lightning import threads as thread_policy
+
     try:
         import importlib
 
-        module = sys.modules[__name__] if module_name == __name__ else importlib.import_module(module_name)
-        return int(getattr(module, func)(rest) or 0)
+        with thread_policy.for_command(threads):
+            module = (
+                sys.modules[__name__] if module_name == __name__ else importlib.import_module(module_name)
+            )
+            return int(getattr(module, func)(rest) or 0)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        from recursive_lightning.uris import mask_url
+
+        print(f"error: {mask_url(str(e))}", file=sys.stderr)  # a database URL in it: its password masked
         return 2
     except Terminated as e:  # SIGTERM (pre-emption): resumable, and not a finished run
         print(str(e), file=sys.stderr)

@@ -215,6 +215,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         if isinstance(value, int | float) and not isinstance(value, bool):
             return str(value)
+        if (
+            isinstance(value, dict) and len(value) == 1
+        ):  # YAML reads `select: 0-3` (or `select:`) as a mapping
+            ((k, v),) = value.items()
+            if isinstance(k, str) and (v is None or isinstance(v, str | int)):
+                return f"{k}:{'' if v is None else v}"
         raise ConfigError(f"{where} must be a string, not {value!r}.")
     return value
 
@@ -250,9 +256,13 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
             f"config file '{path}' does not exist; pass a YAML file such as experiments/cpu/looped-mesh.yaml."
         )
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{path}' is not valid YAML ({str(e).splitlines()[0]}).") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file '{path}' is not text (not UTF-8); pass a YAML file.") from None
+    except OSError as e:
+        raise ConfigError(f"config file '{path}' cannot be read ({e.strerror}).") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping with name/model/data/train sections.")
     return data

@@ -8,8 +8,12 @@ parent-death signal closes that window on Linux.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 
@@ -34,3 +38,37 @@ def dies_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
         parent_death_signal(sig)
 
     return arm
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the process group ``pgid`` is left (zombies not yet reaped count)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    """Stop the child ``proc``, started with ``start_new_session=True``, with every process of its group: SIGTERM
+    to the group, then SIGKILL to what is left after ``timeout`` seconds. Waiting for the leader is not enough:
+    an ``mlflow server`` that exits leaves its uvicorn and huey workers (same group) running a minute more, and
+    its job runner restarts a huey consumer that stopped."""
+    pgid = proc.pid
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while group_alive(pgid) and time.monotonic() < deadline:  # SIGKILLed: gone once reaped
+        time.sleep(0.05)

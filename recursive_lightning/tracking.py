@@ -277,8 +277,11 @@ def create_run(
 
 
 def param_value(value: Any) -> str:
-    """A value as MLflow stores it as a param (text, at most 6,000 characters)."""
-    return str(value)[:6000]
+    """A value as MLflow stores it as a param (text, at most 6,000 characters; a database URL's password
+    masked)."""
+    from recursive_lightning.uris import mask_url
+
+    return mask_url(str(value))[:6000]
 
 
 def log_params(tracking_uri: str, run_id: str, params: dict[str, Any]) -> None:
@@ -295,7 +298,9 @@ def set_tags(tracking_uri: str, run_id: str, tags: dict[str, Any]) -> None:
     """Several tags in one request (one round trip to a tracking server, one transaction)."""
     from mlflow.entities import RunTag
 
-    items = [RunTag(k, str(v)) for k, v in tags.items()]
+    from recursive_lightning.uris import mask_url
+
+    items = [RunTag(k, mask_url(str(v))) for k, v in tags.items()]
     for i in range(0, len(items), 100):
         client(tracking_uri).log_batch(run_id, tags=items[i : i + 100])
 

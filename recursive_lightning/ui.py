@@ -23,14 +23,16 @@ import time
 import urllib.request
 from pathlib import Path
 
+from recursive_lightning import faults
 from recursive_lightning.errors import UserError
-from recursive_lightning.processes import dies_with_parent
+from recursive_lightning.processes import dies_with_parent, stop_group
 from recursive_lightning.tracking import (
     _sqlite_parts,
     absolute_uri,
     default_tracking_uri,
     relocate_artifacts,
 )
+from recursive_lightning.tracking_view import experiment_links, server_links
 
 DEFAULT_DIRS = (Path("runs") / "sweeps" / "default",)
 
@@ -77,8 +79,20 @@ def servable(uri: str, workdir: Path) -> str:
     return private
 
 
+def check_address(host: str, port: int) -> None:
+    """One sentence for a port outside 1-65535 or a host name that does not resolve."""
+    if not 1 <= port <= 65535:
+        raise UserError(f"ui: --port must be between 1 and 65535, not {port}; e.g. --port 5000.")
+    try:
+        socket.getaddrinfo(host, port)
+    except OSError:
+        raise UserError(
+            f"ui: --host '{host}' is not an address of this machine; e.g. --host 127.0.0.1."
+        ) from None
+
+
 def free_port(host: str, preferred: int) -> int:
-    for port in (preferred, *range(preferred + 1, preferred + 50)):
+    for port in (preferred, *range(preferred + 1, min(preferred + 50, 65536))):
         with socket.socket() as s:
             try:
                 s.bind((host, port))
@@ -122,16 +136,21 @@ def start_server(uri: str, host: str, port: int, workdir: Path) -> subprocess.Po
     )
     url = f"http://{host}:{port}/health"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = (workdir / "server.log").read_text(errors="replace")[-2000:]
-            raise UserError(f"ui: mlflow server exited with code {proc.returncode}:\n{tail}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.3)
+    try:
+        while time.monotonic() < deadline:
+            faults.point("ui_server_starting")
+            if proc.poll() is not None:
+                tail = (workdir / "server.log").read_text(errors="replace")[-2000:]
+                raise UserError(f"ui: mlflow server exited with code {proc.returncode}:\n{tail}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return proc
+            except OSError:
+                time.sleep(0.3)
+    except BaseException:  # SIGTERM / Ctrl-C while it starts: its uvicorn and huey workers are stopped too
+        stop_server(proc)
+        raise
     stop_server(proc)
     raise UserError(
         f"ui: mlflow server on {host}:{port} did not answer within 120 s; see {workdir}/server.log."
@@ -139,29 +158,22 @@ def start_server(uri: str, host: str, port: int, workdir: Path) -> subprocess.Po
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    """Stop the server with every process of its group (uvicorn, huey workers), not only the leader."""
+    stop_group(proc, timeout=30)
 
 
-def experiment_links(uri: str, base_url: str) -> list[str]:
-    """One line per experiment of the store: its name and its page in the UI."""
-    from recursive_lightning.tracking import client
-
-    c = client(uri)
-    lines = []
-    for exp in c.search_experiments():
-        if exp.name == "Default" and not c.search_runs([exp.experiment_id], max_results=1):
-            continue
-        # workflowType: MLflow 3.17 opens an experiment on its GenAI overview (traces, prompts) unless told
-        lines.append(
-            f"  {exp.name}: {base_url}/#/experiments/{exp.experiment_id}?workflowType=machine_learning"
-        )
-    return lines
+def _served_elsewhere(uri: str, what: str) -> int:
+    """A store behind its own tracking server: its experiments' ranked links on that server."""
+    try:
+        lines = server_links(uri)
+    except Exception as e:  # unreachable: one sentence
+        raise UserError(
+            f"ui: {what} does not answer ({type(e).__name__}); start it or pass another --tracking-uri."
+        ) from None
+    print(f"{what}; open:", flush=True)
+    for line in lines:
+        print(line, flush=True)
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -178,9 +190,11 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--tracking-uri", help="serve this store instead (sqlite:///..., postgresql://...)")
     args = p.parse_args(argv)
+    check_address(args.host, args.port)
     if args.tracking_uri and args.tracking_uri.startswith(("http://", "https://")):
-        print(f"the runs are served by their tracking server: open {args.tracking_uri} in a browser")
-        return 0
+        return _served_elsewhere(
+            args.tracking_uri, f"the runs are served by their tracking server {args.tracking_uri}"
+        )
     if args.tracking_uri:
         uri = absolute_uri(args.tracking_uri)
     else:
@@ -192,12 +206,13 @@ def main(argv: list[str]) -> int:
             )
         uri = store_of(run_dir)
         if uri.startswith(("http://", "https://")):
-            print(f"'{run_dir}' logs to a tracking server: open {uri} in a browser")
-            return 0
+            return _served_elsewhere(uri, f"'{run_dir}' logs to the tracking server {uri}")
 
     def _stop(
         signum, frame
     ):  # SIGTERM or a closed terminal stops the server too (it runs in its own session)
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # once: a second signal must not cut the stopping short
+            signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _stop)

@@ -323,6 +323,26 @@ def test_describe_sums_the_built_model(name):
     assert min(d[f"flops_{p}"] for p in flops) >= 0
 
 
+@pytest.mark.parametrize("extra", [{}, {"memstack": False}, {"memory_update": "momentum"}])
+def test_describe_counts_equal_a_full_meta_forward(extra):
+    """describe counts Mela's FLOPs from 2 and 3 chunks (extended linearly) and replays HLR's repeated L/H
+    module calls: every module's count equals one full, unreplayed meta forward's, a partial last chunk
+    included (fails with the chunk extension off by one, or a replay that drops a module path)."""
+    from recursive_lightning.model.accounting import _count_forward, _mela_flop_counts
+    from recursive_lightning.model.mela import MelaLM
+
+    cfg = preset("cpu-mela", **extra)
+    with torch.device("meta"):
+        model = MelaLM(cfg)
+    for seq_len in (5 * cfg.tokens_per_chunk + 7, 4 * cfg.tokens_per_chunk, 2 * cfg.tokens_per_chunk + 1):
+        full = _count_forward(model, seq_len, 2).get_flop_counts()
+        fast = _mela_flop_counts(model, cfg, seq_len, 2)
+        assert {k: sum(v.values()) for k, v in fast.items() if any(v.values())} == {
+            k: sum(v.values()) for k, v in full.items() if any(v.values())
+        }, seq_len
+        assert describe(cfg, seq_len=seq_len, batch_size=2)["flops_forward"] == sum(full["Global"].values())
+
+
 def test_mela_400m_geometry_and_table1_shares():
     d = describe(preset("mela-400m"), seq_len=4096)
     assert (d["n_patches"], d["n_chunks"], d["decoder_length"]) == (128, 2, 4224)  # Sec. 4.1

@@ -135,9 +135,9 @@ def test_three_attached_workers_finish_the_grid_each_point_once(grid, tracking):
     keys = [t.user_attrs["point_key"] for t in trials]
     assert len(trials) == 6 and len(set(keys)) == 6  # six grid points, one trial each: no duplicate claim
     assert all(t.state == COMPLETE for t in trials)
-    assert sorted((t.params["variant"], t.params["train.seed"]) for t in trials) == sorted(
-        (v, s) for v in ("anchor", "mesh", "base") for s in (0, 1)
-    )
+    assert sorted(
+        (t.user_attrs["point"]["variant"], t.user_attrs["point"]["train.seed"]) for t in trials
+    ) == sorted((v, s) for v in ("anchor", "mesh", "base") for s in (0, 1))
     started = sum(o.count("] trial ") for o in grid["outs"])
     assert started == 6  # every point trained by exactly one worker, none started twice
     # the workers found the run directory of the study (none was given one)

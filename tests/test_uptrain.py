@@ -402,8 +402,17 @@ def test_cli_init_from_defaults_to_the_source_tokenizer(tmp_path):
         "--data.tokenizer",
         "init",
     ]
+    # a recipe's tokenizer (for training from scratch) gives way to the source's (issue 28) ...
     (tmp_path / "d.yaml").write_text("data:\n  tokenizer: bpe:4096\n")
-    assert uptrain.cli_overrides("rel-source", str(tmp_path / "d.yaml"), args) == args  # named: checked later
+    assert uptrain.cli_overrides("rel-source", str(tmp_path / "d.yaml"), args)[-2:] == [
+        "--data.tokenizer",
+        "init",
+    ]
+    # ... one named beside the file's own init_from, or on the command line, is kept (and checked later)
+    (tmp_path / "e.yaml").write_text("data:\n  tokenizer: bpe:4096\ntrain:\n  init_from: rel-source\n")
+    assert uptrain.cli_overrides("rel-source", str(tmp_path / "e.yaml"), args) == args
+    named = [*args, "--data.tokenizer", "bpe:4096"]
+    assert uptrain.cli_overrides("rel-source", str(tmp_path / "d.yaml"), named) == named
 
 
 def test_train_only_config_errors_are_one_sentence():

@@ -23,7 +23,8 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from recursive_lightning.errors import UserError
+from recursive_lightning.progress import Progress
 
 EOS_TOKEN = "<|endoftext|>"
 LOGIT_ROWS = 4096  # head + log_softmax over at most this many positions at a time (bounds memory)
@@ -125,8 +127,10 @@ def score_sequences(
     per_token: bool = False,
     pad_id: int = 0,
     progress: Callable[[int], Any] | None = None,
+    progress_tokens: Callable[[int], Any] | None = None,
 ) -> list[Scored]:
     """Score ``(tokens, k)`` requests: run the model on ``tokens[:-1]`` and score the last ``k`` tokens.
+    ``progress`` is told the requests of each finished batch, ``progress_tokens`` their scored tokens.
 
     Requests are sorted by length (longest first) and batched ``batch_size`` at a time with right padding;
     the results come back in the order of ``requests``. Only the scored positions go through the output
@@ -174,6 +178,8 @@ def score_sequences(
             offset += k
         if progress is not None:
             progress(len(idx))
+        if progress_tokens is not None:
+            progress_tokens(offset)
     return out  # type: ignore[return-value]
 
 
@@ -185,8 +191,10 @@ def document_logprobs(
     max_length: int | None = None,
     stride: int | None = None,
     batch_size: int = 16,
+    label: str | None = None,
 ) -> list[tuple[float, int]]:
-    """(sum of log-probabilities, tokens) of each tokenized document scored as ``[prefix_id] + doc``."""
+    """(sum of log-probabilities, tokens) of each tokenized document scored as ``[prefix_id] + doc``;
+    with a ``label``, progress in tokens (:mod:`recursive_lightning.progress`)."""
     max_length = int(max_length or model.cfg.max_seq_len)
     requests: list[tuple[list[int], int]] = []
     owner: list[int] = []
@@ -195,7 +203,8 @@ def document_logprobs(
         for w in plan_windows(len(seq), 1, max_length, stride):
             requests.append((seq[w.begin : w.end], w.end - w.target))
             owner.append(d)
-    scored = score_sequences(model, requests, batch_size=batch_size)
+    with _progress(label, sum(k for _, k in requests)) as p:
+        scored = score_sequences(model, requests, batch_size=batch_size, progress_tokens=p and p.update)
     totals = [[0.0, 0] for _ in documents]
     for d, s in zip(owner, scored):
         totals[d][0] += s.logprob
@@ -232,6 +241,15 @@ def _summary(nll: float, tokens: int, texts: Sequence[str]) -> dict[str, Any]:
     }
 
 
+@contextmanager
+def _progress(label: str | None, total: int) -> Iterator[Progress | None]:
+    if label is None:
+        yield None
+        return
+    with Progress(label, total) as p:
+        yield p
+
+
 def perplexity(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -239,8 +257,10 @@ def perplexity(
     max_length: int | None = None,
     stride: int | None = None,
     batch_size: int = 16,
+    label: str | None = None,
 ) -> dict[str, Any]:
-    """Token-level perplexity of documents (each scored separately, first token conditioned on EOS).
+    """Token-level perplexity of documents (each scored separately, first token conditioned on EOS);
+    with a ``label``, progress in tokens (a bar on a terminal, a line every 30 s in a log).
 
     Returns ``nll`` (sum over tokens, nats), ``tokens``, ``ppl = exp(nll / tokens)``, plus ``bits_per_byte``
     and lm-eval's ``word_perplexity`` (``exp(nll / whitespace-separated words)``), the window and stride.
@@ -249,7 +269,7 @@ def perplexity(
     texts = [texts] if isinstance(texts, str) else [t for t in texts if t]
     max_length = int(max_length or model.cfg.max_seq_len)
     docs = encode(tokenizer, texts)
-    scores = document_logprobs(model, docs, eos_id_of(tokenizer), max_length, stride, batch_size)
+    scores = document_logprobs(model, docs, eos_id_of(tokenizer), max_length, stride, batch_size, label)
     nll = -sum(lp for lp, _ in scores)
     tokens = sum(n for _, n in scores)
     return {**_summary(nll, tokens, texts), "window": max_length, "stride": stride or max_length}
@@ -266,6 +286,7 @@ def perplexity_by_context_length(
     mode: str = "stream",
     batch_size: int = 16,
     extrapolate: bool = True,
+    label: str | None = None,
 ) -> dict[int, dict[str, Any]]:
     """Perplexity at each context length ``L`` in ``lengths`` (Mela Sec. 5 / Table 5 axis).
 
@@ -334,7 +355,14 @@ def perplexity_by_context_length(
                 }
                 continue
         bs = max(1, min(int(batch_size), int(batch_size) * trained // L))
-        scored = score_sequences(model, [(s, L) for s in segments], batch_size=bs, per_token=True)
+        with _progress(label and f"{label} L={L}", L * len(segments)) as p:
+            scored = score_sequences(
+                model,
+                [(s, L) for s in segments],
+                batch_size=bs,
+                per_token=True,
+                progress_tokens=p and p.update,
+            )
         blk = min(int(block), L)
         nll = -sum(s.logprob for s in scored)
         nll_last = -sum(float(s.token_logprobs[-blk:].sum()) for s in scored)

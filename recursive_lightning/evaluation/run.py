@@ -321,12 +321,29 @@ def skipped_line(skipped: dict[str, str]) -> str:
     )
 
 
+def quiet_git_commit() -> str | None:
+    """The commit of the git checkout around the current directory, or None outside one, without a word on
+    stderr (lm-eval's own asks git and lets it print `fatal: not a git repository` once per evaluation)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always"], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
 def run_tasks(
     lm: Any, tasks: Sequence[str], shots: int, limit: int | float | None, tm: Any
 ) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` of ``tasks`` at ``shots``; a dataset that cannot be had offline becomes
     one UserError sentence naming the task."""
     import lm_eval
+    import lm_eval.evaluator
+
+    lm_eval.evaluator.get_git_commit_hash = quiet_git_commit  # recorded in the result, quietly
 
     try:
         return lm_eval.simple_evaluate(
@@ -462,6 +479,14 @@ def evaluate_checkpoint(
     )
     sets = _parse_sets(ppl_sets)
     tasks, optional = expand_tasks(tasks)
+    if context_lengths is not None:
+        context_lengths = check_context_lengths(context_lengths)
+    if not tasks and not sets:
+        # an empty record would replace the last one (eval-last.json) and say nothing
+        raise UserError(
+            "eval has nothing to evaluate: no tasks (--tasks none) and no perplexity set; name tasks with "
+            "--tasks or pass a text set with --ppl NAME=PATH."
+        )
     shots = [int(s) for s in shots] if tasks else []
     if any(s < 0 for s in shots):
         raise UserError(f"shots must be >= 0, not {shots}.")
@@ -484,6 +509,11 @@ def evaluate_checkpoint(
             notes.insert(0, skipped_line(skipped))
         if not tasks:
             shots = []
+            if not sets:
+                raise UserError(
+                    f"eval has nothing to evaluate: every task was skipped ({', '.join(skipped)}: their data "
+                    f"cannot be had) and no --ppl set was given; {out} is left as it was."
+                )
     for line in notes:  # before the (long) evaluation starts
         if show:
             print(f"note: {line}", file=sys.stderr)
@@ -513,7 +543,9 @@ def evaluate_checkpoint(
         "notes": notes,
     }
     for name, docs in texts.items():
-        r = perplexity(model, tok, docs, max_length=lm.max_length, stride=stride, batch_size=lm.batch_size)
+        r = perplexity(
+            model, tok, docs, lm.max_length, stride, lm.batch_size, label=f"eval perplexity {name}"
+        )
         result["ppl"][name] = {**r, "path": str(sets[name])}
     if context_lengths:
         name = ctx_set or next(iter(sets), None)
@@ -530,6 +562,7 @@ def evaluate_checkpoint(
             max_tokens=ctx_max_tokens,
             mode=ctx_mode,
             batch_size=lm.batch_size,
+            label=f"eval context {name}",
         )
         result["ppl_ctx"] = {
             "set": name,
@@ -594,8 +627,30 @@ def _embedded_metadata(loaded: Any, tasks: Sequence[str], notes: list[str]) -> d
             f"{HELDOUT_FRACTION} the embedded tasks are built from, so some of their documents were in its training "
             f"split; train with data.val_fraction >= {HELDOUT_FRACTION} for a clean score."
         )
+    mismatch = foreign_tokenizer(data)
+    if mismatch:
+        notes.append(
+            f"{', '.join(t for t in tasks if t in EMBEDDED_NAMES)} are built from the embedded corpus for a model "
+            f"whose tokenizer was trained on it (data.tokenizer 'bpe:N', as `train` makes by default), but this "
+            f"checkpoint's tokenizer is {mismatch}: its accuracy there says little about the model."
+        )
     cache = Path(data.cache_dir).expanduser().resolve() if data is not None and data.cache_dir else None
     return {"cache_dir": str(cache or default_cache_dir())}
+
+
+def foreign_tokenizer(data: Any) -> str | None:
+    """A description of the run's tokenizer when it is not a ``bpe:N`` trained on the embedded corpus (the
+    tokenizer the embedded tasks are made for), else None."""
+    if data is None:
+        return None
+    spec = str(getattr(data, "tokenizer", "") or "")
+    if spec.startswith("bpe:") and getattr(data, "path", None) is None:
+        return None
+    if spec.startswith("bpe:"):
+        return f"'{spec}' trained on data.path '{data.path}'"
+    if spec.strip() == "init":
+        return "'init' (the tokenizer of its train.init_from source)"
+    return f"'{spec}'"
 
 
 def _mlflow_target(loaded: Any, run_dir: Path, tracking_uri: str | None) -> dict[str, Any]:
@@ -678,13 +733,15 @@ def _log_mlflow(result: dict[str, Any], json_path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------- output
 def print_report(result: dict[str, Any]) -> None:
+    from recursive_lightning import formatting as fmt
+
     rows_ppl = [
-        (n, f"{r['ppl']:.3f}", f"{r['bits_per_byte']:.4f}", str(r["tokens"]))
+        (n, fmt.ppl(r["ppl"]), f"{r['bits_per_byte']:.4f}", str(r["tokens"]))
         for n, r in result["ppl"].items()
     ]
     ctx = result.get("ppl_ctx", {}).get("lengths", {})
     rows_ctx = [
-        (L, f"{r['ppl']:.3f}", f"{r['ppl_last']:.3f}", str(r["segments"]), "yes" if r["extrapolated"] else "")
+        (L, fmt.ppl(r["ppl"]), fmt.ppl(r["ppl_last"]), str(r["segments"]), "yes" if r["extrapolated"] else "")
         if "ppl" in r
         else (L, "-", "-", "-", f"skipped: {r['skipped']}")
         for L, r in ctx.items()
@@ -701,7 +758,7 @@ def print_report(result: dict[str, Any]) -> None:
         for k in shots:
             h = result["headline"][k].get(t)
             cells.append(
-                f"{100 * h['value']:.2f}"
+                fmt.accuracy(h["value"])
                 if h and not any(x in h["metric"] for x in NOT_ACCURACY)
                 else (f"{h['value']:.3f}" if h else "-")
             )
@@ -712,7 +769,7 @@ def print_report(result: dict[str, Any]) -> None:
             (
                 "average",
                 "",
-                *[f"{100 * result['avg'][k]:.2f}" if result["avg"][k] is not None else "-" for k in shots],
+                *[fmt.accuracy(result["avg"][k]) if result["avg"][k] is not None else "-" for k in shots],
             )
         )
     title = f"{result['run_name']} @ step {result['global_step']} ({Path(result['checkpoint']).name})"
@@ -762,6 +819,19 @@ def _ints(text: str, what: str) -> list[int]:
         return [int(x) for x in str(text).replace(" ", "").split(",") if x]
     except ValueError:
         raise UserError(f"{what} must be a comma-separated list of integers, not '{text}'.") from None
+
+
+def check_context_lengths(lengths: Sequence[int]) -> list[int]:
+    """``lengths`` as a list of positive token counts, or one sentence naming the bad value."""
+    out = list(lengths)
+    if not out:
+        raise UserError("--context-lengths is empty; give token counts, e.g. --context-lengths 256,1024.")
+    bad = [L for L in out if not isinstance(L, int) or isinstance(L, bool) or L < 1]
+    if bad:
+        raise UserError(
+            f"--context-lengths must be positive numbers of tokens, not {bad[0]!r}; e.g. --context-lengths 256,1024."
+        )
+    return out
 
 
 def _limit(text: str | None) -> int | float | None:
@@ -868,15 +938,19 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, not {args.batch_size}.")
+    for flag in ("batch_size", "max_length", "stride", "ctx_block", "ctx_max_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, not {value}.")
     evaluate_checkpoint(
         args.checkpoint,
         ppl_sets=args.ppl,
         tasks=[DEFAULT_ALIAS] if tasks is None else tasks,
         shots=_ints(args.shots, "--shots"),
         limit=_limit(args.limit),
-        context_lengths=_ints(args.context_lengths, "--context-lengths") if args.context_lengths else None,
+        context_lengths=None
+        if args.context_lengths is None
+        else check_context_lengths(_ints(args.context_lengths, "--context-lengths")),
         ctx_set=args.ctx_ppl,
         ctx_block=args.ctx_block,
         ctx_max_tokens=args.ctx_max_tokens,

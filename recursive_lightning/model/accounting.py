@@ -58,11 +58,70 @@ def _meta_forward(
     """The model built on the meta device (no weights allocated) and the FLOPs of one forward pass."""
     with torch.device("meta"):
         model = cls(cfg)
+    return model, _count_forward(model, seq_len, batch_size)
+
+
+def _signature(x: Any) -> Any:
+    """What a module's FLOPs and output shapes depend on, on the meta device: shapes, dtypes, structure."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_signature(v) for v in x))
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return ("object", id(x))  # anything else: never equal to another call's
+
+
+class _Replay:
+    """Modules called again with the same input shapes during a meta-device count: the first call runs,
+    later ones add its FLOPs (per module path) and return its outputs. Meta tensors hold no values, so a
+    replayed output is exactly what a rerun would give; Mela's HLR calls its L-module l_cycles * h_cycles
+    times and its H-module h_cycles times per forward (Sec. 3.2), all with one input shape."""
+
+    def __init__(self, counter: FlopCounterMode, modules: list[torch.nn.Module]) -> None:
+        self.counter, self.modules = counter, modules
+        self.seen: dict[Any, tuple[Any, dict[str, dict[Any, int]]]] = {}
+
+    def _wrap(self, module: torch.nn.Module) -> Any:
+        forward = module.forward
+
+        def replayed(*args: Any, **kwargs: Any) -> Any:
+            key = (id(module), _signature(args), _signature(sorted(kwargs.items())))
+            if key not in self.seen:
+                before = self.counter.get_flop_counts()
+                out = forward(*args, **kwargs)
+                delta = {
+                    k: {op: n - before.get(k, {}).get(op, 0) for op, n in ops.items()}
+                    for k, ops in self.counter.get_flop_counts().items()
+                }
+                self.seen[key] = (out, delta)
+                return out
+            out, delta = self.seen[key]
+            for k, ops in delta.items():
+                for op, n in ops.items():
+                    self.counter.flop_counts[k][op] += n
+            return out
+
+        return replayed
+
+    def __enter__(self) -> _Replay:
+        for m in self.modules:
+            m.forward = self._wrap(m)  # an instance attribute: nn.Module.__call__ runs it, hooks included
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for m in self.modules:
+            del m.forward
+
+
+def _count_forward(
+    model: torch.nn.Module, seq_len: int, batch_size: int, replay: list[torch.nn.Module] = ()
+) -> FlopCounterMode:
     idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
+    with counter, torch.no_grad(), _Replay(counter, list(replay)):
         model(idx)
-    return model, counter
+    return counter
 
 
 def describe(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) -> dict[str, Any]:
@@ -154,15 +213,38 @@ def _ns_flops(cfg: ModelConfig) -> int:
     return 2 * cfg.ns_steps * macs * cfg.memory_heads
 
 
+def _mela_flop_counts(
+    model: torch.nn.Module, cfg: ModelConfig, seq_len: int, batch_size: int
+) -> dict[str, dict[Any, int]]:
+    """FLOPs by module path and op of one meta forward. Every part grows by the same amount per chunk of
+    P*C tokens (decoder rows, HMM chunks, patchify, head positions), so beyond 3 chunks the forward is
+    counted at 2 and 3 chunks (same partial last chunk) and extended linearly: exact, and seconds at any
+    length (the HMM's meta forward runs Python shape functions op by op)."""
+    PC = cfg.tokens_per_chunk
+    n = -(-seq_len // PC)
+    replay = [model.hmm.l_module, model.hmm.h_module]
+    if n <= 3:
+        return _count_forward(model, seq_len, batch_size, replay).get_flop_counts()
+    two = seq_len - (n - 2) * PC
+    c2 = _count_forward(model, two, batch_size, replay).get_flop_counts()
+    c3 = _count_forward(model, two + PC, batch_size, replay).get_flop_counts()
+    return {
+        k: {op: c2.get(k, {}).get(op, 0) + (n - 2) * (c3[k][op] - c2.get(k, {}).get(op, 0)) for op in c3[k]}
+        for k in c3
+    }
+
+
 def describe_mela(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) -> dict[str, Any]:
     """``describe`` for ``arch: mela``: parameters by part with Table 1's shares, the sequence geometry
     (N_p, N_c, decoder length), HLR's block applications and the forward FLOPs by part."""
     from recursive_lightning.model.mela import MelaLM
 
-    model, counter = _meta_forward(MelaLM, cfg, seq_len, batch_size)
+    with torch.device("meta"):
+        model = MelaLM(cfg)
+    counts = _mela_flop_counts(model, cfg, seq_len, batch_size)
     params = _mela_parameters(model)
-    by_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
-    flops = counter.get_total_flops()
+    by_module = {k: sum(v.values()) for k, v in counts.items()}
+    flops = by_module.get("Global", 0)
 
     def under(*names: str) -> int:
         return sum(by_module.get(f"MelaLM.{n}", 0) for n in names)
@@ -256,8 +338,9 @@ def format_description(d: dict[str, Any]) -> str:
     if d.get("arch") == "mela":
         return format_mela(d)
 
-    def m(x: int) -> str:
-        return f"{x:,} ({x / 1e6:.1f}M)"
+    from recursive_lightning import formatting as fmt
+
+    m = fmt.params
 
     lines = [
         f"layout            {d['layout']} ({d['kind']}, {d['n_loop']} loop steps, {d['n_compute_layers']} unrolled layers)",
@@ -273,12 +356,12 @@ def format_description(d: dict[str, Any]) -> str:
     if d["params_combination"]:
         lines.append(f"params combin.    {d['params_combination']:,}")
     lines += [
-        f"forward FLOPs     {d['flops_forward'] / 1e12:.3f}e12 for {d['batch_size']}x{d['seq_len']} tokens",
+        f"forward FLOPs     {fmt.flops(d['flops_forward'])} for {d['batch_size']}x{d['seq_len']} tokens",
         f"                  convention: {d['flops_convention']}",
-        f"                  fvcore-style (1/MAC, no attention): {d['flops_forward_fvcore'] / 1e9:,.1f} GFLOPs",
+        f"                  fvcore-style (1/MAC, no attention): {fmt.flops(d['flops_forward_fvcore'])}",
     ]
     if "flops_mesh_eq8" in d:
-        lines.append(f"MeSH Eq. 8 extra  {d['flops_mesh_eq8'] / 1e9:.3f} GFLOPs (fvcore units)")
+        lines.append(f"MeSH Eq. 8 extra  {fmt.flops(d['flops_mesh_eq8'])} (fvcore units)")
     return "\n".join(lines)
 
 
@@ -288,8 +371,10 @@ def format_mela(d: dict[str, Any]) -> str:
     def m(x: int) -> str:
         return f"{x:>15,} ({x / 1e6:8.2f}M, {100 * x / total:5.2f}%)"
 
+    from recursive_lightning import formatting as fmt
+
     def f(x: int) -> str:
-        return f"{x / 1e9:12,.2f} GFLOPs ({100 * x / d['flops_forward']:5.1f}%)"
+        return f"{fmt.flops(x):>13} ({100 * x / d['flops_forward']:5.1f}%)"
 
     table = ""
     if "table1_memory_pct" in d:
@@ -331,7 +416,7 @@ def format_mela(d: dict[str, Any]) -> str:
         )
         + f"); memory_read {d['memory_read']}; fusion {d['fusion']}"
         + (" (h only, parameter-free)" if d["fusion"] == "none" else ""),
-        f"forward FLOPs     {d['flops_forward'] / 1e12:.4f}e12 for {d['batch_size']}x{d['seq_len']} tokens, by part:",
+        f"forward FLOPs     {fmt.flops(d['flops_forward'])} for {d['batch_size']}x{d['seq_len']} tokens, by part:",
         f"  decoder         {f(d['flops_decoder'])}",
         f"  HMM attention   {f(d['flops_hmm_attention'])}",
         f"  memory proj.    {f(d['flops_memory_projections'])}",

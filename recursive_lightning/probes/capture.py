@@ -344,10 +344,10 @@ def capture(
     it: Iterable = batches
     if callable(progress):
         it = progress(batches)
-    elif progress:
-        from tqdm.auto import tqdm
+    elif progress:  # a bar on a terminal, a line every 30 s in a log
+        from recursive_lightning.progress import tracked
 
-        it = tqdm(batches, desc=desc, unit="batch", dynamic_ncols=True)
+        it = tracked(batches, desc, lambda b: b.numel())
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()

@@ -225,10 +225,10 @@ def capture_mela(
     it: Iterable = starts
     if callable(progress):
         it = progress(starts)
-    elif progress:
-        from tqdm.auto import tqdm
+    elif progress:  # a bar on a terminal, a line every 30 s in a log
+        from recursive_lightning.progress import tracked
 
-        it = tqdm(starts, desc=desc, unit="batch", dynamic_ncols=True)
+        it = tracked(starts, desc, lambda s0: tokens[s0 : s0 + batch_size].numel())
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()

@@ -5,7 +5,8 @@
     probe --compare RUN_DIR [RUN_DIR ...]      (or one sweep directory holding several run dirs)
 
 ``CHECKPOINT`` is a ``.ckpt`` file or a run directory (its newest good checkpoint is used). The
-text is ``--data`` (file, folder, glob or ``hf:<dataset>``) or, by default, the embedded corpus;
+text is ``--data`` (file, folder, glob, ``hf:<dataset>`` or ``embedded``) or, by default, the run's own
+``data.path`` (the embedded corpus when it trained on that);
 documents the training split holds out (the same content hash as the shard writer) come first, then
 the others, each followed by the end-of-text token, and the token stream is cut into ``--samples``
 consecutive windows of ``--seq-len`` tokens - deterministic for a given tokenizer and text.
@@ -85,6 +86,25 @@ def _documents(data: str | None) -> tuple[Iterator[str], str, bool]:
     except DataError as e:
         raise UserError(str(e)) from None
     return iter_documents(source), source.spec, source.kind != "hf"
+
+
+def probe_data(data: str | None, run: Any) -> str | None:
+    """The text to probe on: ``--data`` if given (``embedded`` for the embedded corpus), else the run's own
+    ``data.path`` (None: the embedded corpus), refused in one sentence when that text is no longer there."""
+    if data is not None:
+        return None if data == "embedded" else data
+    path = getattr(getattr(run, "data", None), "path", None)
+    if (
+        path
+        and not str(path).startswith("hf:")
+        and not any(c in str(path) for c in "*?[")
+        and not Path(path).exists()
+    ):
+        raise UserError(
+            f"the checkpoint's run trained on data.path '{path}', which is not here; pass its text with --data PATH "
+            "(or --data embedded for the embedded corpus)."
+        )
+    return path or None
 
 
 def load_samples(
@@ -770,7 +790,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="probe several run dirs (or one sweep dir) and draw the figures side by side",
     )
-    p.add_argument("--data", help="text file, folder, glob or hf:<dataset> (default: the embedded corpus)")
+    p.add_argument(
+        "--data",
+        help="text file, folder, glob, hf:<dataset> or embedded (default: the run's data.path, else the embedded corpus)",
+    )
     p.add_argument(
         "--samples", type=int, default=500, help="number of sequences (default 500, as in the papers)"
     )
@@ -872,7 +895,9 @@ def probe_one(
     L = seq_len or args.seq_len or loaded.run.data.seq_len
     if L > model.cfg.max_seq_len:
         raise UserError(f"--seq-len {L} exceeds the model's max_seq_len {model.cfg.max_seq_len}.")
-    samples = load_samples(loaded.tokenizer, args.data, args.samples, L, vocab_size=model.cfg.vocab_size)
+    samples = load_samples(
+        loaded.tokenizer, probe_data(args.data, loaded.run), args.samples, L, vocab_size=model.cfg.vocab_size
+    )
     if mela:
         return _probe_mela(loaded, path, args, device, samples, label)
     attention = not args.no_attention and model.layout.kind in ("looped", "multires")

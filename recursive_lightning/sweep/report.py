@@ -5,7 +5,9 @@ std: parameters (non-embedding) and forward FLOPs per token (``model.accounting.
 ``config.yaml``), training tokens/s and wall-clock, validation perplexity on each named set and downstream
 accuracy per task with their average (MeSH Tables 1-2), and, with ``report: {baseline: <row>}`` and several
 seeds, the paired difference (same seed) of every row to the baseline with a 95 % t-interval over the seed
-pairs. Every value is read from what the trials left on disk: ``trials/<point>/sweep_result.json`` (metrics,
+pairs; the ranking metric against training FLOPs and wall-clock per row (``sweep/cost.py``) and every trial by
+its MLflow run name in rank order (``sweep/ranking.py``, the one definition of "best"). Every value is read
+from what the trials left on disk: ``trials/<point>/sweep_result.json`` (metrics,
 the study's copy only where that file is absent), ``result.json`` (wall-clock, tokens), ``config.yaml`` and
 the trial's MLflow child run (per-step history: tokens/s and the learning curves). A value a row does not
 have is shown as missing (—), never filled in.
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning import faults
+from recursive_lightning import formatting as fmt
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.sweep.results import mean_std
 from recursive_lightning.sweep.spec import SEED_AXIS
@@ -54,7 +57,9 @@ def collect(storage_url: str, study_name: str) -> tuple[list[dict], list[dict], 
     for t in study.get_trials(deepcopy=False):
         row = {
             "number": t.number,
-            "params": dict(t.params),
+            # a grid trial's point is its fixed parameters (runner.grid_point); a search trial's, its params
+            "params": dict(t.params)
+            or dict(t.user_attrs.get("point") or t.system_attrs.get("fixed_params") or {}),
             "metrics": dict(t.user_attrs.get("metrics", {})),
             "value": t.value,
             "state": t.state.name,
@@ -190,7 +195,7 @@ def _context_lengths(rows: list[dict], axes: list[str], spec, out: Path) -> tupl
     ]
     for label, pts in means.items():
         lines.append(
-            "| " + " | ".join([label, *(f"{pts[L]:.2f}" if L in pts else "" for L in lengths)]) + " |"
+            "| " + " | ".join([label, *(fmt.ppl(pts[L]) if L in pts else "" for L in lengths)]) + " |"
         )
     return png, [*lines, "", f"![perplexity by context length]({png.name})", ""]
 
@@ -200,13 +205,15 @@ def _results_sections(
 ) -> tuple[list[str], list[Path], dict[str, Any]]:
     """The papers' tables (results, downstream accuracy, paired differences to the baseline) and the
     learning-curve figure. Returns (markdown lines, figures, structured data for callers and tests)."""
-    from recursive_lightning.sweep import curves, results
+    from recursive_lightning.sweep import cost, curves, ranking, results
     from recursive_lightning.sweep.spec import row_names
 
     describe_cache: dict[str, dict] = {}
     trials = [results.load_trial(run_dir, t, spec, describe_cache) for t in trials]
     problems = []
-    for t in trials:  # per-step history from the trial's MLflow child run
+    from recursive_lightning.progress import tracked  # a bar on a terminal, a line every 30 s in a log
+
+    for t in tracked(trials, "report: trial histories", lambda _: 1, unit="trial"):  # from MLflow child runs
         t["history"] = {}
         if t.get("mlflow_run_id"):
             try:
@@ -216,9 +223,8 @@ def _results_sections(
         t["tokens_per_sec"] = curves.training_tokens_per_sec(t["history"])
     rows = results.build_rows(trials, axes, row_names(spec.axes) if spec.search is None else ())
     main_cols, heads, shots = results.columns(trials, ranked)
-    ranked_means = {r.name: [v for v in r.values(ranked) if v is not None] for r in rows}
-    scored = {n: sum(v) / len(v) for n, v in ranked_means.items() if v}
-    best = min(scored, key=scored.get) if scored else None
+    ranks = ranking.rank(rows, ranked)
+    best = ranking.best(ranks)[0].name if ranking.best(ranks)[0] is not None else None
     seeds = max((len(r.trials) for r in rows), default=0)
     lines = [
         "## Results",
@@ -244,6 +250,7 @@ def _results_sections(
             )
             + " |"
         )
+    results_table = lines[4:]
     lines += [
         "",
         "- **params (non-emb.)** and **fwd FLOPs/token**: `model.accounting.describe` of the trial's "
@@ -352,7 +359,25 @@ def _results_sections(
         lines += [f"No trial has a metric history in {tracking_uri}.", ""]
     if problems:
         lines += ["Could not read the history of: " + "; ".join(problems), ""]
-    return lines, figures, {"trials": trials, "rows": rows, "table": table, "paired": paired, "best": best}
+    cost_png, cost_points = cost.plot(rows, ranked, out / "report_cost.png", spec.name)
+    if cost_png is not None:
+        figures.append(cost_png)
+    lines += cost.section(cost_png, cost_points, ranked)
+    lines += ranking.runs_section(ranks, ranked)
+    return (
+        lines,
+        figures,
+        {
+            "trials": trials,
+            "rows": rows,
+            "table": table,
+            "paired": paired,
+            "best": best,
+            "ranking": ranks,
+            "results_table": results_table,
+            "cost": cost_points,
+        },
+    )
 
 
 def write_report(
@@ -435,8 +460,11 @@ def write_report(
         )
         for label, mean, std, n, extra in order:
             star = " ★" if label == best else ""
-            cells = [f"{_fmt(label)}{star}", f"{mean:.3f} ± {std:.3f}", str(n)]
-            cells += [f"{extra[c][0]:.3f} ± {extra[c][1]:.3f}" if c in extra else "" for c in extra_cols]
+            cells = [f"{_fmt(label)}{star}", f"{fmt.metric(used, mean)} ± {fmt.metric(used, std)}", str(n)]
+            cells += [
+                f"{fmt.metric(c, extra[c][0])} ± {fmt.metric(c, extra[c][1])}" if c in extra else ""
+                for c in extra_cols
+            ]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         safe = "".join(c if c.isalnum() else "_" for c in axis)
@@ -471,7 +499,9 @@ def write_report(
             from recursive_lightning.tracking import log_metrics
 
             if rows:
-                _log_best(tracking_uri, parent, rows, ranked, data["best"])
+                from recursive_lightning.sweep.ranking import log_ranking
+
+                log_ranking(tracking_uri, parent, data["ranking"], ranked, data["results_table"])
                 log_metrics(
                     tracking_uri, parent, {"trials/finished": len(rows), "trials/failed": len(failed)}
                 )
@@ -486,29 +516,12 @@ def write_report(
         "table": data["table"],
         "paired": data["paired"],
         "best_row": data["best"],
+        "ranking": data["ranking"],
+        "ranked": ranked,
+        "cost": data["cost"],
         "failed": failed,
         "unfinished": unfinished,
     }
-
-
-def _log_best(tracking_uri: str, parent: str, rows: list[dict], ranked: str, best_row: str | None) -> None:
-    """The parent run names what the report ranks first: the metric ``best/<ranked metric>`` (the best trial's
-    value of the metric the report ranks by) and the tags ``best_trial`` (its grid point), ``best_trial_run_id``
-    and ``best_row`` (the row with the best mean over seeds, ★ in the report)."""
-    from recursive_lightning.tracking import client, log_metrics
-
-    scored = [r for r in rows if r["metrics"].get(ranked) is not None]
-    if not scored:
-        return
-    best = min(scored, key=lambda r: r["metrics"][ranked])
-    metrics = {f"best/{ranked}": best["metrics"][ranked]}
-    c = client(tracking_uri)
-    c.set_tag(parent, "best_trial", str(best["key"]))
-    if best.get("mlflow_run_id"):
-        c.set_tag(parent, "best_trial_run_id", best["mlflow_run_id"])
-    if best_row is not None:
-        c.set_tag(parent, "best_row", best_row)
-    log_metrics(tracking_uri, parent, metrics)
 
 
 def main(argv: list[str]) -> int:

@@ -227,15 +227,18 @@ def paired_difference(row: Row, base: Row, key: str, confidence: float = CONFIDE
 
 # --------------------------------------------------------------------------------------------- formatting
 def fmt_value(v: float, kind: str) -> str:
+    """One format per quantity (``recursive_lightning.formatting``): FLOPs ``1.23 GFLOPs``, perplexity ``2060.50``
+    or ``3.40e+09`` beyond its bound, accuracy as a percentage."""
+    from recursive_lightning import formatting as fmt
+
     if kind == "count":
         return f"{v:,.0f}"
     if kind == "flops":
-        for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
-            if abs(v) >= scale:
-                return f"{v / scale:.2f}{suffix}"
-        return f"{v:.2f}"
+        return fmt.flops(v)
     if kind in ("rate", "seconds"):
         return f"{v:,.0f}"
+    if kind == "ppl":
+        return fmt.ppl(v)
     return f"{v:.2f}"
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import fcntl
 import json
 import os
@@ -39,6 +40,7 @@ from typing import Any
 from recursive_lightning import faults
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.processes import parent_death_signal
+from recursive_lightning.sweep.devices import CPU, device_pool, devices_needed, hold_devices
 from recursive_lightning.sweep.servers import check_stores, database_lock, recorded_study
 from recursive_lightning.sweep.spec import SweepSpec, load_sweep, point_key
 from recursive_lightning.tracking import (
@@ -53,9 +55,10 @@ from recursive_lightning.tracking import (
     read_json,
     set_tags,
     set_terminated,
-    ui_command,
     writable_dir_problem,
 )
+from recursive_lightning.tracking_view import ui_hint
+from recursive_lightning.uris import mask_url
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SWEEP = REPO / "ablations" / "default.yaml"
@@ -174,6 +177,17 @@ def resolved_spec(spec: SweepSpec) -> dict[str, Any]:
     return json.loads(json.dumps(out, sort_keys=True, default=str))
 
 
+def grid_point(trial, spec: SweepSpec) -> dict[str, Any]:
+    """The grid point a (frozen) trial of a grid study stands for, in the spec's axis order: the fixed
+    parameters it was enqueued with (``params`` for trials of studies from before the grid could grow)."""
+    fixed = {
+        **trial.params,
+        **(trial.system_attrs.get("fixed_params") or {}),
+        **trial.user_attrs.get("point", {}),
+    }
+    return {a.name: fixed[a.name] for a in spec.axes}
+
+
 def _spec_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(fields whose value changed, grid points no longer in the sweep) between two ``resolved_spec``s. Fields
     only one side has (added to the config since) are not compared."""
@@ -186,10 +200,40 @@ def _spec_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], 
     return sorted(changed), removed
 
 
-def check_unchanged(spec: SweepSpec, study, run_dir: Path, record: bool) -> None:
+def _study_axes(study) -> set[str] | None:
+    """The axis names of a grid study's trials (None when it has none yet)."""
+    names: set[str] = set()
+    for t in study.get_trials(deepcopy=False):
+        names |= (
+            set(t.params)
+            | set(t.system_attrs.get("fixed_params") or {})
+            | set(t.user_attrs.get("point") or {})
+        )
+    return names or None
+
+
+def edited_sweep_advice(spec: SweepSpec, run_dir: Path, storage_url: str | None) -> str:
+    """What to do with a sweep file that cannot continue a study: on a server database the conflict is the
+    study, named after the sweep, in that shared database (a new --run-dir alone meets the same study)."""
+    kept = run_dir / "sweep.yaml"
+    if storage_url is None or storage_url.startswith("sqlite"):
+        return (
+            f"run the edited sweep into a new --run-dir, or restore the file it was run with (kept as {kept})"
+        )
+    return (
+        f"the study '{spec.name}' in the shared database {mask_url(storage_url)} holds the old grid, so give the "
+        f"edited sweep a new `name:` (a new study there) and a new --run-dir, or pass --storage with a new "
+        f"database, or restore the file it was run with (kept as {kept})"
+    )
+
+
+def check_unchanged(
+    spec: SweepSpec, study, run_dir: Path, record: bool, storage_url: str | None = None
+) -> None:
     """Refuse, in one sentence, to continue a sweep directory with a sweep file that changes the config of a
-    grid point it already holds (or drops points): its finished trials would be reported as results of the
-    edited file. Added grid points (more seeds, a new row) are fine. ``record`` stores the new file's grid."""
+    grid point it already holds (or drops points, or adds or drops an axis): its finished trials would be
+    reported as results of the edited file. Added grid points (more seeds, a value or a row of an axis) are
+    fine: only they are trained. ``record`` stores the new file's grid."""
     new = resolved_spec(spec)
     raw = study.user_attrs.get(RESOLVED_ATTR)
     if raw is not None:
@@ -203,6 +247,20 @@ def check_unchanged(spec: SweepSpec, study, run_dir: Path, record: bool) -> None
         old = {"fields": {}, "points": json.loads(json.dumps(points, default=str))} if points else None
     else:
         old = None
+    axes_before = _study_axes(study) if spec.search is None else None
+    if axes_before is not None:
+        axes_now = {a.name for a in spec.axes}
+        added, dropped = sorted(axes_now - axes_before), sorted(axes_before - axes_now)
+        if added or dropped:
+            what = "; ".join(
+                [f"new axis {', '.join(added)}"] * bool(added)
+                + [f"axis {', '.join(dropped)} removed"] * bool(dropped)
+            )
+            raise ConfigError(
+                f"sweep '{spec.name}' in '{run_dir}' was run with the axes {', '.join(sorted(axes_before))} "
+                f"({what}: every earlier grid point would change, not only new ones be added); "
+                f"{edited_sweep_advice(spec, run_dir, storage_url)}."
+            )
     if old is not None:
         changed, removed = _spec_changes(old, new)
         if changed or removed:
@@ -214,8 +272,7 @@ def check_unchanged(spec: SweepSpec, study, run_dir: Path, record: bool) -> None
                 what.append(f"grid point{'s' if len(removed) > 1 else ''} {', '.join(removed[:4])} removed")
             raise ConfigError(
                 f"sweep '{spec.name}' in '{run_dir}' was run with a different sweep file ({'; '.join(what)}), "
-                f"so its results are not this file's; run the edited sweep into a new --run-dir, or restore "
-                f"the file it was run with (kept as {run_dir / 'sweep.yaml'})."
+                f"so its results are not this file's; {edited_sweep_advice(spec, run_dir, storage_url)}."
             )
         new = {"fields": new["fields"], "points": {**old["points"], **new["points"]}}
     if record and (raw is None or json.loads(raw) != new):
@@ -249,14 +306,18 @@ def _prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_ur
     study = optuna.create_study(
         study_name=spec.name, storage=storage, direction="minimize", load_if_exists=True, sampler=sampler
     )
-    check_unchanged(spec, study, run_dir, record=True)
+    check_unchanged(spec, study, run_dir, record=True, storage_url=storage_url)
     trials = study.get_trials(deepcopy=False)
     if spec.search is None:
         present = {t.user_attrs.get("point_key") for t in trials}
         for point in spec.grid():
             key = point_key(point)
             if key not in present:
-                study.enqueue_trial(point, user_attrs={"point_key": key, "attempt": 0}, skip_if_exists=False)
+                # the point is a fixed parameter set read back by run_trial, never suggested from a distribution:
+                # a grown grid (one more seed, a new row) needs no change to earlier trials' distributions
+                study.enqueue_trial(
+                    point, user_attrs={"point_key": key, "attempt": 0, "point": point}, skip_if_exists=False
+                )
     _requeue_dead_local(study, storage, storage_url)
     # the MLflow parent run of the sweep
     exp_id = ensure_experiment(tracking_uri, spec.name, run_dir / "mlartifacts")
@@ -275,7 +336,7 @@ def _prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_ur
                 "sweep.name": spec.name,
                 "sweep.file": str(spec.path),
                 "sweep.axes": json.dumps({a.name: a.labels for a in spec.axes}, default=str),
-                "sweep.storage": storage_url,
+                "sweep.storage": mask_url(storage_url),
                 "sweep.grid_size": len(spec.grid()),
             },
         )
@@ -368,39 +429,68 @@ def _claim(study, storage, storage_url: str, ask: bool = False) -> int | None:
     return trial_id
 
 
-def _late_trials(study, storage) -> list[int]:
-    """Running trials that missed two heartbeats (their worker may be dead; Optuna fails them after GRACE_S),
-    measured as Optuna measures staleness: by the database server's clock."""
-    saved = storage.grace_period
-    storage.grace_period = 2 * HEARTBEAT_S
-    try:
-        return storage._get_stale_trial_ids(study._study_id)
-    finally:
-        storage.grace_period = saved
+def _running_heartbeats(storage, study_id: int):
+    """(the database server's clock, {trial id: last heartbeat or None} of the study's running trials)."""
+    import sqlalchemy
+    from optuna.storages._rdb import models
+    from optuna.trial import TrialState
+
+    with storage.scoped_session() as session:
+        now = session.execute(sqlalchemy.func.now()).scalar().replace(tzinfo=None)
+        rows = (
+            session.query(models.TrialModel.trial_id, models.TrialHeartbeatModel.heartbeat)
+            .outerjoin(
+                models.TrialHeartbeatModel, models.TrialHeartbeatModel.trial_id == models.TrialModel.trial_id
+            )
+            .filter(models.TrialModel.state == TrialState.RUNNING, models.TrialModel.study_id == study_id)
+            .all()
+        )
+    return now, {tid: (beat.replace(tzinfo=None) if beat is not None else None) for tid, beat in rows}
 
 
 def _take_over(study, storage, storage_url: str) -> int | None:
-    """No grid point is waiting. While a running trial of another worker is late with its heartbeats, wait for
-    it to go stale (Optuna then fails it and enqueues its retry, ``RetryHeartbeatStaleTrialCallback``) and
-    claim the retry: it resumes from the dead worker's last checkpoint in the shared run directory, into the
-    same MLflow child run. Returns None when no trial is late (the others are alive, or none is running)."""
+    """No grid point is waiting: watch the other workers' running trials until each is shown alive (its
+    heartbeat advances: left to its worker) or taken over. A trial whose heartbeats stop goes stale after
+    GRACE_S (Optuna fails it and enqueues its retry, ``RetryHeartbeatStaleTrialCallback``, claimed here); one
+    that never sent a heartbeat (its worker died between its claim and its first beat, which Optuna never
+    calls stale) is put back to WAITING once it has been seen without one for GRACE_S. The claimed trial
+    resumes from the dead worker's last checkpoint in the shared run directory, into the same MLflow child
+    run. Returns None when no trial is running or every running one has a live worker."""
+    from optuna.exceptions import UpdateFinishedTrialError
     from optuna.storages import fail_stale_trials
+    from optuna.trial import TrialState
 
+    first: dict[int, tuple[Any, Any]] = {}  # trial id -> (heartbeat, database time) when first seen
+    alive: set[int] = set()
     announced = False
-    while _late_trials(study, storage):
-        if not announced:
-            print(
-                f"[sweep {study.study_name}] a running trial missed its heartbeats: waiting up to {GRACE_S}s "
-                "to take it over",
-                flush=True,
-            )
-            announced = True
-        time.sleep(min(float(HEARTBEAT_S), POLL_S))
+    while True:
         fail_stale_trials(study)
         trial_id = _claim(study, storage, storage_url)
         if trial_id is not None:
             return trial_id
-    return None
+        now, beats = _running_heartbeats(storage, study._study_id)
+        suspects = []
+        for tid, beat in beats.items():
+            if tid in alive:
+                continue
+            beat0, seen = first.setdefault(tid, (beat, now))
+            if beat is not None and (beat0 is None or beat > beat0):
+                alive.add(tid)  # its worker is beating
+            elif beat is None and (now - seen).total_seconds() > GRACE_S:
+                with _claim_lock(storage_url), contextlib.suppress(UpdateFinishedTrialError):
+                    storage.set_trial_state_values(tid, state=TrialState.WAITING)
+            else:
+                suspects.append(tid)
+        if not suspects:
+            return None
+        if not announced:
+            print(
+                f"[sweep {study.study_name}] {len(suspects)} running trial(s) sent no recent heartbeat: watching "
+                f"them up to {GRACE_S}s to take over any whose worker died",
+                flush=True,
+            )
+            announced = True
+        time.sleep(min(float(HEARTBEAT_S), POLL_S))
 
 
 class PruningCallback:
@@ -524,7 +614,7 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
 
     trial = optuna.trial.Trial(study, trial_id)
     if spec.search is None:
-        point = {a.name: trial.suggest_categorical(a.name, a.labels) for a in spec.axes}
+        point = grid_point(study._storage.get_trial(trial_id), spec)
     else:
         point = {}
         for name, dist in spec.search["space"].items():
@@ -581,27 +671,41 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
                 "optuna.study": spec.name,
             }
             faults.point("before_training")
-            if _multi_process(cfg):
-                result = _train_in_subprocess(
-                    cfg, trial_dir, resume, tracking_uri, spec.name, key, parent, tags, point
+            pool = device_pool()
+
+            def waiting() -> None:
+                print(
+                    f"[sweep {spec.name}] trial {trial.number}: waiting for {need} free device(s) of "
+                    f"{','.join(pool)} (other workers hold them)",
+                    flush=True,
                 )
-            else:
-                result = train(
-                    cfg,
-                    trial_dir,
-                    resume=resume,
-                    tracking_uri=tracking_uri,
-                    experiment=spec.name,
-                    run_name=key,
-                    parent_run_id=parent,
-                    tags=tags,
-                    callbacks=callbacks,
-                    params=axis_params(point, flat),
-                )
-            pruned = pruner_cb is not None and pruner_cb.pruned
-            if not pruned and not _has_val(result.metrics) and result.steps >= cfg.train.max_steps:
-                if not _multi_process(cfg):
-                    result = _validate_last_checkpoint(cfg, result)
+
+            need = devices_needed(cfg, pool)
+            # the trial's devices, held while it trains: its `train` process sees only them
+            with hold_devices(run_dir, pool, need, on_wait=waiting) as held:
+                tags["devices"] = ",".join(held) or CPU
+                faults.point("devices_held")
+                if held or _multi_process(cfg):
+                    result = _train_in_subprocess(
+                        cfg, trial_dir, resume, tracking_uri, spec.name, key, parent, tags, point, held
+                    )
+                else:
+                    result = train(
+                        cfg,
+                        trial_dir,
+                        resume=resume,
+                        tracking_uri=tracking_uri,
+                        experiment=spec.name,
+                        run_name=key,
+                        parent_run_id=parent,
+                        tags=tags,
+                        callbacks=callbacks,
+                        params=axis_params(point, flat),
+                    )
+                pruned = pruner_cb is not None and pruner_cb.pruned
+                if not pruned and not _has_val(result.metrics) and result.steps >= cfg.train.max_steps:
+                    if not held and not _multi_process(cfg):
+                        result = _validate_last_checkpoint(cfg, result)
         faults.point("after_result_write")
         metrics = dict(result.metrics)
         if spec.evaluate:  # perplexity sets and (optionally) lm-eval tasks on the finished trial
@@ -684,6 +788,8 @@ def slurm_launcher(cfg, environ: dict[str, str] | None = None) -> list[str]:
         f"--nodes={nodes}",
         f"--ntasks={nodes * per_node}",
         f"--ntasks-per-node={per_node}",
+        # each rank this job's --cpus-per-task, whatever srun's version inherits (22.05 none, 23.11 all)
+        f"--cpus-per-task={env.get('SLURM_CPUS_PER_TASK') or 1}",
         "--kill-on-bad-exit=1",
         "--export=ALL",
     ]
@@ -721,13 +827,19 @@ def _train_in_subprocess(
     parent: str,
     tags: dict[str, str],
     point: dict[str, Any],
+    devices: list[str] | None = None,
 ):
     """A multi-device trial (DDP / FSDP2) runs as its own `train` command: Lightning's launcher re-executes
-    that command once per rank, which it cannot do for a sweep worker. Pruning is not available there."""
+    that command once per rank, which it cannot do for a sweep worker. So does every trial given ``devices``
+    of the pool (its ``CUDA_VISIBLE_DEVICES``: a process's CUDA devices are fixed when it first uses CUDA).
+    Pruning is not available there."""
     from recursive_lightning.training.run import TrainResult
 
     trial_dir.mkdir(parents=True, exist_ok=True)
     cfg_file = trial_dir / "trial.yaml"
+    if devices:  # its devices, renumbered 0 .. d-1 inside it: a count (ids or `auto` would name others)
+        cfg = copy.deepcopy(cfg)
+        cfg.train.devices = len(devices)
     atomic_write_text(cfg_file, cfg.to_yaml())
     cmd = [
         sys.executable,
@@ -754,7 +866,19 @@ def _train_in_subprocess(
     cmd = [*slurm_launcher(cfg), *cmd]
     if sys.platform.startswith("linux"):  # the train command dies with this worker, as the worker does
         cmd = [sys.executable, "-c", _DIE_WITH_PARENT_EXEC, str(os.getpid()), *cmd]
-    subprocess.run(cmd, check=True)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices)} if devices else None
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        code = proc.wait()
+    except BaseException as e:
+        # SIGTERM / Ctrl-C to this worker (SLURM's --signal=B: reaches only the worker): the `train` step stops
+        # at a step boundary too (srun passes the signal on to every rank), and is waited for
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT if type(e) is KeyboardInterrupt else signal.SIGTERM)
+        proc.wait()
+        raise
+    if code:
+        raise subprocess.CalledProcessError(code, cmd)
     return TrainResult.from_dict(json.loads((trial_dir / "result.json").read_text()), trial_dir)
 
 
@@ -788,6 +912,7 @@ def worker(
                 trial_id = _take_over(study, storage, storage_url)
             if trial_id is None:
                 break
+            faults.point("after_claim")  # claimed, no heartbeat sent yet
         else:
             n = len(
                 study.get_trials(
@@ -828,6 +953,7 @@ def worker(
                     study.enqueue_trial(
                         params,
                         user_attrs={
+                            **({"point": trial.user_attrs["point"]} if "point" in trial.user_attrs else {}),
                             "point_key": trial.user_attrs.get("point_key"),
                             "attempt": attempt + 1,
                             "retry_of": trial.number,
@@ -836,6 +962,23 @@ def worker(
                     )
         done += 1
     return done
+
+
+def check_devices(spec: SweepSpec, pool: list[str]) -> None:
+    """Refuse, before any training, a grid point that asks for more devices than this machine's pool has."""
+    if not pool:
+        return
+    for point in spec.grid() if spec.search is None else [{}]:
+        need = devices_needed(spec.trial_config(point), pool)
+        if need > len(pool):
+            where = ", ".join(f"{k}={v}" for k, v in point.items())
+            raise ConfigError(
+                f"sweep '{spec.name}'"
+                + (f" at {where}" if where else "")
+                + f": train.devices asks for {need} "
+                f"devices but this machine's device pool ({','.join(pool)}, from CUDA_VISIBLE_DEVICES or the "
+                f"GPUs torch sees) has {len(pool)}; lower train.devices or run it where more GPUs are visible."
+            )
 
 
 def prepare_data(spec: SweepSpec) -> None:
@@ -876,15 +1019,18 @@ def close_parent(
     spec: SweepSpec, storage_url: str, tracking_uri: str, interrupted: bool = False
 ) -> str | None:
     """End the sweep's MLflow parent run once no trial is waiting or running (see ``sweep_state``), KILLED on
-    an interrupt. Returns the status set, or None while trials are still under way (other workers or machines):
-    whichever process ends the last trial closes it."""
+    an interrupt that leaves grid points unfinished. Returns the status set, or None while trials are still
+    under way (other workers or machines): whichever process ends the last trial closes it. The status is the
+    grid's as it now stands: a command that stops or fails after every point finished leaves it FINISHED."""
     import optuna
 
     study = optuna.load_study(study_name=spec.name, storage=_storage(storage_url, spec.max_retries))
     parent = study.user_attrs.get("mlflow_parent_run_id")
     if parent is None:
         return None
-    status = "KILLED" if interrupted else sweep_state(spec, study)
+    status = sweep_state(spec, study)
+    if interrupted and status is None:
+        status = "KILLED"
     if status is not None:
         set_terminated(tracking_uri, parent, status)
     return status
@@ -920,6 +1066,19 @@ def _wait_for_local_trials(spec: SweepSpec, storage_url: str) -> bool:
             )
             announced = True
         time.sleep(POLL_S)
+
+
+def _unfinished(spec: SweepSpec, storage_url: str) -> dict[str, list[str]]:
+    """The grid points of trials still waiting and still running."""
+    import optuna
+    from optuna.trial import TrialState
+
+    study = optuna.load_study(study_name=spec.name, storage=_storage(storage_url, spec.max_retries))
+    out: dict[str, list[str]] = {"waiting": [], "running": []}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING)):
+        key = str(t.user_attrs.get("point_key") or f"trial {t.number}")
+        out["waiting" if t.state == TrialState.WAITING else "running"].append(key)
+    return out
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -979,6 +1138,51 @@ def _spawn_workers(n: int, sweep_file: Path, run_dir: Path, storage: str, tracki
     return next((c for c in codes if c), 0)  # a worker killed by a signal has a negative code
 
 
+def _no_study(spec: SweepSpec, storage: str) -> ConfigError:
+    return ConfigError(
+        f"--attach: no study named '{spec.name}' in {mask_url(storage)}; start the sweep without --attach first."
+    )
+
+
+def _study_file_exists(spec: SweepSpec, storage: str) -> None:
+    """A refused ``--attach`` leaves nothing behind: a SQLite study file that does not exist is not created."""
+    if storage.startswith("sqlite:///") and storage != "sqlite:///:memory:":
+        if not Path(storage.removeprefix("sqlite:///")).is_file():
+            raise _no_study(spec, storage)
+
+
+def _attached_study(spec: SweepSpec, storage: str):
+    import optuna
+
+    _study_file_exists(spec, storage)
+    try:
+        return optuna.load_study(study_name=spec.name, storage=_storage(storage, spec.max_retries))
+    except KeyError:
+        raise _no_study(spec, storage) from None
+
+
+def check_attach_dir(spec: SweepSpec, study, run_dir: Path) -> None:
+    """Refuse, in one sentence, an ``--attach`` worker whose run directory is not the study's: another sweep's
+    directory, or the study's path where this machine does not see the shared directory (its trials would
+    train elsewhere into duplicate child runs). The study's directory holds ``sweep.json`` naming the sweep
+    and its MLflow parent run."""
+    info = read_json(run_dir / "sweep.json")
+    recorded = study.user_attrs.get("run_dir")
+    parent = study.user_attrs.get("mlflow_parent_run_id")
+    if info is None:
+        raise ConfigError(
+            f"--attach: the run directory '{run_dir}' does not hold the sweep '{spec.name}' (no sweep.json: not "
+            f"the study's directory{f' {recorded}' if recorded else ''}, or its shared file system is not mounted "
+            "here); pass --run-dir with the study's directory as this machine sees it."
+        )
+    if info.get("name") != spec.name or (parent and info.get("parent_run_id") != parent):
+        raise ConfigError(
+            f"--attach: the run directory '{run_dir}' holds another sweep ('{info.get('name')}', parent run "
+            f"{info.get('parent_run_id')}), not the study '{spec.name}' (parent run {parent}); pass --run-dir "
+            f"with the study's directory{f' ({recorded})' if recorded else ''} or leave it out."
+        )
+
+
 class _Stop(KeyboardInterrupt):
     """SIGTERM to the sweep command: stop like Ctrl-C, exit 143."""
 
@@ -1034,6 +1238,18 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(int(os.environ["RL_TORCH_THREADS"]))
     sweep_file = Path(args.file)
     spec = load_sweep(sweep_file)
+    from recursive_lightning.validation import check_late_fields  # read after training: checked now
+
+    check_late_fields(spec, sweep_file.parent, str(sweep_file))
+    if args.workers is not None and args.workers < 1:  # before the run directory is made
+        raise ConfigError(f"--workers must be >= 1, not {args.workers}.")
+    if args.attach and args.storage:
+        _study_file_exists(spec, args.storage)  # opening a missing SQLite file would create it
+    if args.max_trials is not None and args.max_trials < 1:
+        raise ConfigError(
+            f"--max-trials must be >= 1, not {args.max_trials}; leave it out to run until no grid point is left."
+        )
+    check_devices(spec, device_pool())  # one sentence before any work
     # an attached worker finds the run directory and tracking store the study was prepared with
     recorded = (
         recorded_study(args.storage, spec.name, args.tracking_uri) if args.attach and args.storage else {}
@@ -1048,6 +1264,10 @@ def main(argv: list[str]) -> int:
             "folder you can write to."
         )
     check_stores(storage, tracking)  # one sentence for a store the sweep cannot reach, before any work
+    if args.attach:  # the study, its grid and its run directory, checked before anything is written
+        study = _attached_study(spec, storage)
+        check_unchanged(spec, study, run_dir, record=False, storage_url=storage)
+        check_attach_dir(spec, study, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     workers = args.workers if args.workers is not None else spec.workers
     if workers < 1:
@@ -1061,25 +1281,15 @@ def main(argv: list[str]) -> int:
             prepare_data(spec)
             print(
                 f"[sweep {spec.name}] prepared in {run_dir}; start workers (on any machine that reaches the stores "
-                f"and this directory) with: sweep {sweep_file} --attach --storage {storage}",
+                f"and this directory) with: sweep {sweep_file} --attach --storage {mask_url(storage)}",
                 flush=True,
             )
             return 0
         print(
             f"[sweep {spec.name}] {len(spec.grid()) if spec.search is None else spec.search['n_trials']} trials; "
-            f"study in {storage}; tracking {tracking}",
+            f"study in {mask_url(storage)}; tracking {mask_url(tracking)}",
             flush=True,
         )
-    else:
-        import optuna
-
-        try:
-            study = optuna.load_study(study_name=spec.name, storage=_storage(storage, spec.max_retries))
-        except KeyError:
-            raise ConfigError(
-                f"--attach: no study named '{spec.name}' in {storage}; start the sweep without --attach first."
-            ) from None
-        check_unchanged(spec, study, run_dir, record=False)
     # SIGTERM (a scheduler, or the command stopping its workers) ends the sweep like Ctrl-C: the parent run is
     # closed KILLED instead of staying RUNNING
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -1111,6 +1321,7 @@ def main(argv: list[str]) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not args.no_report:
+        from recursive_lightning.sweep.ranking import summary_line
         from recursive_lightning.sweep.report import write_report
 
         # one writer at a time: workers on several machines may end together (the report's files have fixed names)
@@ -1118,9 +1329,10 @@ def main(argv: list[str]) -> int:
             report = write_report(run_dir, spec=spec, storage_url=storage, tracking_uri=tracking)
         print(report["markdown"])
         print(f"\nreport: {report['path']}")
+        print(f"best: {summary_line(report)}")
     faults.point("before_close_parent")
     status = close_parent(spec, storage, tracking)
-    print(f"compare the runs in the MLflow UI: {ui_command(run_dir, tracking)}")
+    print(ui_hint(run_dir, tracking))
     if status == "FINISHED":
         print(f"[sweep {spec.name}] finished in {time.time() - t0:.0f}s", flush=True)
         return 0
@@ -1131,18 +1343,38 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
         return EXIT_FAILED
-    if args.attach and not crashed:  # a scheduler's worker is done: other workers run the last trials
+    unfinished = _unfinished(spec, storage)
+    if (
+        args.attach
+        and not crashed
+        and unfinished["running"]
+        and not unfinished["waiting"]
+        and not args.max_trials
+    ):
+        # a scheduler's worker is done: live workers (their heartbeats advance) run the last trials
         print(
-            f"[sweep {spec.name}] this worker is done: no grid point is waiting; the worker that ends the last "
-            "trial closes the sweep",
+            f"[sweep {spec.name}] this worker is done: no grid point is waiting and live workers run "
+            f"{', '.join(unfinished['running'])}; the worker that ends the last trial closes the sweep",
             flush=True,
         )
         return 0
-    why = (
-        f"a worker process exited with code {crashed}; re-run the same command to resume its trial"
-        if crashed
-        else "trials are still waiting or running (other machines or --max-trials); the report is partial and "
-        "the last process to end a trial closes the sweep"
+    left = unfinished["waiting"] + unfinished["running"]
+    again = (
+        f"sweep {sweep_file} --attach --storage {mask_url(storage)}"
+        if args.attach
+        else f"sweep {sweep_file} --run-dir {run_dir}"
+        + (f" --storage {mask_url(storage)}" if args.storage else "")
     )
-    print(f"[sweep {spec.name}] not finished: {why}", file=sys.stderr, flush=True)
+    why = (
+        f"a worker process exited with code {crashed}"
+        if crashed
+        else "trials are still waiting or running (other machines or --max-trials)"
+    )
+    shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
+    print(
+        f"[sweep {spec.name}] not finished: {why}; unfinished grid point(s) {shown or '(none named)'}: run "
+        f"`{again}` to finish them (the report is partial until then)",
+        file=sys.stderr,
+        flush=True,
+    )
     return EXIT_UNFINISHED

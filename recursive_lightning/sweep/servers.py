@@ -31,23 +31,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from recursive_lightning.errors import ConfigError
-from recursive_lightning.processes import dies_with_parent
+from recursive_lightning.processes import dies_with_parent, stop_group
+from recursive_lightning.uris import mask_url, same_server
 
 CONNECT_TIMEOUT_S = 10
 
 
 def _shown(url: str) -> str:
-    """``url`` with its password hidden."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url
+    """``url`` with its password hidden (:func:`recursive_lightning.uris.mask_url`)."""
+    return mask_url(url)
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(getattr(e, "orig", None) or e).strip()
+    text = mask_url(str(getattr(e, "orig", None) or e)).strip()
     return text.splitlines()[0].strip().rstrip(".") if text else type(e).__name__
 
 
@@ -67,7 +63,7 @@ def check_database(url: str, option: str, what: str) -> None:
         parsed = make_url(url)
     except ArgumentError:
         raise ConfigError(
-            f"{option} '{url}' is not a database URL; write postgresql+psycopg://USER@HOST:PORT/DATABASE "
+            f"{option} '{mask_url(url)}' is not a database URL; write postgresql+psycopg://USER@HOST:PORT/DATABASE "
             "(or sqlite:///PATH for one machine)."
         ) from None
     if parsed.get_backend_name() == "sqlite":
@@ -140,12 +136,13 @@ def check_tracking_server(uri: str, option: str = "--tracking-uri") -> None:
             else "is it an `mlflow server`? fix the URL"
         )
         raise ConfigError(
-            f"the MLflow tracking server {option} '{uri}' answered HTTP {e.code} to {url}; {hint}."
+            f"the MLflow tracking server {option} '{mask_url(uri)}' answered HTTP {e.code} to {mask_url(url)}; "
+            f"{hint}."
         ) from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
         raise ConfigError(
-            f"cannot reach the MLflow tracking server {option} '{uri}' ({reason}); start `mlflow server` there "
+            f"cannot reach the MLflow tracking server {option} '{mask_url(uri)}' ({reason}); start `mlflow server` there "
             "(see the README's 'Run a sweep on a cluster') or fix the URL, then run the command again."
         ) from None
 
@@ -174,14 +171,10 @@ def recorded_study(storage_url: str, name: str, tracking_uri: str | None = None)
         return {}
     out = {k: str(attrs[k]) for k in ("run_dir", "tracking_uri") if attrs.get(k)}
     out.update(_moved_with_its_study(storage_url, out.get("run_dir")))
-    if (
-        tracking_uri
-        and out.get("tracking_uri")
-        and tracking_uri.rstrip("/") != out["tracking_uri"].rstrip("/")
-    ):
+    if tracking_uri and out.get("tracking_uri") and not same_server(tracking_uri, out["tracking_uri"]):
         raise ConfigError(
-            f"--tracking-uri '{tracking_uri}' is not the tracking store the study '{name}' logs to "
-            f"('{out['tracking_uri']}'); leave --tracking-uri out to use the study's."
+            f"--tracking-uri '{mask_url(tracking_uri)}' is not the tracking store the study '{name}' logs to "
+            f"('{mask_url(out['tracking_uri'])}'); leave --tracking-uri out to use the study's."
         )
     return out
 
@@ -278,6 +271,14 @@ class LocalPostgres:
             raise RuntimeError(f"{' '.join(cmd[:2])} failed: {p.stderr.strip() or p.stdout.strip()}")
 
     def start(self) -> LocalPostgres:
+        try:
+            self._start()
+        except BaseException:  # SIGTERM / Ctrl-C while it starts: no server left behind
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
         self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust", "-E", "UTF8",
                   "--no-sync", "--no-instructions")  # fmt: skip
         opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c max_connections=300"
@@ -286,7 +287,6 @@ class LocalPostgres:
         self._run(
             str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-o", opts, "-w", "start"
         )
-        return self
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
@@ -324,6 +324,13 @@ class LocalMlflowServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 180.0) -> LocalMlflowServer:
+        try:
+            return self._start(timeout)
+        except BaseException:  # SIGTERM / Ctrl-C while it starts: stop what it started already
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> LocalMlflowServer:
         self.artifacts.mkdir(parents=True, exist_ok=True)
         self._log = open(self.artifacts.parent / f"mlflow-server-{self.port}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -340,20 +347,13 @@ class LocalMlflowServer:
                 return self
             except ConfigError:
                 if self.proc.poll() is not None or time.time() > deadline:
-                    self.stop()
                     log = Path(self._log.name).read_text()[-2000:]
                     raise RuntimeError(f"mlflow server did not start:\n{log}") from None
                 time.sleep(0.5)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        if self.proc is not None:  # the server's whole process group: uvicorn and huey workers too
+            stop_group(self.proc, timeout=10)
         if getattr(self, "_log", None) is not None:
             self._log.close()
 
@@ -364,16 +364,24 @@ class LocalMlflowServer:
         self.stop()
 
 
+def _interrupt(signum, frame) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second one must not cut the stopping short
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main() -> int:
-    """Start a throwaway PostgreSQL and an ``mlflow server`` on it, print the two URLs, stop on Ctrl-C."""
-    with LocalPostgres() as pg:
+    """Start a throwaway PostgreSQL and an ``mlflow server`` on it, print the two URLs; Ctrl-C, SIGTERM or a
+    closed terminal stops both servers and every process they started."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    with contextlib.suppress(KeyboardInterrupt), LocalPostgres() as pg:
         storage = pg.create_database("optuna")
         backend = pg.create_database("mlflow")
         with LocalMlflowServer(backend, pg.root / "artifacts") as server:
-            print(f"--storage {storage} --tracking-uri {server.uri}", flush=True)
-            with contextlib.suppress(KeyboardInterrupt):
-                while True:
-                    time.sleep(3600)
+            print(mask_url(f"--storage {storage} --tracking-uri {server.uri}"), flush=True)
+            while True:
+                time.sleep(3600)
     return 0
 
 

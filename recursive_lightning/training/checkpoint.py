@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import UserError
 from recursive_lightning.model.build import build_model
@@ -166,6 +167,8 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     }
     model.load_state_dict(state)
     model.to(device).eval()
+    # inside a CLI command (eval, probe, generate): torch's threads for this model's width
+    thread_policy.apply_for(model)
     tokenizer = None
     if extra.get("tokenizer_json"):
         from tokenizers import Tokenizer

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig, load_run_config, load_yaml
 from recursive_lightning.errors import ConfigError, Terminated
 from recursive_lightning.tracking import (
@@ -59,8 +60,11 @@ class TrainResult:
     best_checkpoint: Path | None
     mlflow_run_id: str
     tracking_uri: str
-    seconds: float
+    seconds: float  # wall-clock of the run: the sum of its segments (training/wallclock.py)
     extra: dict[str, Any] = field(default_factory=dict)
+    segment_steps: int | None = None  # steps this command trained (None: the whole run)
+    segment_seconds: float | None = None
+    segments: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -73,6 +77,7 @@ class TrainResult:
             "mlflow_run_id": self.mlflow_run_id,
             "tracking_uri": self.tracking_uri,
             "seconds": self.seconds,
+            "segments": self.segments,
         }
 
     @classmethod
@@ -96,6 +101,7 @@ class TrainResult:
             mlflow_run_id=str(d["mlflow_run_id"]),
             tracking_uri=default_tracking_uri(run_dir),
             seconds=float(d.get("seconds") or 0.0),
+            segments=int(d.get("segments") or 1),
         )
 
 
@@ -192,13 +198,13 @@ def train(
     ``params``: MLflow params beside the config's (a sweep's axes)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import MLFlowLogger
 
     from recursive_lightning.model.accounting import describe
     from recursive_lightning.training import parallel
     from recursive_lightning.training.checkpoint import AtomicCheckpointIO, latest_good, read_checkpoint
     from recursive_lightning.training.host import keep_freed_memory
     from recursive_lightning.training.module import RecursiveLMModule
+    from recursive_lightning.training.step_logger import step_once_logger
 
     t0 = time.time()
     parallel.check_supported(cfg.train)
@@ -302,6 +308,7 @@ def train(
         cfg.train.seed, workers=True, verbose=False
     )  # init must not depend on what data prep consumed
     module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
+    thread_policy.apply_for(cfg.model)  # inside a CLI command (recursive_lightning/threads.py)
     module.mlflow_run_id = run_id
     extra_cbs = []
     if cfg.train.init_from:  # the record rides in every checkpoint; a resume restores it from there
@@ -313,9 +320,8 @@ def train(
         from recursive_lightning.training.partial import TrainOnly
 
         extra_cbs.append(TrainOnly(cfg.train.train_only, cfg.train.train_only_steps))
-    logger = MLFlowLogger(
-        experiment_name=experiment or cfg.name, tracking_uri=tracking_uri, run_id=run_id, log_model=False
-    )
+    # a resumed run retrains the steps since its last checkpoint: each step's metrics are logged once
+    logger = step_once_logger(experiment or cfg.name, tracking_uri, run_id, resumed=resume_from is not None)
 
     t = cfg.train
     periodic = ModelCheckpoint(
@@ -338,7 +344,10 @@ def train(
         auto_insert_metric_name=False,
         enable_version_counter=False,
     )
-    cbs = [periodic, best, *extra_cbs, *(callbacks or [])]
+    from recursive_lightning.training.wallclock import WallClock
+
+    clock = WallClock(t0)
+    cbs = [periodic, best, clock, *extra_cbs, *(callbacks or [])]
     if t.progress:
         from lightning.pytorch.callbacks import TQDMProgressBar
 
@@ -422,10 +431,14 @@ def train(
         tokens=tokens,
         metrics=metrics,
         last_checkpoint=last if last.exists() else None,
-        best_checkpoint=Path(best.best_model_path) if best.best_model_path else None,
+        # a copied or moved run restores the old folder's path with the callback's state: the file is here
+        best_checkpoint=ckpt_dir / Path(best.best_model_path).name if best.best_model_path else None,
         mlflow_run_id=run_id,
         tracking_uri=tracking_uri,
-        seconds=time.time() - t0,
+        seconds=clock.seconds(),
+        segment_steps=trainer.global_step - clock.start_step,
+        segment_seconds=clock.segment_seconds(),
+        segments=clock.segments + 1,
     )
     if trainer.is_global_zero:
         atomic_write_text(run_dir / "result.json", json.dumps(result.to_dict(), indent=2))
@@ -503,9 +516,20 @@ def _tag_changed_params(tracking_uri: str, run_id: str, cfg: RunConfig) -> None:
 
 
 def summary_line(r: TrainResult) -> str:
-    ppl = ", ".join(f"{k.removeprefix('val/')}={v:.2f}" for k, v in r.metrics.items() if k.endswith("/ppl"))
+    from recursive_lightning import formatting as fmt
+
+    ppl = ", ".join(
+        f"{k.removeprefix('val/')}={fmt.ppl(v)}" for k, v in r.metrics.items() if k.endswith("/ppl")
+    )
+    if r.segments > 1 and r.segment_steps is not None:  # a resumed run: what this command did, then the run
+        done = (
+            f"trained {r.segment_steps} steps in {r.segment_seconds:.0f}s, the run now at step {r.steps} "
+            f"({r.tokens:,} tokens, {r.seconds:.0f}s over {r.segments} segments)"
+        )
+    else:
+        done = f"trained {r.steps} steps ({r.tokens:,} tokens) in {r.seconds:.0f}s"
     return (
-        f"trained {r.steps} steps ({r.tokens:,} tokens) in {r.seconds:.0f}s; val {ppl or 'n/a'}; "
+        f"{done}; val {ppl or 'n/a'}; "
         f"checkpoint {r.last_checkpoint}; MLflow run {r.mlflow_run_id} ({ui_command(r.run_dir, r.tracking_uri)})"
     )
 
@@ -582,18 +606,21 @@ def main(argv: list[str]) -> int:
     if args.resume and (run_dir / "config.yaml").exists() and not args.config:
         cfg = load_run_config(run_dir / "config.yaml", overrides)
     tags = dict(t.split("=", 1) for t in args.tag if "=" in t)
-    result = train(
-        cfg,
-        run_dir,
-        resume=args.resume,
-        ckpt_path=args.ckpt_path,
-        tracking_uri=args.tracking_uri,
-        experiment=args.experiment,
-        run_name=args.run_name,
-        parent_run_id=args.parent_run_id,
-        tags=tags,
-        params=dict(t.split("=", 1) for t in args.param if "=" in t),
-    )
+    from recursive_lightning.validation import undo_on_refusal
+
+    with undo_on_refusal(run_dir):  # a refused run leaves nothing behind (no config.yaml, no tracking store)
+        result = train(
+            cfg,
+            run_dir,
+            resume=args.resume,
+            ckpt_path=args.ckpt_path,
+            tracking_uri=args.tracking_uri,
+            experiment=args.experiment,
+            run_name=args.run_name,
+            parent_run_id=args.parent_run_id,
+            tags=tags,
+            params=dict(t.split("=", 1) for t in args.param if "=" in t),
+        )
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
     if rank_zero_only.rank == 0:  # DDP / FSDP: every rank returns here, one line is enough

@@ -60,6 +60,7 @@ import json
 import math
 import re
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,6 +114,8 @@ def parse_strategy(text: str) -> tuple[str, list[list[int]] | None]:
             lo = int(m.group(1))
             layers += range(lo, int(m.group(2) or lo) + 1)
         groups.append(layers)
+    if not any(groups):
+        raise ConfigError(f"train.init_strategy '{text}' lists no source layers; name them ({_EXAMPLE}).")
     return "select", groups
 
 
@@ -314,6 +317,11 @@ def load_source(spec: str) -> Source:
         from recursive_lightning.model.model import RecursiveLM
         from recursive_lightning.training.checkpoint import load_checkpoint
 
+        if path.is_file() and not zipfile.is_zipfile(path):  # torch.save writes a zip archive
+            raise ConfigError(
+                f"train.init_from '{path}' is neither a checkpoint nor a model directory; pass a .ckpt file "
+                "or run directory of this package, or a Hugging Face model directory (with config.json)."
+            )
         loaded = load_checkpoint(path)
         model = loaded.model
         if not isinstance(model, RecursiveLM) or model.layout.kind != "vanilla":
@@ -482,21 +490,76 @@ def check_tokenizer(cfg: RunConfig, source: Source, tokenizer: Any) -> None:
         )
 
 
+# the architecture fields the copied weights fix; a local Hugging Face source gives them unless named
+ARCH_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "n_heads",
+    "n_kv_heads",
+    "mlp",
+    "mlp_hidden",
+    "norm",
+    "norm_eps",
+    "bias",
+    "parallel_residual",
+    "rotary_pct",
+    "rotary_base",
+    "tie_embeddings",
+    "scale_embeddings",
+)
+
+
+def hf_architecture(path: Path) -> dict[str, Any] | None:
+    """The architecture fields (:data:`ARCH_FIELDS`) of a local Hugging Face GPT-NeoX / LLaMA directory, read
+    from its config.json alone; None for anything else (loading it later says what is wrong)."""
+    from recursive_lightning.model import convert
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        to_config = {"gpt_neox": convert.config_from_gpt_neox, "llama": convert.config_from_llama}.get(
+            raw.get("model_type")
+        )
+        cfg = to_config(raw).to_dict() if to_config else None
+    except (OSError, ValueError, AttributeError):  # ConfigError is a ValueError: load_source words it
+        return None
+    return None if cfg is None else {k: cfg.get(k) for k in ARCH_FIELDS}
+
+
 def cli_overrides(init_from: str, config: str | None, overrides: list[str]) -> list[str]:
-    """``train --init-from``: a local source as an absolute path (the run may resume from elsewhere), and
-    ``data.tokenizer init`` unless the command line or the config file names a tokenizer (which is then
-    checked against the source's)."""
+    """``train --init-from``: a local source as an absolute path (the run may resume from elsewhere);
+    ``data.tokenizer init`` unless the command line names a tokenizer, or the config file names one beside its
+    own ``train.init_from`` (a recipe's tokenizer for training from scratch is not the source's; a named one is
+    checked against the source's); and, for a local Hugging Face directory, its architecture fields
+    (:data:`ARCH_FIELDS`) where neither the command line nor the config's ``model:`` section names them, so
+    ``--config <any recipe> --init-from DIR --model.layout ...`` works as printed (the preset's sizes give way)."""
     path = Path(init_from).expanduser()
     if path.exists():
         i = len(overrides) - 1 - overrides[::-1].index("--train.init_from")
         overrides = [*overrides[: i + 1], str(path.resolve()), *overrides[i + 2 :]]
-    named = any(o == "--data.tokenizer" or o.startswith("--data.tokenizer=") for o in overrides)
-    if config and not named:
+
+    def on_command_line(key: str) -> bool:
+        return any(o == f"--{key}" or o.startswith(f"--{key}=") for o in overrides)
+
+    raw: dict[str, Any] = {}
+    if config:
         from recursive_lightning.config import load_yaml
 
-        data = load_yaml(config).get("data")
-        named = isinstance(data, dict) and data.get("tokenizer") is not None
-    return overrides if named else [*overrides, "--data.tokenizer", INIT_TOKENIZER]
+        raw = load_yaml(config)
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    named = on_command_line("data.tokenizer") or (
+        data.get("tokenizer") is not None and train.get("init_from") is not None
+    )
+    out = overrides if named else [*overrides, "--data.tokenizer", INIT_TOKENIZER]
+    arch = hf_architecture(path.resolve()) if path.is_dir() and (path / "config.json").is_file() else None
+    for key, value in (arch or {}).items():
+        if key not in model and not on_command_line(f"model.{key}"):
+            out += [
+                f"--model.{key}",
+                "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value),
+            ]
+    return out
 
 
 def log_record(tracking_uri: str, run_id: str, record: dict) -> None:

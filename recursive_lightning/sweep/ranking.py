@@ -1,0 +1,171 @@
+"""One definition of "best" for a sweep: the report's ranking metric (lower is better), mean over a grid point's
+seeds. The report's ★, the parent run's ``best_row`` / ``best_trial`` / ``best/<metric>``, the CLI summary, the
+trials' ``row/<metric>`` (what MLflow's runs table is sorted by) and the parent's description all read it here.
+
+The best trial is the best row's trial with the lowest value of the metric (its best seed): a trial of another
+row with a lower single value is never named best.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from recursive_lightning.sweep.results import Row, mean_std, trial_value
+from recursive_lightning.sweep.spec import SEED_AXIS
+
+
+@dataclass
+class Ranked:
+    """A report row with its mean and std of the ranking metric over its seeds; ``trials`` best first."""
+
+    name: str
+    mean: float | None
+    std: float | None
+    trials: list[dict[str, Any]] = field(default_factory=list)
+
+
+def rank(rows: Sequence[Row], metric: str) -> list[Ranked]:
+    """Rows best (lowest mean over seeds) first; rows without the metric last, in their order."""
+    out = []
+    for r in rows:
+        scored = [(v, t) for t in r.trials if (v := trial_value(t, metric)) is not None]
+        mean, std = mean_std([v for v, _ in scored]) if scored else (None, None)
+        trials = [t for _, t in sorted(scored, key=lambda p: p[0])]
+        trials += [t for t in r.trials if trial_value(t, metric) is None]
+        out.append(Ranked(r.name, mean, std, trials))
+    return sorted(out, key=lambda x: (x.mean is None, x.mean if x.mean is not None else 0.0))
+
+
+def best(ranking: Sequence[Ranked]) -> tuple[Ranked | None, dict[str, Any] | None]:
+    """(the best row, its best trial), or (None, None) when no row has the metric."""
+    if not ranking or ranking[0].mean is None:
+        return None, None
+    return ranking[0], ranking[0].trials[0]
+
+
+def run_name(trial: dict[str, Any]) -> str:
+    """The trial's name in MLflow's runs table (its child run is named by its grid point's key)."""
+    return str(trial.get("key"))
+
+
+def summary(ranking: Sequence[Ranked], metric: str) -> str:
+    """The one line the sweep prints and the parent's description opens with."""
+    row, trial = best(ranking)
+    if row is None:
+        return f"no finished trial has `{metric}`"
+    n = sum(trial_value(t, metric) is not None for t in row.trials)
+    return (
+        f"`{metric}` {row.mean:.4g} ± {row.std:.2g} (mean ± std over {n} seed(s)); "
+        f"its best trial is the run `{run_name(trial)}`"
+    )
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """The sweep's CLI summary of a ``write_report`` result: the best row and its numbers."""
+    row, _ = best(report["ranking"])
+    return (
+        f"`{row.name}` — {summary(report['ranking'], report['ranked'])}"
+        if row
+        else summary(report["ranking"], report["ranked"])
+    )
+
+
+def runs_section(ranking: Sequence[Ranked], metric: str) -> list[str]:
+    """The report's list of trials by the names MLflow shows, in the order of MLflow's ranked runs table
+    (``report/rank``)."""
+    lines = [
+        "## Runs",
+        "",
+        f"Every trial by its MLflow run name, in the order of the runs table `ui` opens (its `report/rank`): by "
+        f"the row's mean `{metric}` over its seeds (`row/{metric}`), then by the trial's own.",
+        "",
+        f"| rank | run | row | seed | {metric} | row mean |",
+        "|---|---|---|---|---|---|",
+    ]
+    place = 0
+    for r in ranking:
+        for t in r.trials:
+            v = trial_value(t, metric)
+            place += v is not None and r.mean is not None
+            cells = [
+                str(place) if v is not None and r.mean is not None else "—",
+                f"`{run_name(t)}`",
+                r.name,
+                str(t["params"].get(SEED_AXIS, "")),
+                f"{v:.4g}" if v is not None else "—",
+                f"{r.mean:.4g}" if r.mean is not None else "—",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _log(client: Any, run_id: str, metrics: dict[str, float], tags: dict[str, str]) -> None:
+    """Metrics and tags of one run in one request (one transaction; one round trip to a tracking server)."""
+    import time
+
+    from mlflow.entities import Metric, RunTag
+
+    now = int(time.time() * 1000)
+    client.log_batch(
+        run_id,
+        metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+        tags=[RunTag(k, str(v)) for k, v in tags.items()],
+    )
+
+
+def log_ranking(
+    tracking_uri: str,
+    parent: str,
+    ranking: Sequence[Ranked],
+    metric: str,
+    table: Sequence[str],
+) -> None:
+    """Write the ranking to MLflow: ``row/<metric>``, ``report/rank`` (1 = best) and a description on each
+    trial's run; the parent's tags (``best_row``, ``best_trial``, ``best_trial_run_id``, ``report.metric``),
+    metric ``best/<metric>`` (the best row's mean) and description (``tracking_view.parent_note``); and the
+    experiment's ranked view of its runs table."""
+    from recursive_lightning import tracking_view
+    from recursive_lightning.tracking import client
+
+    c = client(tracking_uri)
+    exp_id = c.get_run(parent).info.experiment_id
+    place = 0
+    for r in ranking:
+        if r.mean is None:
+            continue
+        for t in r.trials:
+            value = trial_value(t, metric)
+            if value is None:
+                continue
+            place += 1
+            if t.get("mlflow_run_id"):
+                note = tracking_view.trial_note(
+                    exp_id, parent, r.name, t["params"].get(SEED_AXIS), place, metric, value, r.mean
+                )
+                _log(
+                    c,
+                    t["mlflow_run_id"],
+                    {tracking_view.ROW_PREFIX + metric: r.mean, tracking_view.RANK: place},
+                    {tracking_view.NOTE_TAG: note},
+                )
+    row, trial = best(ranking)
+    tags: dict[str, Any] = {tracking_view.RANKED_TAG: metric}
+    metrics = {}
+    if row is not None:
+        tags.update(best_row=row.name, best_trial=str(trial.get("key")))
+        if trial.get("mlflow_run_id"):
+            tags["best_trial_run_id"] = trial["mlflow_run_id"]
+        metrics[f"best/{metric}"] = row.mean
+    tags[tracking_view.NOTE_TAG] = tracking_view.parent_note(
+        exp_id,
+        parent,
+        metric,
+        row.name if row is not None else None,
+        summary(ranking, metric),
+        table,
+        [(run_name(t), t.get("mlflow_run_id")) for r in ranking for t in r.trials],
+    )
+    _log(c, parent, metrics, tags)
+    tracking_view.publish_views(tracking_uri, [exp_id])

@@ -1,0 +1,270 @@
+"""What the MLflow UI opens on: the runs table ranked best first, the classic (machine-learning) view, and the
+sweep's parent run leading to its report.
+
+Only MLflow's own mechanisms are used, no patched UI:
+
+- a **shared view** of the runs table: the experiment tag ``mlflow.sharedViewState.<key>`` holds a JSON view
+  state and the link carries ``viewStateShareKey=<key>`` (what MLflow's Share button writes). MLflow 3.17 reads
+  the search facets ``searchFilter``, ``orderByKey``, ``orderByAsc`` and the table state ``selectedColumns`` and
+  ``columnOrder`` from it (column keys ``params.`name``` / ``metrics.`name```); the rest keeps its defaults.
+- ``workflowType=machine_learning`` on every link: MLflow 3.17 opens an experiment or a run in its GenAI view
+  otherwise (the browser's last choice, GenAI on a first visit), whatever the experiment's kind tag says.
+- the parent run's description (tag ``mlflow.note.content``, markdown): the report's table and a link to
+  ``report.html`` among the run's artifacts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+from urllib.parse import quote
+
+SHARED_VIEW_TAG = "mlflow.sharedViewState."  # MLflow's experiment tag prefix of a shared runs-table view
+VIEW_KEY = "ranked"  # our share key: the runs table ranked by the report's metric
+ML_VIEW = "workflowType=machine_learning"
+NOTE_TAG = "mlflow.note.content"  # a run's description in MLflow's UI (markdown)
+RANKED_TAG = "report.metric"  # on a sweep's parent run: the metric the report ranks by (lower is better)
+ROW_PREFIX = "row/"  # on a trial's run: ``row/<ranked>``, the mean of the metric over its grid point's seeds
+RANK = "report/rank"  # on a trial's run: its place in the report's order (1: the best row's best seed)
+TOKENS_PER_SEC = "train/tokens_per_sec"
+# the ranking metric of runs without a report (a `train` experiment): the first of these a run has
+RANKING_FALLBACK = ("val/heldout/ppl", "val/heldout/loss", "train/loss")
+# params shown for `train` runs when none differ between the experiment's runs
+TRAIN_PARAMS = ("model.preset", "model.layout", "model.topology")
+MAX_VARYING_PARAMS = 6
+MAX_NOTE_RUNS = 12  # trials linked from the parent's description
+NOTE_LIMIT = 8000  # MLflow's limit on a run tag's value (mlflow.utils.validation.MAX_TAG_VAL_LENGTH)
+MAX_RUN_LINKS = 3  # run pages `ui` prints for an experiment without a sweep
+
+
+def param_column(name: str) -> str:
+    return f"params.`{name}`"
+
+
+def metric_column(name: str) -> str:
+    return f"metrics.`{name}`"
+
+
+def experiment_url(base: str, experiment_id: str, view_key: str | None = VIEW_KEY) -> str:
+    """The experiment's runs table (``base`` = the server's address, "" for a link inside the UI)."""
+    share = f"viewStateShareKey={quote(view_key)}&" if view_key else ""
+    return f"{base}/#/experiments/{experiment_id}/runs?{share}{ML_VIEW}"
+
+
+def run_url(base: str, experiment_id: str, run_id: str, artifact: str | None = None) -> str:
+    """A run's page, or one of its artifacts opened in the artifact viewer, in the classic view."""
+    path = f"/artifacts/{quote(artifact)}" if artifact else ""
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}{path}?{ML_VIEW}"
+
+
+def _is_sweep_parent(run: Any) -> bool:
+    return run.data.tags.get("kind") == "sweep"
+
+
+def ranking_metric(runs: Sequence[Any]) -> str | None:
+    """The report's ranking metric (its parent run's ``report.metric`` tag), else the first of
+    ``RANKING_FALLBACK`` some run has."""
+    for r in runs:
+        if _is_sweep_parent(r) and r.data.tags.get(RANKED_TAG):
+            return r.data.tags[RANKED_TAG]
+    have = {k for r in runs for k in r.data.metrics}
+    return next((m for m in RANKING_FALLBACK if m in have), None)
+
+
+def _axis_params(runs: Sequence[Any]) -> list[str]:
+    """One param per grid axis (``axis.<name>`` for a named axis, the field for a config-field axis, the seed
+    last), from the parents' ``sweep.axes``; for runs outside a sweep the params that differ between them."""
+    children = [r for r in runs if not _is_sweep_parent(r)]
+    have = {k for r in children for k in r.data.params}
+    out: list[str] = []
+    for parent in (r for r in runs if _is_sweep_parent(r)):
+        try:
+            axes = json.loads(parent.data.params.get("sweep.axes", "{}"))
+        except ValueError:
+            axes = {}
+        for name in axes:
+            for key in (f"axis.{name}", name):
+                if key in have and key not in out:
+                    out.append(key)
+                    break
+    if out:
+        return sorted(out, key=lambda k: k == "train.seed")  # the seed after the axes it repeats
+    varying = sorted(k for k in have if len({r.data.params.get(k) for r in children}) > 1)
+    varying = [k for k in varying if not k.startswith(("describe.", "data.cache", "sweep."))]
+    if varying:
+        return varying[:MAX_VARYING_PARAMS]
+    return [k for k in TRAIN_PARAMS if k in have]
+
+
+def _accuracy_metrics(runs: Sequence[Any]) -> list[str]:
+    """Downstream accuracy where evaluated: the average over tasks per shot count (``eval/avg/<k>shot``)."""
+    have = {k for r in runs for k in r.data.metrics}
+    return sorted(k for k in have if k.startswith("eval/avg/"))
+
+
+def runs_view(runs: Sequence[Any]) -> dict[str, Any] | None:
+    """The view state of an experiment's runs table: one column per grid axis, the ranking metric (and its
+    mean over the grid point's seeds and the trial's place in the report's order, which it is sorted by where
+    the report logged them), downstream accuracy
+    where evaluated and training tokens/s; sorted best (lowest) first. None for an experiment without runs."""
+    if not runs:
+        return None
+    ranked = ranking_metric(runs)
+    have = {k for r in runs for k in r.data.metrics}
+    metrics: list[str] = []
+    order = None
+    if ranked is not None:
+        row = ROW_PREFIX + ranked
+        metrics += [m for m in (RANK, row) if m in have]
+        metrics.append(ranked)
+        order = RANK if RANK in have else ranked
+    metrics += _accuracy_metrics(runs)
+    if TOKENS_PER_SEC in have:
+        metrics.append(TOKENS_PER_SEC)
+    columns = [param_column(p) for p in _axis_params(runs)] + [metric_column(m) for m in metrics]
+    view: dict[str, Any] = {
+        "searchFilter": "",
+        "selectedColumns": columns,
+        "columnOrder": columns,  # the axes first (MLflow otherwise puts every metric before the params)
+    }
+    # a sweep's parent carries no trial metric: sorted by one, it comes last and MLflow lists its trials flat
+    # above it (MLflow 3.17 leaves a shared view's runsExpanded out, so the view does not set it)
+    if order is not None:
+        view.update(orderByKey=metric_column(order), orderByAsc=True)
+    return view
+
+
+def publish_views(tracking_uri: str, experiment_ids: Iterable[str] | None = None) -> dict[str, str]:
+    """Write the ranked view (``runs_view``) of each experiment (default: all) as its shared view; returns
+    {experiment id: share key} of those that have runs."""
+    from recursive_lightning.tracking import client
+
+    c = client(tracking_uri)
+    ids = (
+        list(experiment_ids)
+        if experiment_ids is not None
+        else [e.experiment_id for e in c.search_experiments()]
+    )
+    out = {}
+    for exp_id in ids:
+        runs = c.search_runs([exp_id], max_results=5000)
+        view = runs_view(runs)
+        if view is None:
+            continue
+        text = json.dumps(view, sort_keys=True)
+        if c.get_experiment(exp_id).tags.get(SHARED_VIEW_TAG + VIEW_KEY) != text:
+            c.set_experiment_tag(exp_id, SHARED_VIEW_TAG + VIEW_KEY, text)
+        out[exp_id] = VIEW_KEY
+    return out
+
+
+def experiment_links(tracking_uri: str, base_url: str) -> list[str]:
+    """The lines ``ui`` prints: each experiment's ranked runs table and, for a sweep, its parent run (the page
+    that leads to the report); views published first (``publish_views``)."""
+    from recursive_lightning.tracking import client
+
+    c = client(tracking_uri)
+    try:
+        keys: dict[str, str | None] = dict(publish_views(tracking_uri))
+    except Exception:  # a store this user may read but not tag: the runs table unranked, still classic
+        keys = {
+            e.experiment_id: None
+            for e in c.search_experiments()
+            if c.search_runs([e.experiment_id], max_results=1)
+        }
+    lines = []
+    for exp in c.search_experiments():
+        if exp.experiment_id not in keys:
+            continue
+        lines.append(f"  {exp.name}: {experiment_url(base_url, exp.experiment_id, keys[exp.experiment_id])}")
+        parents = c.search_runs([exp.experiment_id], filter_string="tags.kind = 'sweep'", max_results=10)
+        shown = parents or c.search_runs([exp.experiment_id], max_results=MAX_RUN_LINKS + 1)
+        for r in shown[:MAX_RUN_LINKS]:
+            what = " (the report)" if _is_sweep_parent(r) else ""
+            lines.append(
+                f"    {r.info.run_name}{what}: {run_url(base_url, exp.experiment_id, r.info.run_id)}"
+            )
+    return lines
+
+
+def parent_note(
+    experiment_id: str,
+    parent_run_id: str,
+    ranked: str,
+    best_row: str | None,
+    best_line: str,
+    table: Sequence[str],
+    runs: Sequence[tuple[str, str | None]],
+) -> str:
+    """The sweep's parent run's description: the winner, a link to ``report.html`` (relative: it opens on
+    whatever address serves the UI), the report's results table and its trials' run pages."""
+    report = run_url("", experiment_id, parent_run_id, "report/report.html")
+    shown = [
+        f"[{name}]({run_url('', experiment_id, rid)})" if rid else name for name, rid in runs[:MAX_NOTE_RUNS]
+    ]
+    if len(runs) > MAX_NOTE_RUNS:
+        shown.append(f"… {len(runs) - MAX_NOTE_RUNS} more in the runs table")
+    lines = [
+        (f"**Best: `{best_row}`** — {best_line}" if best_row is not None else "No finished trial yet."),
+        "",
+        f"**[Open the report (report.html)]({report})**: the paper's table, paired differences, learning "
+        f"curves, `{ranked}` against training FLOPs and wall-clock.",
+        "",
+        *table,
+        "",
+        "Trials, best first: " + ", ".join(shown),
+    ]
+    return fit_note(lines)
+
+
+def fit_note(lines: Sequence[str], limit: int = NOTE_LIMIT) -> str:
+    """``lines`` joined, whole lines dropped from the end (the table's last rows) to fit MLflow's tag limit,
+    with a line saying so."""
+    text = "\n".join(lines)
+    if len(text) <= limit:
+        return text
+    cut = "\n\n(cut to fit MLflow's description; the report has every row)"
+    kept: list[str] = []
+    for line in lines:
+        if len("\n".join([*kept, line])) + len(cut) > limit:
+            break
+        kept.append(line)
+    return "\n".join(kept) + cut
+
+
+def trial_note(
+    experiment_id: str,
+    parent_run_id: str,
+    row: str,
+    seed: Any,
+    rank: int,
+    metric: str,
+    value: float,
+    row_mean: float,
+) -> str:
+    """A trial's description: its grid point, its place in the report's order and a link to the report."""
+    report = run_url("", experiment_id, parent_run_id, "report/report.html")
+    seed_text = f", seed {seed}" if seed is not None else ""
+    return (
+        f"Grid point **`{row}`**{seed_text}: rank **{rank}** in the sweep's report; `{metric}` {value:.4g} "
+        f"(the row's mean over its seeds {row_mean:.4g}). [The sweep's report]({report})"
+    )
+
+
+def server_links(tracking_uri: str) -> list[str]:
+    """For a store served by its own tracking server (``http(s)://``): the ranked links on that server."""
+    return experiment_links(tracking_uri, tracking_uri.rstrip("/"))
+
+
+def ui_hint(run_dir: str, tracking_uri: str) -> str:
+    """What the sweep prints at its end: the ``ui`` command of its directory, or, on a tracking server, the
+    ranked links themselves."""
+    from recursive_lightning.tracking import ui_command
+
+    if tracking_uri.startswith(("http://", "https://")):
+        try:
+            return "open the runs in the MLflow UI:\n" + "\n".join(server_links(tracking_uri))
+        except Exception:  # the server went away: its address still helps
+            pass
+    return f"compare the runs in the MLflow UI: {ui_command(run_dir, tracking_uri)}"

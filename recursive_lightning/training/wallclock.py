@@ -1,0 +1,43 @@
+"""A run's wall-clock over its segments: a resumed run adds its own seconds to those its checkpoint holds.
+
+``result.json``'s ``seconds`` and the summary line are the sum of the segments (each from the start of its
+``train`` command to its last checkpoint, the last one to its end), and ``steps`` the run's real step count;
+the summary also says what this segment trained (issue 28: a resumed run's summary read as if all its steps
+took this segment's seconds).
+"""
+
+from __future__ import annotations
+
+import time
+
+from lightning.pytorch.callbacks import Callback
+
+KEY = "wall_clock"
+
+
+class WallClock(Callback):
+    """Seconds and segments of the run so far, kept in every checkpoint under ``checkpoint["wall_clock"]``."""
+
+    def __init__(self, t0: float | None = None) -> None:
+        self.t0 = time.time() if t0 is None else t0
+        self.before = 0.0  # seconds of the earlier segments (from the checkpoint resumed)
+        self.segments = 0  # earlier segments
+        self.start_step = 0  # the step this segment started at
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        rec = checkpoint.get(KEY) or {}
+        self.before = float(rec.get("seconds") or 0.0)
+        self.segments = int(rec.get("segments") or 0)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start_step = trainer.global_step
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint[KEY] = {"seconds": self.seconds(), "segments": self.segments + 1}
+
+    def segment_seconds(self) -> float:
+        return time.time() - self.t0
+
+    def seconds(self) -> float:
+        """The run's wall-clock: the earlier segments' plus this one's so far."""
+        return self.before + self.segment_seconds()

@@ -1,0 +1,83 @@
+"""The README's MLflow screenshots: serve a finished sweep directory with ``ui``, open the links it prints in
+headless Chromium and save the runs table, the parent run's page and the best trial's page as small PNGs.
+
+    .venv/bin/python scripts/mlflow_screenshots.py SWEEP_DIR docs/mlflow
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+FLAGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--virtual-time-budget=20000",
+]
+
+
+def shoot(url: str, path: Path, width: int, height: int, crop: int | None = None) -> None:
+    from PIL import Image
+
+    with tempfile.TemporaryDirectory() as profile:
+        raw = Path(profile) / "shot.png"
+        subprocess.run(
+            [
+                shutil.which("chromium") or "chromium",
+                *FLAGS,
+                f"--user-data-dir={profile}",
+                f"--window-size={width},{height}",
+                f"--screenshot={raw}",
+                url,
+            ],
+            capture_output=True,
+            timeout=180,
+            check=True,
+        )
+        im = Image.open(raw).convert("RGB")
+        if crop:
+            im = im.crop((0, 0, im.width, crop))
+        im.quantize(colors=128, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+
+
+def main(sweep_dir: str, out: str) -> int:
+    from recursive_lightning.tracking import client
+    from recursive_lightning.tracking_view import run_url
+    from recursive_lightning.ui import store_of
+
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ui = subprocess.Popen(
+        [sys.executable, "-m", "recursive_lightning", "ui", sweep_dir, "--port", "5420"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        lines = [ui.stdout.readline() for _ in range(3)]
+        table, parent = (ln.split(": ", 1)[1].strip() for ln in lines[1:3])
+        base, rest = parent.split("/#/experiments/", 1)
+        exp_id, parent_id = rest.split("/runs/")[0], rest.split("/runs/")[1].split("?")[0]
+        best = client(store_of(sweep_dir)).get_run(parent_id).data.tags["best_trial_run_id"]
+        shoot(table, out_dir / "runs-table.png", 1700, 620)
+        shoot(parent, out_dir / "parent-run.png", 1700, 1400, crop=1000)
+        shoot(run_url(base, exp_id, best), out_dir / "trial-run.png", 1700, 1000)
+    finally:
+        os.killpg(ui.pid, signal.SIGTERM)
+        ui.wait(timeout=60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

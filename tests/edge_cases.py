@@ -1,0 +1,365 @@
+"""The hostile new user's cases (issue 28): every command given bad files, bad flags, bad YAML, missing and
+damaged artefacts and unwritable outputs. Each case is (id, argv, what the one sentence must say); ``{run}`` is a
+copy of the session's trained run, ``{in}`` a folder of bad inputs made by :func:`make_inputs`, ``{out}`` a folder
+that must stay as it was (every refused command changes nothing on disk).
+
+Categories (the README lists them): bad flags, bad YAML, bad config fields, missing files, files of the wrong
+kind, damaged artefacts, unwritable outputs, interrupted/incomplete runs, bad evaluate blocks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SWEEP_BASE = (
+    "name: s\nbase: {root}/experiments/cpu/looped-mesh.yaml\n"
+    "overrides: {{model.preset: cpu-tiny, model.layout: 1+2R2+1, data.seq_len: 64, data.batch_size: 8, "
+    "train.max_steps: 4, train.val_every: 4, train.progress: false}}\n"
+    "axes: {{variant: {{a: {{model.topology: base}}}}}}\nseeds: [0]\n"
+)
+
+
+def make_inputs(folder: Path, root: Path) -> None:
+    """The bad inputs the cases name."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "text.txt").write_text("just some text, not a checkpoint\n")
+    (folder / "empty.txt").write_text("")
+    (folder / "bad.yaml").write_text("model: [unclosed\n  layout: 4\n")
+    (folder / "list.yaml").write_text("- a\n- b\n")
+    (folder / "tabs.yaml").write_text("model:\n\tlayout: 4\n")
+    (folder / "empty.yaml").write_text("")
+    (folder / "binary.yaml").write_bytes(bytes(range(256)))
+    (folder / "unknown.yaml").write_text("name: x\nmodel: {preset: cpu-tiny}\ntrian: {max_steps: 3}\n")
+    (folder / "model-str.yaml").write_text("model: cpu-tiny\n")
+    (folder / "noname-field.yaml").write_text("model: {preset: cpu-tiny, widht: 3}\n")
+    (folder / "emptydir").mkdir(exist_ok=True)
+    (folder / "truncated.ckpt").write_bytes(b"PK\x03\x04" + b"\0" * 64)  # a zip header, then nothing
+    (folder / "aplainfile").write_text("x")
+    base = SWEEP_BASE.format(root=root)
+    sweeps = {
+        "sw-task.yaml": base + "evaluate: {tasks: [embedded_lastwrd], shots: [0]}\n",
+        "sw-limit.yaml": base + "evaluate: {tasks: [embedded_lastword], limit: -3}\n",
+        "sw-shots.yaml": base + "evaluate: {tasks: [embedded_lastword], shots: [a]}\n",
+        "sw-ppl.yaml": base + "evaluate: {ppl: {t: missing.txt}}\n",
+        "sw-ctxset.yaml": base + "evaluate: {ppl: {t: text.txt}, context_lengths: [32], ctx_set: other}\n",
+        "sw-ctxlen.yaml": base + "evaluate: {ppl: {t: text.txt}, context_lengths: [0]}\n",
+        "sw-nothing.yaml": base + "evaluate: {tasks: none}\n",
+        "sw-evalkey.yaml": base + "evaluate: {taks: [embedded_lastword]}\n",
+        "sw-mode.yaml": base + "evaluate: {ppl: {t: text.txt}, ctx_mode: sideways}\n",
+        "sw-include.yaml": base + "evaluate: {tasks: [x], include_path: nowhere}\n",
+        "sw-top.yaml": base + "evalute: {tasks: [embedded_lastword]}\n",
+        "sw-axis.yaml": base.replace("model.topology: base", "model.topology: warp"),
+        "sw-noaxes.yaml": base.replace("axes: {variant: {a: {model.topology: base}}}", "axes: {}"),
+        "sw-seeds.yaml": base.replace("seeds: [0]", "seeds: [a]"),
+        "sw-workers.yaml": base + "workers: 0\n",
+        "sw-baseline.yaml": base + "report: {baseline: nope}\n",
+        "sw-ok.yaml": base,
+        "sw-metric.yaml": base + "metric: val/heldout/pppl\n",
+        "sw-metric-eval.yaml": base
+        + "metric: eval/embedded_lastword/5shot/acc\nevaluate: {tasks: [embedded_lastword]}\n",
+        "sw-pruning.yaml": base + "pruning: {enabled: true, warmup: 3}\n",
+        "sw-plot.yaml": base + "report: {plot: pie}\n",
+    }
+    for name, text in sweeps.items():
+        (folder / name).write_text(text)
+
+
+# (id, argv, the sentence must contain this); exit status 2 for all
+CASES: list[tuple[str, list[str], str]] = [
+    # ---- describe: bad flags, bad YAML, files of the wrong kind
+    ("describe-preset", ["describe", "--preset", "nope"], "nope"),
+    ("describe-layout", ["describe", "--layout", "4+x"], "4+x"),
+    ("describe-config-missing", ["describe", "--config", "{in}/missing.yaml"], "missing.yaml"),
+    ("describe-config-bad-yaml", ["describe", "--config", "{in}/bad.yaml"], "bad.yaml"),
+    ("describe-config-list", ["describe", "--config", "{in}/list.yaml"], "list.yaml"),
+    ("describe-config-tabs", ["describe", "--config", "{in}/tabs.yaml"], "tabs.yaml"),
+    ("describe-config-binary", ["describe", "--config", "{in}/binary.yaml"], "binary.yaml"),
+    ("describe-config-dir", ["describe", "--config", "{in}/emptydir"], "emptydir"),
+    ("describe-config-model-str", ["describe", "--config", "{in}/model-str.yaml"], "model"),
+    ("describe-config-unknown-field", ["describe", "--config", "{in}/noname-field.yaml"], "widht"),
+    ("describe-seq-len-0", ["describe", "--preset", "cpu-tiny", "--seq-len", "0"], "--seq-len"),
+    ("describe-seq-len-neg", ["describe", "--preset", "cpu-tiny", "--seq-len", "-4"], "--seq-len"),
+    ("describe-batch-0", ["describe", "--preset", "cpu-tiny", "--batch-size", "0"], "--batch-size"),
+    ("describe-topology", ["describe", "--preset", "cpu-tiny", "--topology", "warp"], "warp"),
+    (
+        "describe-buffer-0",
+        ["describe", "--preset", "cpu-tiny", "--layout", "1+2R2+1", "--buffer", "0"],
+        "buffer",
+    ),
+    ("describe-field-type", ["describe", "--preset", "cpu-tiny", "--model.d_model", "wide"], "d_model"),
+    # ---- train: bad config files and fields, bad data, bad run directories, damaged checkpoints
+    (
+        "train-config-missing",
+        ["train", "--config", "{in}/missing.yaml", "--run-dir", "{out}/r"],
+        "missing.yaml",
+    ),
+    ("train-config-bad-yaml", ["train", "--config", "{in}/bad.yaml", "--run-dir", "{out}/r"], "bad.yaml"),
+    ("train-config-list", ["train", "--config", "{in}/list.yaml", "--run-dir", "{out}/r"], "list.yaml"),
+    ("train-config-empty-dir", ["train", "--config", "{in}/emptydir", "--run-dir", "{out}/r"], "emptydir"),
+    (
+        "train-config-unknown-section",
+        ["train", "--config", "{in}/unknown.yaml", "--run-dir", "{out}/r"],
+        "trian",
+    ),
+    (
+        "train-lr-neg",
+        ["train", "--config", "{run}/config.yaml", "--train.lr", "-1", "--run-dir", "{out}/r"],
+        "lr",
+    ),
+    (
+        "train-max-steps-0",
+        ["train", "--config", "{run}/config.yaml", "--max-steps", "0", "--run-dir", "{out}/r"],
+        "max_steps",
+    ),
+    (
+        "train-unknown-field",
+        ["train", "--config", "{run}/config.yaml", "--train.nope", "1", "--run-dir", "{out}/r"],
+        "nope",
+    ),
+    (
+        "train-bad-flag-value",
+        ["train", "--config", "{run}/config.yaml", "--data.seq_len", "long", "--run-dir", "{out}/r"],
+        "seq_len",
+    ),
+    (
+        "train-seq-len-0",
+        ["train", "--config", "{run}/config.yaml", "--data.seq_len", "0", "--run-dir", "{out}/r"],
+        "seq_len",
+    ),
+    (
+        "train-batch-0",
+        ["train", "--config", "{run}/config.yaml", "--data.batch_size", "0", "--run-dir", "{out}/r"],
+        "batch_size",
+    ),
+    (
+        "train-ckpt-every-0",
+        ["train", "--config", "{run}/config.yaml", "--checkpoint-every", "0", "--run-dir", "{out}/r"],
+        "checkpoint_every",
+    ),
+    (
+        "train-data-missing",
+        ["train", "--config", "{run}/config.yaml", "--data", "{in}/missing.txt", "--run-dir", "{out}/r"],
+        "missing.txt",
+    ),
+    (
+        "train-data-empty",
+        ["train", "--config", "{run}/config.yaml", "--data", "{in}/empty.txt", "--run-dir", "{out}/r"],
+        "empty.txt",
+    ),
+    (
+        "train-layout",
+        ["train", "--config", "{run}/config.yaml", "--model.layout", "4+x", "--run-dir", "{out}/r"],
+        "4+x",
+    ),
+    (
+        "train-run-dir-is-file",
+        ["train", "--config", "{run}/config.yaml", "--run-dir", "{in}/aplainfile"],
+        "aplainfile",
+    ),
+    (
+        "train-run-dir-under-file",
+        ["train", "--config", "{run}/config.yaml", "--run-dir", "{in}/aplainfile/sub"],
+        "aplainfile",
+    ),
+    ("train-resume-missing", ["train", "--resume", "--run-dir", "{out}/nothing-here"], "does not exist"),
+    (
+        "train-existing-without-resume",
+        ["train", "--config", "{run}/config.yaml", "--run-dir", "{run}"],
+        "--resume",
+    ),
+    (
+        "train-ckpt-path-text",
+        ["train", "--resume", "--run-dir", "{run}", "--ckpt-path", "{in}/text.txt"],
+        "text.txt",
+    ),
+    (
+        "train-ckpt-path-truncated",
+        ["train", "--resume", "--run-dir", "{run}", "--ckpt-path", "{in}/truncated.ckpt"],
+        "truncated.ckpt",
+    ),
+    (
+        "train-init-from-text",
+        ["train", "--config", "{run}/config.yaml", "--init-from", "{in}/text.txt", "--run-dir", "{out}/r"],
+        "neither a checkpoint nor a model directory",
+    ),
+    (
+        "train-init-from-missing",
+        ["train", "--config", "{run}/config.yaml", "--init-from", "{in}/gone", "--run-dir", "{out}/r"],
+        "does not exist",
+    ),
+    (
+        "train-init-from-empty-dir",
+        ["train", "--config", "{run}/config.yaml", "--init-from", "{in}/emptydir", "--run-dir", "{out}/r"],
+        "emptydir",
+    ),
+    (
+        "train-init-from-looped",
+        ["train", "--config", "{run}/config.yaml", "--init-from", "{run}", "--run-dir", "{out}/r"],
+        "vanilla",
+    ),
+    (
+        "train-init-strategy",
+        ["train", "--config", "{run}/config.yaml", "--init-strategy", "every-other", "--run-dir", "{out}/r"],
+        "init_strategy",
+    ),
+    (
+        "train-init-select-empty",
+        ["train", "--config", "{run}/config.yaml", "--init-strategy", "select:", "--run-dir", "{out}/r"],
+        "lists no source layers",
+    ),
+    ("train-resume-damaged-last", ["train", "--resume", "--run-dir", "{damaged}"], "last.ckpt"),
+    # ---- sweep: bad files, bad evaluate blocks (checked before the first trial), bad flags
+    ("sweep-missing", ["sweep", "{in}/missing.yaml", "--run-dir", "{out}/s"], "missing.yaml"),
+    ("sweep-bad-yaml", ["sweep", "{in}/bad.yaml", "--run-dir", "{out}/s"], "bad.yaml"),
+    ("sweep-list", ["sweep", "{in}/list.yaml", "--run-dir", "{out}/s"], "list.yaml"),
+    ("sweep-empty", ["sweep", "{in}/empty.yaml", "--run-dir", "{out}/s"], "empty.yaml"),
+    ("sweep-eval-task", ["sweep", "{in}/sw-task.yaml", "--run-dir", "{out}/s"], "embedded_lastwrd"),
+    ("sweep-eval-limit", ["sweep", "{in}/sw-limit.yaml", "--run-dir", "{out}/s"], "evaluate.limit"),
+    ("sweep-eval-shots", ["sweep", "{in}/sw-shots.yaml", "--run-dir", "{out}/s"], "evaluate.shots"),
+    ("sweep-eval-ppl-missing", ["sweep", "{in}/sw-ppl.yaml", "--run-dir", "{out}/s"], "missing.txt"),
+    ("sweep-eval-ctx-set", ["sweep", "{in}/sw-ctxset.yaml", "--run-dir", "{out}/s"], "ctx_set"),
+    ("sweep-eval-ctx-len", ["sweep", "{in}/sw-ctxlen.yaml", "--run-dir", "{out}/s"], "context_lengths"),
+    ("sweep-eval-nothing", ["sweep", "{in}/sw-nothing.yaml", "--run-dir", "{out}/s"], "nothing to evaluate"),
+    ("sweep-eval-key", ["sweep", "{in}/sw-evalkey.yaml", "--run-dir", "{out}/s"], "taks"),
+    ("sweep-eval-mode", ["sweep", "{in}/sw-mode.yaml", "--run-dir", "{out}/s"], "ctx_mode"),
+    ("sweep-eval-include", ["sweep", "{in}/sw-include.yaml", "--run-dir", "{out}/s"], "include_path"),
+    ("sweep-top-key", ["sweep", "{in}/sw-top.yaml", "--run-dir", "{out}/s"], "evalute"),
+    ("sweep-axis-value", ["sweep", "{in}/sw-axis.yaml", "--run-dir", "{out}/s"], "warp"),
+    ("sweep-seeds", ["sweep", "{in}/sw-seeds.yaml", "--run-dir", "{out}/s"], "seed"),
+    ("sweep-workers-file", ["sweep", "{in}/sw-workers.yaml", "--run-dir", "{out}/s"], "workers"),
+    (
+        "sweep-workers-flag",
+        ["sweep", "{in}/sw-ok.yaml", "--workers", "0", "--run-dir", "{out}/s"],
+        "--workers",
+    ),
+    ("sweep-baseline", ["sweep", "{in}/sw-baseline.yaml", "--run-dir", "{out}/s"], "baseline"),
+    ("sweep-metric", ["sweep", "{in}/sw-metric.yaml", "--run-dir", "{out}/s"], "val/heldout/pppl"),
+    ("sweep-metric-shots", ["sweep", "{in}/sw-metric-eval.yaml", "--run-dir", "{out}/s"], "5shot"),
+    ("sweep-pruning", ["sweep", "{in}/sw-pruning.yaml", "--run-dir", "{out}/s"], "pruning.warmup"),
+    ("sweep-report-plot", ["sweep", "{in}/sw-plot.yaml", "--run-dir", "{out}/s"], "report.plot"),
+    ("sweep-run-dir-file", ["sweep", "{in}/sw-noaxes.yaml", "--run-dir", "{in}/aplainfile"], "aplainfile"),
+    # ---- report: missing and wrong directories
+    ("report-missing", ["report", "--run-dir", "{out}/nothing"], "nothing"),
+    ("report-empty-dir", ["report", "--run-dir", "{in}/emptydir"], "emptydir"),
+    ("report-train-run", ["report", "--run-dir", "{run}"], "sweep"),
+    ("report-file", ["report", "--run-dir", "{in}/aplainfile"], "aplainfile"),
+    # ---- eval: missing / wrong / damaged checkpoints, bad flags, nothing to evaluate, unwritable output
+    ("eval-missing", ["eval", "{in}/gone.ckpt", "--no-mlflow"], "gone.ckpt"),
+    ("eval-text", ["eval", "{in}/text.txt", "--no-mlflow"], "text.txt"),
+    ("eval-truncated", ["eval", "{in}/truncated.ckpt", "--no-mlflow"], "truncated.ckpt"),
+    ("eval-empty-dir", ["eval", "{in}/emptydir", "--no-mlflow"], "emptydir"),
+    (
+        "eval-ctx-0",
+        ["eval", "{run}", "--ppl", "t={in}/text.txt", "--context-lengths", "0", "--tasks", "none"],
+        "--context-lengths",
+    ),
+    (
+        "eval-ctx-neg",
+        ["eval", "{run}", "--ppl", "t={in}/text.txt", "--context-lengths", "-1", "--tasks", "none"],
+        "--context-lengths",
+    ),
+    (
+        "eval-ctx-empty",
+        ["eval", "{run}", "--ppl", "t={in}/text.txt", "--context-lengths", "", "--tasks", "none"],
+        "--context-lengths",
+    ),
+    (
+        "eval-ctx-words",
+        ["eval", "{run}", "--ppl", "t={in}/text.txt", "--context-lengths", "long", "--tasks", "none"],
+        "--context-lengths",
+    ),
+    ("eval-ctx-no-set", ["eval", "{run}", "--context-lengths", "32", "--tasks", "none"], "--ppl"),
+    (
+        "eval-ctx-set-unknown",
+        [
+            "eval",
+            "{run}",
+            "--ppl",
+            "t={in}/text.txt",
+            "--context-lengths",
+            "32",
+            "--ctx-ppl",
+            "u",
+            "--tasks",
+            "none",
+        ],
+        "--ctx-ppl",
+    ),
+    ("eval-nothing", ["eval", "{run}", "--tasks", "none"], "nothing to evaluate"),
+    ("eval-shots-neg", ["eval", "{run}", "--tasks", "embedded_lastword", "--shots", "-1"], "shots"),
+    ("eval-shots-words", ["eval", "{run}", "--tasks", "embedded_lastword", "--shots", "few"], "--shots"),
+    ("eval-limit-0", ["eval", "{run}", "--tasks", "embedded_lastword", "--limit", "0"], "--limit"),
+    ("eval-limit-words", ["eval", "{run}", "--tasks", "embedded_lastword", "--limit", "many"], "--limit"),
+    ("eval-task-unknown", ["eval", "{run}", "--tasks", "nosuchtask_xyz"], "nosuchtask_xyz"),
+    ("eval-ppl-no-name", ["eval", "{run}", "--ppl", "=x", "--tasks", "none"], "NAME=PATH"),
+    ("eval-ppl-missing", ["eval", "{run}", "--ppl", "t={in}/gone.txt", "--tasks", "none"], "gone.txt"),
+    ("eval-ppl-empty", ["eval", "{run}", "--ppl", "t={in}/empty.txt", "--tasks", "none"], "empty.txt"),
+    ("eval-batch-0", ["eval", "{run}", "--batch-size", "0"], "--batch-size"),
+    (
+        "eval-max-length-0",
+        ["eval", "{run}", "--ppl", "t={in}/text.txt", "--tasks", "none", "--max-length", "0"],
+        "max",
+    ),
+    (
+        "eval-stride-0",
+        ["eval", "{run}", "--ppl", "t={in}/text.txt", "--tasks", "none", "--stride", "0"],
+        "stride",
+    ),
+    (
+        "eval-ctx-block-0",
+        [
+            "eval",
+            "{run}",
+            "--ppl",
+            "t={in}/text.txt",
+            "--context-lengths",
+            "32",
+            "--tasks",
+            "none",
+            "--ctx-block",
+            "0",
+        ],
+        "ctx-block",
+    ),
+    (
+        "eval-out-file",
+        ["eval", "{run}", "--ppl", "t={in}/text.txt", "--tasks", "none", "--out", "{in}/aplainfile"],
+        "aplainfile",
+    ),
+    (
+        "eval-device",
+        ["eval", "{run}", "--ppl", "t={in}/text.txt", "--tasks", "none", "--device", "tpu"],
+        "tpu",
+    ),
+    # ---- probe
+    ("probe-missing", ["probe", "{in}/gone.ckpt", "--no-mlflow"], "gone.ckpt"),
+    ("probe-text", ["probe", "{in}/text.txt", "--no-mlflow"], "text.txt"),
+    ("probe-samples-0", ["probe", "{run}", "--samples", "0", "--no-mlflow"], "--samples"),
+    ("probe-seq-len-big", ["probe", "{run}", "--seq-len", "100000", "--no-mlflow"], "--seq-len"),
+    ("probe-seq-len-0", ["probe", "{run}", "--seq-len", "0", "--no-mlflow"], "--seq-len"),
+    ("probe-data-missing", ["probe", "{run}", "--data", "{in}/gone.txt", "--no-mlflow"], "gone.txt"),
+    ("probe-data-empty", ["probe", "{run}", "--data", "{in}/empty.txt", "--no-mlflow"], "empty.txt"),
+    (
+        "probe-out-file",
+        ["probe", "{run}", "--out", "{in}/aplainfile", "--no-mlflow", "--samples", "2"],
+        "aplainfile",
+    ),
+    ("probe-batch-0", ["probe", "{run}", "--batch-size", "0", "--no-mlflow"], "--batch-size"),
+    # ---- ui
+    ("ui-port-big", ["ui", "{run}", "--port", "99999"], "--port"),
+    ("ui-port-0", ["ui", "{run}", "--port", "0"], "--port"),
+    ("ui-host", ["ui", "{run}", "--host", "no.such.host.invalid"], "--host"),
+    ("ui-missing", ["ui", "{out}/nothing"], "nothing"),
+    ("ui-no-store", ["ui", "{in}/emptydir"], "emptydir"),
+    ("ui-file", ["ui", "{in}/aplainfile"], "aplainfile"),
+    # ---- generate
+    ("generate-missing", ["generate", "{in}/gone.ckpt"], "gone.ckpt"),
+    ("generate-text", ["generate", "{in}/text.txt"], "text.txt"),
+    ("generate-tokens-0", ["generate", "{run}", "--max-new-tokens", "0"], "--max-new-tokens"),
+    ("generate-temperature", ["generate", "{run}", "--temperature", "-1"], "--temperature"),
+    ("generate-top-k", ["generate", "{run}", "--top-k", "0"], "--top-k"),
+    ("generate-device", ["generate", "{run}", "--device", "tpu"], "tpu"),
+    ("generate-device-cuda", ["generate", "{run}", "--device", "cuda:7"], "cuda:7"),
+    # ---- the command itself
+    ("unknown-command", ["trian"], "unknown command"),
+]

@@ -1,0 +1,258 @@
+"""Issue 28: every edge answers in one sentence (exit 2, nothing left on disk); every printed number is true.
+
+The hostile new user's cases live in ``tests/edge_cases.py``; each runs the command as a user types it (through
+``cli.main``, in this process: most refusals come before any training) and checks its exit status, its one
+sentence and that no file under the run, the inputs or the output folder changed.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from edge_cases import CASES, make_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def snapshot(*folders: Path) -> dict[str, tuple[int, int]]:
+    out = {}
+    for folder in folders:
+        if folder.exists():
+            for p in sorted(folder.rglob("*")):
+                st = p.lstat()
+                out[str(p)] = (st.st_size, st.st_mtime_ns) if p.is_file() else (0, 0)
+    return out
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    from recursive_lightning.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own refusals (exit 2)
+        rc = e.code if isinstance(e.code, int) else 1
+    return rc, capsys.readouterr().err
+
+
+def one_sentence(err: str) -> str:
+    """The error line (``error: ...``); fails on a traceback."""
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith(("error:", "usage:")) or ": error:" in line]
+    assert lines, err
+    return lines[-1]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("hostile")
+    make_inputs(folder, ROOT)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def damaged(trained_run, tmp_path_factory) -> Path:
+    """A copy of the trained run whose last.ckpt was cut short (a disk filled while it was written)."""
+    run = tmp_path_factory.mktemp("damaged") / "run"
+    shutil.copytree(trained_run, run)
+    last = run / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:1000])
+    return run
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_a_hostile_input_is_one_sentence_and_changes_nothing(
+    case, trained_run, inputs, damaged, tmp_path, capsys
+):
+    name, argv, says = case
+    out = tmp_path / "out"
+    out.mkdir()
+    subs = {"{run}": str(trained_run), "{in}": str(inputs), "{out}": str(out), "{damaged}": str(damaged)}
+    args = []
+    for a in argv:
+        for k, v in subs.items():
+            a = a.replace(k, v)
+        args.append(a)
+    before = snapshot(trained_run, inputs, out, damaged)
+    rc, err = run_cli(args, capsys)
+    sentence = one_sentence(err)
+    assert rc == 2, (rc, err)
+    assert says in sentence, sentence
+    assert snapshot(trained_run, inputs, out, damaged) == before, f"{name} changed files"
+
+
+# ------------------------------------------------------------------------------------- the issue's own cases
+def _copy_run(trained_run: Path, to: Path) -> Path:
+    shutil.copytree(trained_run, to)
+    return to
+
+
+def test_eval_with_nothing_to_evaluate_keeps_the_last_record(trained_run, tmp_path, inputs, capsys):
+    """`eval RUN --tasks none` exits 2 in one sentence and leaves eval-last.json as the last real evaluation
+    wrote it (it was replaced by an empty record)."""
+    run = _copy_run(trained_run, tmp_path / "run")
+    rc, err = run_cli(
+        ["eval", str(run), "--ppl", f"t={inputs}/text.txt", "--tasks", "none", "--no-mlflow"], capsys
+    )
+    assert rc == 0, err
+    record = run / "eval" / "eval-last.json"
+    kept = record.read_bytes()
+    assert b'"t"' in kept
+    rc, err = run_cli(["eval", str(run), "--tasks", "none", "--no-mlflow"], capsys)
+    assert rc == 2 and "nothing to evaluate" in one_sentence(err)
+    assert record.read_bytes() == kept
+
+
+def test_a_resumed_run_reports_its_real_steps_and_the_sum_of_its_segments(trained_run, tmp_path, capsys):
+    """`train --resume --max-steps 16` of a 12-step run: the summary says 4 steps in this segment and the run at
+    step 16; result.json's seconds add the first segment's (kept in the checkpoint) to this one's."""
+    import json
+
+    import torch
+
+    run = _copy_run(trained_run, tmp_path / "run")
+    first = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)[
+        "wall_clock"
+    ]
+    assert first["segments"] == 1 and first["seconds"] > 0
+    from recursive_lightning.cli import main
+
+    assert main(["train", "--run-dir", str(run), "--resume", "--max-steps", "16"]) == 0
+    said = capsys.readouterr().out
+    assert "trained 4 steps in" in said and "the run now at step 16" in said and "over 2 segments" in said, (
+        said
+    )
+    result = json.loads((run / "result.json").read_text())
+    assert result["steps"] == 16 and result["tokens"] == 16 * 8 * 64 and result["segments"] == 2
+    assert result["seconds"] > first["seconds"]
+    assert result["best_checkpoint"].startswith(str(run))  # not the folder it was copied from
+
+
+def _with_data_path(trained_run: Path, tmp_path: Path, data_path: str) -> Path:
+    import torch
+
+    ckpt = torch.load(trained_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    ckpt["recursive_lightning"]["run"]["data"]["path"] = data_path
+    out = tmp_path / "moved.ckpt"
+    torch.save(ckpt, out)
+    return out
+
+
+def test_probe_uses_the_runs_own_data_unless_told(trained_run, tmp_path, capsys):
+    """`probe CKPT` of a run trained on a text file probes that file (it probed the embedded corpus); a data.path
+    that is gone is one sentence; `--data embedded` asks for the embedded corpus."""
+    import json
+
+    text = tmp_path / "own.txt"
+    text.write_text(" ".join(f"word{i % 97} and more text" for i in range(3000)))
+    ckpt = _with_data_path(trained_run, tmp_path, str(text))
+    out = tmp_path / "probe"
+    args = ["probe", str(ckpt), "--samples", "2", "--seq-len", "16", "--no-mlflow", "--no-attention"]
+    rc, err = run_cli([*args, "--out", str(out)], capsys)
+    assert rc == 0, err
+    (summary,) = [p for p in out.rglob("*.json") if "data" in json.loads(p.read_text())]
+    assert str(text) in json.dumps(json.loads(summary.read_text())["data"])
+    gone = _with_data_path(trained_run, tmp_path, str(tmp_path / "gone.txt"))
+    rc, err = run_cli(
+        [*[a if a != str(ckpt) else str(gone) for a in args], "--out", str(tmp_path / "p2")], capsys
+    )
+    assert rc == 2 and "gone.txt" in one_sentence(err) and "--data" in one_sentence(err)
+    assert not (tmp_path / "p2").exists()
+
+
+def test_embedded_tasks_warn_naming_both_tokenizers():
+    from types import SimpleNamespace
+
+    from recursive_lightning.evaluation.run import _embedded_metadata
+
+    for data, names in (
+        (SimpleNamespace(tokenizer="init", path=None, val_fraction=0.05, cache_dir=None), "'init'"),
+        (
+            SimpleNamespace(tokenizer="bpe:4096", path="/my/text", val_fraction=0.05, cache_dir=None),
+            "/my/text",
+        ),
+        (
+            SimpleNamespace(tokenizer="EleutherAI/pythia-70m", path=None, val_fraction=0.05, cache_dir=None),
+            "pythia",
+        ),
+    ):
+        notes: list[str] = []
+        _embedded_metadata(SimpleNamespace(run=SimpleNamespace(data=data)), ["embedded_lastword"], notes)
+        assert len(notes) == 1 and names in notes[0] and "bpe:N" in notes[0], notes
+    notes = []
+    ok = SimpleNamespace(tokenizer="bpe:4096", path=None, val_fraction=0.05, cache_dir=None)
+    _embedded_metadata(SimpleNamespace(run=SimpleNamespace(data=ok)), ["embedded_lastword"], notes)
+    assert notes == []
+
+
+def test_one_format_per_quantity_in_describe_and_the_summaries(capsys):
+    from recursive_lightning import formatting as fmt
+
+    assert fmt.flops(0.0397e12) == "39.7 GFLOPs" and fmt.flops(1.234e12) == "1.23 TFLOPs"
+    assert fmt.flops(999.96e9) == "1.00 TFLOPs"
+    assert fmt.ppl(2060.5) == "2060.50" and fmt.ppl(3.4e9) == "3.40e+09" and fmt.ppl(float("inf")) == "inf"
+    assert fmt.metric("val/heldout/ppl", 1e9) == "1.00e+09" and fmt.metric("val/heldout/loss", 7.5) == "7.500"
+    from recursive_lightning.cli import main
+
+    assert main(["describe", "--preset", "cpu-tiny"]) == 0
+    text = capsys.readouterr().out
+    assert "e12" not in text and "GFLOPs" in text, text
+    from recursive_lightning.sweep.results import fmt_value
+
+    assert fmt_value(4e10, "flops") == "40.0 GFLOPs" and fmt_value(1e9, "ppl") == "1.00e+09"
+
+
+def test_lm_eval_records_the_commit_quietly_outside_a_git_checkout(trained_run, tmp_path, monkeypatch, capfd):
+    """An embedded task evaluated from a folder outside any git checkout prints no `fatal: not a git repository`
+    (lm-eval asked git and let it speak, once per trial of a sweep)."""
+    from recursive_lightning.evaluation.run import evaluate_checkpoint, quiet_git_commit
+
+    monkeypatch.chdir(tmp_path)
+    assert quiet_git_commit() is None
+    evaluate_checkpoint(
+        trained_run, tasks=["embedded_lastword"], shots=[0], limit=2, mlflow=False, out_dir=tmp_path / "ev"
+    )
+    assert "fatal" not in capfd.readouterr().err
+
+
+def _readme_command(marker: str) -> list[str]:
+    """The README's shell command holding ``marker`` (continuation lines joined), as argv after the module."""
+    import shlex
+
+    lines = (ROOT / "README.md").read_text().splitlines()
+    i = next(i for i, line in enumerate(lines) if marker in line)
+    while i > 0 and lines[i - 1].rstrip().endswith("\\"):
+        i -= 1
+    text = ""
+    while True:
+        text += lines[i].rstrip().removesuffix("\\") + " "
+        if not lines[i].rstrip().endswith("\\"):
+            break
+        i += 1
+    argv = shlex.split(text.split("#")[0])
+    return argv[argv.index("recursive_lightning") + 1 :]
+
+
+@pytest.mark.parametrize("family", ["neox", "llama"])
+def test_the_readme_hf_uptraining_command_works_as_printed(
+    family, hf_model_dirs, data_cache, tmp_path, monkeypatch, capsys
+):
+    """The README's `train --config experiments/cpu/looped-mesh.yaml --init-from /path/to/pythia-70m ...` on a
+    local GPT-NeoX and LLaMA directory: the source's tokenizer and sizes come with it (it was refused: the
+    recipe's bpe:4096 and cpu-small sizes are not the source's). Only the run's length is shortened here."""
+    import json
+
+    from recursive_lightning.cli import main
+
+    argv = _readme_command("--init-from /path/to/pythia-70m")
+    argv = [str(hf_model_dirs[family]) if a == "/path/to/pythia-70m" else a for a in argv]
+    i = argv.index("--run-dir")
+    argv[i + 1] = str(tmp_path / "run")
+    monkeypatch.chdir(ROOT)
+    short = ["--max-steps", "1", "--data.seq_len", "32", "--data.batch_size", "2", "--data.val_batches", "1"]
+    assert main([*argv, *short, "--data.cache_dir", data_cache]) == 0, capsys.readouterr().err
+    record = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert record["steps"] == 1
+    assert (tmp_path / "run" / "init_tokenizer.json").is_file()

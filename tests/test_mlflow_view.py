@@ -1,0 +1,290 @@
+"""What a researcher sees first in MLflow, checked in a real browser (headless Chromium, skipped where none is
+installed): the link `ui` prints opens the sweep's runs table ranked best first with one column per axis and
+the ranking metric; the parent's page (classic view) leads to the report; one definition of "best" across
+the report, the parent run's tags and the sweep's summary; the report's cost figure."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from test_sweep import ENV, run_sweep, sweep_file
+
+from recursive_lightning.tracking import client
+from recursive_lightning.tracking_view import SHARED_VIEW_TAG, VIEW_KEY
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_FLAGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def ranked_sweep(tmp_path_factory, data_cache):
+    """Two rows x two seeds, 4 steps; returns (run dir, the sweep's printed output)."""
+    tmp = tmp_path_factory.mktemp("view")
+    rows = {"base": {"model.topology": "base"}, "mesh": {"model.topology": "mesh"}}
+    spec = sweep_file(tmp, data_cache, rows, seeds=(0, 1), steps=4)
+    run_dir = tmp / "sweep"
+    p = run_sweep([spec, "--run-dir", run_dir])
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out
+    return run_dir, out
+
+
+def _report(run_dir: Path) -> tuple[list[dict], str]:
+    """The sweep's trials as the report ranks them (from report.md's Runs table) and its best row."""
+    md = (run_dir / "report.md").read_text()
+    section = md.split("## Runs", 1)[1].split("\n## ", 1)[0]
+    runs = []
+    for line in section.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0].isdigit():
+            runs.append({"rank": int(cells[0]), "run": cells[1], "row": cells[2], "value": float(cells[4])})
+    best_row = next(line.split("|")[1].strip()[:-2] for line in md.splitlines() if " ★ |" in line)
+    return runs, best_row
+
+
+def test_one_definition_of_best(ranked_sweep):
+    """The report's ★ row, the parent's best_row / best_trial / best/<metric>, the trials' report/rank and
+    the sweep's printed summary agree: the row with the lowest mean over seeds, its lowest seed. Fails with
+    the old `best_trial` (the single lowest trial of any row) when another row's seed is lower."""
+    run_dir, out = ranked_sweep
+    runs, best_row = _report(run_dir)
+    assert [r["rank"] for r in runs] == list(range(1, 5))
+    means = {}
+    for r in runs:
+        means.setdefault(r["row"], []).append(r["value"])
+    means = {k: sum(v) / len(v) for k, v in means.items()}
+    assert best_row == min(means, key=means.get)
+    assert runs[0]["row"] == best_row and runs[0]["value"] == min(
+        r["value"] for r in runs if r["row"] == best_row
+    )
+    info = json.loads((run_dir / "sweep.json").read_text())
+    c = client(f"sqlite:///{run_dir / 'mlflow.db'}")
+    parent = c.get_run(info["parent_run_id"])
+    assert parent.data.tags["best_row"] == best_row
+    assert parent.data.tags["best_trial"] == runs[0]["run"]
+    assert parent.data.metrics["best/val/heldout/ppl"] == pytest.approx(means[best_row], rel=1e-3)
+    for child in c.search_runs([parent.info.experiment_id]):
+        if child.info.run_id == parent.info.run_id:
+            continue
+        mine = next(r for r in runs if r["run"] == child.info.run_name)
+        assert child.data.metrics["report/rank"] == mine["rank"]
+    assert f"best: `{best_row}`" in out and runs[0]["run"] in out.split("best: ", 1)[1].splitlines()[0]
+    # the parent's description: the winner, the report's table, a link to report.html
+    note = parent.data.tags["mlflow.note.content"]
+    assert (
+        f"**Best: `{best_row}`**" in note
+        and "artifacts/report/report.html?workflowType=machine_learning" in note
+    )
+    assert "| row | seeds |" in note
+
+
+def test_report_plots_the_ranking_metric_against_flops_and_wall_clock(ranked_sweep):
+    """Per row: training FLOPs = 3 x forward FLOPs/token (describe of the trial's config.yaml) x its tokens
+    (result.json) and wall-clock (result.json's seconds), mean over the seeds, as the figure's table says."""
+    from recursive_lightning.config import load_run_config
+    from recursive_lightning.model.accounting import describe
+
+    run_dir, _ = ranked_sweep
+    md = (run_dir / "report.md").read_text()
+    assert (run_dir / "report_cost.png").stat().st_size > 10_000
+    section = md.split("## Cost: per FLOP and per second", 1)[1].split("\n## ", 1)[0]
+    for row in ("base", "mesh"):
+        cells = next(ln for ln in section.splitlines() if ln.startswith(f"| {row} |")).split("|")
+        flops, seconds = [], []
+        for d in (run_dir / "trials").iterdir():
+            if d.name.startswith(f"{row}-"):
+                result = json.loads((d / "result.json").read_text())
+                cfg = load_run_config(d / "config.yaml")
+                per_token = describe(cfg.model, seq_len=cfg.data.seq_len)["flops_forward"] / cfg.data.seq_len
+                flops.append(3 * per_token * result["tokens"])
+                seconds.append(result["seconds"])
+        assert len(flops) == 2
+        assert float(cells[3].split("±")[0]) == pytest.approx(sum(flops) / 2, rel=5e-3)
+        assert float(cells[4].split("±")[0]) == pytest.approx(sum(seconds) / 2, rel=5e-3, abs=1e-3)
+
+
+def _dom(url: str, width: int = 2400) -> str:
+    """The page as headless Chromium renders it (a fresh profile: a first visit, GenAI MLflow's default)."""
+    with tempfile.TemporaryDirectory() as profile:
+        out = subprocess.run(
+            [
+                CHROMIUM,
+                *CHROMIUM_FLAGS,
+                f"--user-data-dir={profile}",
+                f"--window-size={width},1200",
+                "--virtual-time-budget=30000",
+                "--dump-dom",
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    return out.stdout
+
+
+def _table_rows(dom: str, names: list[str]) -> dict[int, str]:
+    """{row index: run name} of the runs table (ag-grid's row-index attribute, the run-name cell)."""
+    rows: dict[int, str] = {}
+    starts = [(m.start(), int(m.group(1))) for m in re.finditer(r'row-index="(\d+)"', dom)]
+    for (pos, idx), (end, _) in zip(starts, [*starts[1:], (len(dom), -1)]):
+        found = [n for n in names if f">{n}<" in dom[pos:end]]
+        if found and idx not in rows:
+            rows[idx] = found[0]
+    return rows
+
+
+def _lines(proc: subprocess.Popen, n: int, timeout: float = 120) -> list[str]:
+    """The first ``n`` lines ``proc`` prints, or as many as it printed within ``timeout`` seconds."""
+    import select
+    import time
+
+    lines, deadline = [], time.monotonic() + timeout
+    while len(lines) < n and time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.decode(errors="replace"))
+    return lines + [""] * (n - len(lines))
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed")
+def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep):
+    run_dir, _ = ranked_sweep
+    runs, best_row = _report(run_dir)
+    ui = subprocess.Popen(
+        [sys.executable, "-m", "recursive_lightning", "ui", str(run_dir), "--port", "5410"],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        bufsize=0,  # unbuffered: select() sees every line not yet read
+        start_new_session=True,
+    )
+    try:
+        lines = _lines(ui, 3)
+        assert lines[0].startswith("MLflow UI at"), "".join(lines)
+        assert all(": http" in ln for ln in lines[1:]), "".join(lines)  # the table's link, the parent's
+        table_url = lines[1].split(": ", 1)[1].strip()
+        parent_url = lines[2].split(": ", 1)[1].strip()
+        assert "viewStateShareKey=" in table_url and "workflowType=machine_learning" in table_url
+        assert lines[2].strip().startswith("sweep:") and "workflowType=machine_learning" in parent_url
+
+        dom = _dom(table_url)
+        names = [r["run"] for r in runs]
+        assert ">axis.variant<" in dom, "no axis column"
+        assert ">val/heldout/ppl<" in dom, "no column of the ranking metric"
+        order = _table_rows(dom, names)
+        assert sorted(order.values()) == sorted(names), order
+        assert [order[i] for i in sorted(order)] == names  # the report's order: best first
+        assert order[min(order)] == runs[0]["run"] and runs[0]["row"] == best_row
+
+        page = _dom(parent_url, width=1600)
+        assert "Evaluation runs" not in page and "Model registry" in page  # the classic view's side bar
+        assert "Open the report (report.html)" in page and "Best: " in page
+        assert re.search(
+            r'href="/?#/experiments/\d+/runs/\w+/artifacts/report/report\.html\?workflowType=machine_learning"',
+            page,
+        )
+        # a trial's run page, as linked from the parent's description: classic view too
+        child = re.search(
+            r'href="/?(#/experiments/\d+/runs/\w+\?workflowType=machine_learning)"[^>]*>'
+            + re.escape(names[0]),
+            page,
+        )
+        assert child, "the description links the best trial's run"
+        base = table_url.split("/#/", 1)[0]
+        # the same store behind a tracking server: `ui --tracking-uri http://...` prints the same links there
+        served = subprocess.run(
+            [sys.executable, "-m", "recursive_lightning", "ui", "--tracking-uri", base],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert served.returncode == 0, served.stderr
+        assert table_url in served.stdout and parent_url in served.stdout, served.stdout
+        trial_page = _dom(f"{base}/{child.group(1)}", width=1600)
+        assert "Evaluation runs" not in trial_page and names[0] in trial_page and "axis.variant" in trial_page
+    finally:
+        os.killpg(ui.pid, signal.SIGTERM)
+        ui.wait(timeout=60)
+
+
+def test_a_train_run_experiment_gets_a_ranked_view(tmp_path, tiny_run):
+    """A single `train` run's experiment: ranked by val/heldout/ppl with tokens/s, and `ui` prints its run page
+    in the classic view."""
+    from recursive_lightning.config import RunConfig
+    from recursive_lightning.tracking_view import experiment_links
+    from recursive_lightning.training.run import train
+
+    raw = tiny_run()
+    raw["train"]["max_steps"] = 4
+    raw["train"]["val_every"] = 4
+    r = train(RunConfig.from_dict(raw), tmp_path / "run")
+    lines = experiment_links(r.tracking_uri, "http://host:1")
+    exp = client(r.tracking_uri).get_experiment_by_name("tiny")
+    view = json.loads(exp.tags[SHARED_VIEW_TAG + VIEW_KEY])
+    assert view["orderByKey"] == "metrics.`val/heldout/ppl`" and view["orderByAsc"] is True
+    assert "metrics.`train/tokens_per_sec`" in view["selectedColumns"]
+    assert (
+        lines[0]
+        == f"  tiny: http://host:1/#/experiments/{exp.experiment_id}/runs?viewStateShareKey={VIEW_KEY}&workflowType=machine_learning"
+    )
+    assert lines[1].endswith(f"/runs/{r.mlflow_run_id}?workflowType=machine_learning")
+
+
+def test_the_best_trial_belongs_to_the_best_row():
+    """Row a has the single lowest trial (1.0) but the higher mean (3.0); row b (2.0, 2.5) is best: its trial
+    2.0 is the best trial, ranked first, and a's 1.0 third (the old `best_trial` named a's 1.0)."""
+    from recursive_lightning.sweep.ranking import best, rank
+    from recursive_lightning.sweep.results import Row
+
+    def trial(key, seed, v):
+        return {"key": key, "params": {"variant": key[0], "train.seed": seed}, "metrics": {"m": v}}
+
+    rows = [
+        Row("a", {}, [trial("a0", 0, 1.0), trial("a1", 1, 5.0)]),
+        Row("b", {}, [trial("b1", 1, 2.5), trial("b0", 0, 2.0)]),
+        Row("c", {}, [{"key": "c0", "params": {}, "metrics": {}}]),
+    ]
+    ranking = rank(rows, "m")
+    row, t = best(ranking)
+    assert row.name == "b" and row.mean == pytest.approx(2.25) and t["key"] == "b0"
+    assert [t["key"] for r in ranking for t in r.trials] == ["b0", "b1", "a0", "a1", "c0"]
+
+
+def test_a_large_sweep_s_description_fits_mlflow_s_limit():
+    """60 trials and a 60-row table: the parent's description stays within MLflow's 8,000 characters (a longer
+    tag fails the whole batch, and the parent would lose its best_* tags), cut at a whole line and saying so."""
+    from recursive_lightning.tracking_view import NOTE_LIMIT, parent_note
+
+    table = ["| row | seeds | ppl |", "|---|---|---|"] + [
+        f"| variant-{i:03d} | 2 | {i}.0 ± 0.1 |" * 4 for i in range(60)
+    ]
+    runs = [(f"variant-{i:03d}-0-abcdef", "f" * 32) for i in range(60)]
+    note = parent_note("1", "e" * 32, "val/heldout/ppl", "variant-000", "the best", table, runs)
+    assert len(note) <= NOTE_LIMIT
+    assert note.endswith("the report has every row)") and "Open the report (report.html)" in note
+    assert "| variant-000 |" in note and "48 more in the runs table" not in note  # the trials' line was cut
+    small = parent_note("1", "e" * 32, "val/heldout/ppl", "variant-000", "the best", table[:5], runs)
+    assert "48 more in the runs table" in small and len(small) < NOTE_LIMIT

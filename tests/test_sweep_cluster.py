@@ -1,0 +1,156 @@
+"""A cluster sweep that finishes or says why (issue 27, part 3): take-over of a dead worker's trial that never
+sent a heartbeat, `--attach` checks of the run directory (a refused command leaves nothing on disk), masked
+database passwords, one metric point per step after a resume, loopback tracking URIs as one server. Kills
+happen at named fault points, never by timing."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow.tracking import MlflowClient
+from test_sweep_grow import grow_spec, parent_and_children
+
+from recursive_lightning import cli
+from recursive_lightning.errors import ConfigError
+from recursive_lightning.sweep import runner, servers
+from recursive_lightning.tracking import param_value
+from recursive_lightning.uris import mask_url, same_server
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+ENV.pop("RECURSIVE_LIGHTNING_FAULT", None)
+
+
+def run(*args, env=None, timeout=900) -> tuple[int, str]:
+    p = subprocess.run(
+        [sys.executable, "-m", "recursive_lightning", "sweep", *map(str, args)],
+        env=env or ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    return p.returncode, p.stdout
+
+
+def test_passwords_are_masked_and_loopback_names_are_one_server(capsys):
+    url = "postgresql+psycopg://rl:S3cr3t@127.0.0.1:5432/optuna"
+    assert mask_url(url) == "postgresql+psycopg://rl:***@127.0.0.1:5432/optuna"
+    assert mask_url(f"run: sweep x --storage {url} --tracking-uri http://u:tok@h:5000") == (
+        "run: sweep x --storage postgresql+psycopg://rl:***@127.0.0.1:5432/optuna --tracking-uri http://u:***@h:5000"
+    )
+    assert mask_url("sqlite:////tmp/a.db") == "sqlite:////tmp/a.db"
+    assert "S3cr3t" not in param_value(url)  # MLflow params and tags pass through it (tracking.set_tags too)
+    # a database that does not answer: the one-sentence error names the URL without its password
+    code = cli.main(
+        ["sweep", str(ROOT / "ablations/default.yaml"), "--attach", "--storage", url.replace("5432", "1")]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "rl:***@127.0.0.1" in err and "S3cr3t" not in err, err
+    assert same_server("http://localhost:5000", "http://127.0.0.1:5000/")
+    assert not same_server("http://localhost:5000", "http://127.0.0.1:5001")
+
+
+def test_attach_checks_the_run_directory_and_a_refusal_leaves_nothing(tmp_path, data_cache):
+    """`--attach` into a directory that is not the study's (empty: an unshared mount; another sweep's) is
+    refused in one sentence before any work; so is a study file that does not exist, which is not created.
+    The study's own directory, and a study whose tracking URI names the same loopback server, are fine."""
+    run_dir = tmp_path / "run"
+    spec = grow_spec(tmp_path, data_cache)
+    assert runner.main([str(spec), "--run-dir", str(run_dir), "--prepare"]) == 0
+    storage = f"sqlite:///{run_dir / 'optuna.db'}"
+    (tmp_path / "o").mkdir()
+    other = grow_spec(tmp_path / "o", data_cache, name="other-sweep")
+    assert runner.main([str(other), "--run-dir", str(tmp_path / "other"), "--prepare"]) == 0
+
+    empty = tmp_path / "not-mounted"
+    with pytest.raises(ConfigError, match="does not hold the sweep 'grow-sweep' .*no sweep.json"):
+        runner.main([str(spec), "--attach", "--storage", storage, "--run-dir", str(empty)])
+    assert not empty.exists()
+    with pytest.raises(ConfigError, match="holds another sweep \\('other-sweep'"):
+        runner.main([str(spec), "--attach", "--storage", storage, "--run-dir", str(tmp_path / "other")])
+    nowhere = tmp_path / "nowhere"
+    with pytest.raises(ConfigError, match="no study named 'grow-sweep'"):
+        runner.main([str(spec), "--attach", "--storage", f"sqlite:///{nowhere / 'optuna.db'}"])
+    with pytest.raises(ConfigError, match="no study named 'grow-sweep'"):
+        runner.main([str(spec), "--attach", "--run-dir", str(nowhere)])
+    assert not nowhere.exists() and not (Path.cwd() / "runs" / "sweeps" / "grow-sweep").exists()
+
+    study = optuna.load_study(study_name="grow-sweep", storage=storage)
+    study.set_user_attr("tracking_uri", "http://127.0.0.1:5000")
+    assert servers.recorded_study(storage, "grow-sweep", "http://localhost:5000/")["tracking_uri"]
+    with pytest.raises(ConfigError, match="is not the tracking store"):
+        servers.recorded_study(storage, "grow-sweep", "http://localhost:5001")
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path, tiny_run):
+    """A run trained to step 12, its checkpoints after step 8 then lost (as when it is killed after logging
+    steps 9-12 but before its next checkpoint): resumed from step 8 it retrains 9-12, and its MLflow history
+    still holds one point per step of each metric, not two for the retrained ones."""
+    from recursive_lightning.config import RunConfig
+    from recursive_lightning.training.run import train
+
+    cfg, run_dir = RunConfig.from_dict(tiny_run()), tmp_path / "run"
+    first = train(cfg, run_dir)
+    ckpts = run_dir / "checkpoints"
+    for late in [ckpts / "last.ckpt", *ckpts.glob("step=000012*")]:
+        late.unlink()
+    again = train(cfg, run_dir, resume=True)
+    assert again.mlflow_run_id == first.mlflow_run_id and again.steps == 12
+    c = MlflowClient(first.tracking_uri)
+    for key in ("train/loss", "val/heldout/loss"):
+        steps = [m.step for m in c.get_metric_history(first.mlflow_run_id, key)]
+        assert len(steps) == len(set(steps)) and max(steps) >= 11, (key, sorted(steps))
+
+
+@pytest.fixture(scope="module")
+def pg():
+    if servers.postgres_bindir() is None:
+        pytest.skip("PostgreSQL's server binaries (initdb, pg_ctl) are not installed")
+    with servers.LocalPostgres(fast=True) as cluster:
+        yield cluster
+
+
+def test_the_last_worker_takes_over_a_trial_that_never_sent_a_heartbeat(pg, tmp_path, data_cache):
+    """Worker A (on another node) claims the only grid point and is SIGKILLed before its first heartbeat (the
+    named point `after_claim`): Optuna never calls such a trial stale. Worker B, started after, finds nothing
+    waiting; it
+    watches the trial for the grace period, takes it over and finishes the sweep (before: B exited 0 at once,
+    the trial left RUNNING for ever)."""
+    storage, run_dir = pg.create_database("lastworker"), tmp_path / "run"
+    spec = grow_spec(tmp_path, data_cache, name="pg-last")
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert (
+        runner.main(
+            [
+                str(spec),
+                "--run-dir",
+                str(run_dir),
+                "--storage",
+                storage,
+                "--tracking-uri",
+                tracking,
+                "--prepare",
+            ]
+        )
+        == 0
+    )
+    env = {**ENV, "RECURSIVE_LIGHTNING_HEARTBEAT": "1,4"}
+    code, out = run(
+        spec, "--attach", "--storage", storage, env={**env, "RECURSIVE_LIGHTNING_FAULT": "after_claim"}
+    )
+    assert code == -9, out
+    study = optuna.load_study(study_name="pg-last", storage=storage)
+    (dead,) = study.get_trials()
+    assert dead.state.name == "RUNNING"
+    # worker A ran on another node: B cannot see its pid die (on one machine a dead pid is requeued at once)
+    study._storage.set_trial_system_attr(dead._trial_id, "host", "another-node")
+    code, out = run(spec, "--attach", "--storage", storage, env=env)
+    assert code == 0, out
+    assert "sent no recent heartbeat" in out
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE"]
+    parent, (child,) = parent_and_children(tracking, "pg-last")
+    assert parent.info.status == "FINISHED" and child.info.status == "FINISHED"
