@@ -932,6 +932,12 @@ def worker(
                     storage.set_trial_state_values(trial_id, state=TrialState.WAITING)
                 raise
             except Exception as e:
+                if _stop_requested.is_set():
+                    # an error raised while the trial was stopping (a library turning the signal into an exception
+                    # of its own, a teardown cut short): a pre-emption, not a failure that spends a retry
+                    with contextlib.suppress(Exception):
+                        storage.set_trial_state_values(trial_id, state=TrialState.WAITING)
+                    raise _Stop() from e
                 trial = storage.get_trial(trial_id)
                 # taken from this worker (its heartbeats were late): its new worker finds any result on disk
                 if trial.state != TrialState.RUNNING:
@@ -1187,7 +1193,11 @@ class _Stop(KeyboardInterrupt):
     """SIGTERM to the sweep command: stop like Ctrl-C, exit 143."""
 
 
+_stop_requested = threading.Event()  # SIGTERM seen by this process, whoever's handler acted on it
+
+
 def _on_sigterm(signum, frame) -> None:
+    _stop_requested.set()
     if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
         return  # inside trainer.fit Lightning's handler (which calls this one) stops at the next step boundary
     raise _Stop()
