@@ -344,7 +344,16 @@ def log_corpus(tracking_uri: str, run_id: str, corpus: dict[str, Any]) -> None:
             profile=json.dumps(profile),
         )
         inputs.append(DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)]))
-    client(tracking_uri).log_inputs(run_id, datasets=inputs)
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client(tracking_uri).log_inputs(run_id, datasets=inputs)
+    except MlflowException as e:
+        # MLflow's store looks a dataset up, then inserts it: two trials of one experiment starting together can
+        # both insert (UNIQUE constraint on experiment, name, digest). The second try finds the winner's row.
+        if "unique constraint" not in str(e).lower():
+            raise
+        client(tracking_uri).log_inputs(run_id, datasets=inputs)
 
 
 def _forget_artifact_repo(run_id: str) -> None:
