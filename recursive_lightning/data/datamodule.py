@@ -44,6 +44,22 @@ def collate_long(blocks: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([block.to(torch.int64) for block in blocks])
 
 
+class _MovableLoader(StreamingDataLoader):
+    """A StreamingDataLoader whose saved position also applies where the shard cache now lives.
+
+    litdata stores the absolute ``input_dir_path`` in the loader state and refuses a state whose path differs;
+    the shards are keyed by content (``shards/<key>/train``), so a run resumed on another machine or under
+    another ``cache_dir`` reads the same blocks from a new place: the saved path is replaced by the current one.
+    """
+
+    def load_state_dict(self, obj: dict[str, Any]) -> None:
+        dataset = dict(obj.get("dataset") or {})
+        if "input_dir_path" in dataset:
+            dataset["input_dir_path"] = self.dataset.input_dir.path
+            obj = {**obj, "dataset": dataset}
+        super().load_state_dict(obj)
+
+
 class _Blocks(Dataset):
     """The first ``length`` blocks of a StreamingDataset, as a map-style dataset (fixed validation set)."""
 
@@ -226,7 +242,7 @@ class TextDataModule(L.LightningDataModule):
         dataset = streaming_dataset(self._split_dir("train"), self.seq_len, shuffle=True, seed=self.seed)
         if len(dataset) < self.batch_size:
             raise self._too_small("train", len(dataset), self.batch_size)
-        loader = StreamingDataLoader(
+        loader = _MovableLoader(
             dataset,
             batch_size=self.batch_size,
             num_workers=self.num_workers,
