@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from recursive_lightning.model.config import preset  # noqa: E402
-from recursive_lightning.model.model import RecursiveLM  # noqa: E402
+from recursive_lightning.model.recursive.model import RecursiveLM  # noqa: E402
 
 MODELS = {
     "vanilla": {"layout": "8", "topology": "base"},

@@ -37,7 +37,7 @@ def build(args):
     from recursive_lightning.config import RunConfig
     from recursive_lightning.data.tokenizer import train_bpe
     from recursive_lightning.evaluation.lm_eval_adapter import RecursiveLightningLM
-    from recursive_lightning.model.model import RecursiveLM
+    from recursive_lightning.model.recursive.model import RecursiveLM
     from recursive_lightning.training.checkpoint import Loaded
 
     texts = [topics[k] for k in sorted(topics)]

@@ -13,7 +13,7 @@ overhead), in each ``--modes``: ``eager``, ``layers`` (train.compile: layers, pe
 read), ``model`` (train.compile: model, the whole forward compiled) and ``cudagraphs`` (the whole forward with
 ``mode="reduce-overhead"``, CUDA graphs; not offered by ``train``: it crashed in the compiled backward on torch
 2.11, so it runs only when named). Timed with CUDA events; the models take turns, ``--reps`` rounds after
-``--warmup``; medians. Each time ratio is printed next to the FLOP ratio of ``accounting.describe``
+``--warmup``; medians. Each time ratio is printed next to the FLOP ratio of ``model.describe.describe``
 (SpiralFormer Table 1's convention: attention counted at full L x L) and the causal one (attention halved,
 what causal kernels compute). Achieved TFLOP/s counts 3x the forward FLOPs (causal attention) per
 forward+backward, and is compared with a bf16 8192^3 matrix product measured in the same run. ``--calls``
@@ -38,9 +38,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from recursive_lightning.model.accounting import describe  # noqa: E402
 from recursive_lightning.model.config import preset  # noqa: E402
-from recursive_lightning.model.model import RecursiveLM  # noqa: E402
+from recursive_lightning.model.describe import describe  # noqa: E402
+from recursive_lightning.model.recursive.model import RecursiveLM  # noqa: E402
 from recursive_lightning.training.parallel import compile_model  # noqa: E402
 
 DEVICE = "cuda"  # "cpu" with --smoke

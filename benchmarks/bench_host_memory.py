@@ -22,7 +22,7 @@ if {keep}:
     from recursive_lightning.training.host import keep_freed_memory
     keep_freed_memory()
 from recursive_lightning.model.config import preset
-from recursive_lightning.model.model import RecursiveLM
+from recursive_lightning.model.recursive.model import RecursiveLM
 torch.set_num_threads({threads}); torch.manual_seed(0)
 model = RecursiveLM(preset({preset!r}, layout={layout!r}, topology="mesh")).train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

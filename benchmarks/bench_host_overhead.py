@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_mesh_overhead import interleaved, set_threads  # noqa: E402
 
 from recursive_lightning.model.config import preset  # noqa: E402
-from recursive_lightning.model.model import RecursiveLM  # noqa: E402
+from recursive_lightning.model.recursive.model import RecursiveLM  # noqa: E402
 
 NO_KERNEL = {  # operators that only make views, allocate or dispatch to another operator
     "aten::view", "aten::as_strided", "aten::transpose", "aten::slice", "aten::t", "aten::unsqueeze",

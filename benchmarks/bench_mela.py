@@ -39,10 +39,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from recursive_lightning.model.accounting import describe  # noqa: E402
 from recursive_lightning.model.build import build_model  # noqa: E402
 from recursive_lightning.model.config import preset  # noqa: E402
-from recursive_lightning.model.neural_memory import NeuralMemory  # noqa: E402
+from recursive_lightning.model.describe import describe  # noqa: E402
+from recursive_lightning.model.mela.neural_memory import NeuralMemory  # noqa: E402
 from recursive_lightning.training.host import keep_freed_memory  # noqa: E402
 
 

@@ -29,9 +29,9 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from recursive_lightning.model.accounting import describe  # noqa: E402
 from recursive_lightning.model.config import preset  # noqa: E402
-from recursive_lightning.model.model import RecursiveLM  # noqa: E402
+from recursive_lightning.model.describe import describe  # noqa: E402
+from recursive_lightning.model.recursive.model import RecursiveLM  # noqa: E402
 from recursive_lightning.training.host import keep_freed_memory  # noqa: E402
 
 

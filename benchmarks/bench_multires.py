@@ -15,7 +15,7 @@ one, sharing its heap; see ``bench_mesh_overhead.InProcess`` for why that biases
 forward+backward (``model.loss`` + ``backward``) per model per repetition, the processes taking turns
 (ABAB, BABA on odd repetitions) after a warm-up, fresh processes every ``--respawn`` rounds; medians are
 compared. The measured
-time ratio is reported next to the forward FLOP ratio of ``accounting.describe`` (goal: time ratio
+time ratio is reported next to the forward FLOP ratio of ``model.describe.describe`` (goal: time ratio
 <= FLOP ratio + 0.03).
 
 ``--breakdown`` times each component alone (forward+backward on random inputs of the right shape,
@@ -51,9 +51,9 @@ from bench_mesh_overhead import (  # noqa: E402
     set_threads,
 )
 
-from recursive_lightning.model.accounting import describe  # noqa: E402
 from recursive_lightning.model.config import preset  # noqa: E402
-from recursive_lightning.model.model import RecursiveLM  # noqa: E402
+from recursive_lightning.model.describe import describe  # noqa: E402
+from recursive_lightning.model.recursive.model import RecursiveLM  # noqa: E402
 from recursive_lightning.training.parallel import compile_model  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def _grad_leaf(*shape: int) -> torch.Tensor:
 
 
 def _fwd_flops(fn) -> int:
-    """Forward FLOPs as ``accounting.describe`` counts them: the CPU flash-attention kernel has no
+    """Forward FLOPs as ``model.describe.describe`` counts them: the CPU flash-attention kernel has no
     FLOP formula, so attention is run through the math backend (its two matmuls are counted)."""
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from recursive_lightning.model.config import preset  # noqa: E402
-from recursive_lightning.model.model import RecursiveLM  # noqa: E402
+from recursive_lightning.model.recursive.model import RecursiveLM  # noqa: E402
 from recursive_lightning.probes import metrics as M  # noqa: E402
 from recursive_lightning.probes.capture import ProbeSettings, capture, cka_matrix  # noqa: E402
 from recursive_lightning.probes.run import draw_single, summarize  # noqa: E402

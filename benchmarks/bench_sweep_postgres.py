@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 def fake_train(trial_seconds: float, jitter: float = 0.0):
     """A stand-in for ``training.run.train`` with its MLflow side: child run under the parent, params, metric."""
-    from recursive_lightning.tracking import (
+    from recursive_lightning.tracking.runs import (
         create_run,
         ensure_experiment,
         log_metrics,

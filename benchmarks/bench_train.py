@@ -41,7 +41,7 @@ def main() -> None:
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     from recursive_lightning.config import RunConfig
-    from recursive_lightning.model.accounting import describe
+    from recursive_lightning.model.describe import describe
     from recursive_lightning.training.module import RecursiveLMModule
     from recursive_lightning.training.optim import build_optimizer
 

@@ -11,8 +11,8 @@ from recursive_lightning.errors import Terminated, UserError
 
 
 def _describe(argv: list[str]) -> int:
-    from recursive_lightning.model.accounting import describe, format_description
     from recursive_lightning.model.config import ModelConfig
+    from recursive_lightning.model.describe import describe, format_description
 
     p = argparse.ArgumentParser(
         prog="recursive_lightning describe",
@@ -139,7 +139,7 @@ COMMANDS = {
     "report": ("recursive_lightning.sweep.report", "main"),
     "eval": ("recursive_lightning.evaluation.run", "main"),
     "probe": ("recursive_lightning.probes.run", "main"),
-    "ui": ("recursive_lightning.ui", "main"),
+    "ui": ("recursive_lightning.tracking.ui", "main"),
 }
 
 USAGE = """usage: python -m recursive_lightning <command> [options]

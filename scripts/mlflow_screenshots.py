@@ -52,9 +52,9 @@ def shoot(url: str, path: Path, width: int, height: int, crop: int | None = None
 
 
 def main(sweep_dir: str, out: str) -> int:
-    from recursive_lightning.tracking import client
-    from recursive_lightning.tracking_view import run_url
-    from recursive_lightning.ui import store_of
+    from recursive_lightning.tracking.runs import client
+    from recursive_lightning.tracking.ui import store_of
+    from recursive_lightning.tracking.view import run_url
 
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)

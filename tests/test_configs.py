@@ -52,7 +52,7 @@ ROW_CHANGES = {
 def test_mela_sweep_files_expand_to_their_grids(name):
     """Mela Tables 2-4 and the context-length study: the intended rows, each a Mela model with only its own
     field changed from the first row (Transformer++ rows: the LLaMA-style decoder alone), every point buildable."""
-    from recursive_lightning.model.accounting import describe
+    from recursive_lightning.model.describe import describe
 
     axis, rows, seeds = MELA_SWEEPS[name]
     spec = load_sweep(ROOT / "ablations" / name)

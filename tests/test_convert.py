@@ -18,8 +18,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from recursive_lightning.errors import ConfigError  # noqa: E402
-from recursive_lightning.model.config import preset  # noqa: E402
-from recursive_lightning.model.convert import (  # noqa: E402
+from recursive_lightning.interop.hf import (  # noqa: E402
     config_from_gpt_neox,
     config_from_llama,
     from_pretrained_gpt_neox,
@@ -27,7 +26,8 @@ from recursive_lightning.model.convert import (  # noqa: E402
     load_gpt_neox_state_dict,
     load_llama_state_dict,
 )
-from recursive_lightning.model.model import RecursiveLM  # noqa: E402
+from recursive_lightning.model.config import preset  # noqa: E402
+from recursive_lightning.model.recursive.model import RecursiveLM  # noqa: E402
 
 VOCAB = 97
 _DTYPE_KW = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from recursive_lightning.model.config import preset
-from recursive_lightning.model.model import RecursiveLM
+from recursive_lightning.model.recursive.model import RecursiveLM
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

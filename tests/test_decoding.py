@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.model.decoding import DecodeCache
-from recursive_lightning.model.model import RecursiveLM
+from recursive_lightning.model.recursive.model import RecursiveLM
 
 TOPOLOGIES = ["base", "anchor", "residual+anchor", "mesh", "dynamic"]
 

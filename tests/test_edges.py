@@ -199,7 +199,7 @@ def test_one_format_per_quantity_in_describe_and_the_summaries(capsys):
     assert main(["describe", "--preset", "cpu-tiny"]) == 0
     text = capsys.readouterr().out
     assert "e12" not in text and "GFLOPs" in text, text
-    from recursive_lightning.sweep.results import fmt_value
+    from recursive_lightning.sweep.tables import fmt_value
 
     assert fmt_value(4e10, "flops") == "40.0 GFLOPs" and fmt_value(1e9, "ppl") == "1.00e+09"
 

@@ -41,7 +41,7 @@ def run_dir(tmp_path_factory, data_cache) -> Path:
     from pydoc_data.topics import topics
 
     from recursive_lightning.data.tokenizer import train_bpe
-    from recursive_lightning.tracking import create_run, default_tracking_uri, ensure_experiment
+    from recursive_lightning.tracking.runs import create_run, default_tracking_uri, ensure_experiment
 
     root = tmp_path_factory.mktemp("embedded-eval")
     run_dir = root / "run"

@@ -296,7 +296,7 @@ def test_eval_command_json_and_mlflow(tmp_path, tokenizer, local_tasks, capsys):
     from mlflow.tracking import MlflowClient
 
     from recursive_lightning.cli import main
-    from recursive_lightning.tracking import create_run, default_tracking_uri, ensure_experiment
+    from recursive_lightning.tracking.runs import create_run, default_tracking_uri, ensure_experiment
 
     run_dir = tmp_path / "run"
     uri = default_tracking_uri(run_dir)

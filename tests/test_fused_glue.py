@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from recursive_lightning.model.block import _rotate_half_reference, qkv_rotary
 from recursive_lightning.model.config import ModelConfig
-from recursive_lightning.model.model import RecursiveLM
-from recursive_lightning.model.resolution import ResolutionStep
-from recursive_lightning.model.topology import _FactoredRead, _read_reference
+from recursive_lightning.model.recursive.model import RecursiveLM
+from recursive_lightning.model.recursive.resolution import ResolutionStep
+from recursive_lightning.model.recursive.topology import _FactoredRead, _read_reference
 
 
 def _grads(out, inputs, seed: int = 0):

@@ -15,7 +15,7 @@ if sys.argv[1] == "keep":
     from recursive_lightning.training.host import keep_freed_memory
     assert keep_freed_memory()
 from recursive_lightning.model.config import preset
-from recursive_lightning.model.model import RecursiveLM
+from recursive_lightning.model.recursive.model import RecursiveLM
 torch.manual_seed(0)
 model = RecursiveLM(preset("cpu-tiny", layout="1+1x{1/2,1}+1", topology="mesh", vocab_size=50304))
 opt = torch.optim.AdamW(model.parameters())

@@ -102,7 +102,7 @@ def test_llama_style_block_is_one_config_away():
     )
     import torch
 
-    from recursive_lightning.model.model import RecursiveLM
+    from recursive_lightning.model.recursive.model import RecursiveLM
 
     m = RecursiveLM(cfg)
     assert m(torch.randint(0, 100, (1, 9))).shape == (1, 9, cfg.vocab_size)

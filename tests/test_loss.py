@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.model.loss import _CrossEntropy, cross_entropy
-from recursive_lightning.model.model import RecursiveLM
+from recursive_lightning.model.recursive.model import RecursiveLM
 
 
 def _reference(logits: torch.Tensor, targets: torch.Tensor, upstream: float):

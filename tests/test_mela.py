@@ -11,10 +11,10 @@ import torch
 
 from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import ConfigError
-from recursive_lightning.model.accounting import describe
 from recursive_lightning.model.build import build_model
 from recursive_lightning.model.config import ModelConfig, preset
-from recursive_lightning.model.neural_memory import NeuralMemory, mlp_forward, newton_schulz
+from recursive_lightning.model.describe import describe
+from recursive_lightning.model.mela.neural_memory import NeuralMemory, mlp_forward, newton_schulz
 
 UPDATES = ("plain", "momentum", "forgetting", "newton_schulz")
 
@@ -328,8 +328,8 @@ def test_describe_counts_equal_a_full_meta_forward(extra):
     """describe counts Mela's FLOPs from 2 and 3 chunks (extended linearly) and replays HLR's repeated L/H
     module calls: every module's count equals one full, unreplayed meta forward's, a partial last chunk
     included (fails with the chunk extension off by one, or a replay that drops a module path)."""
-    from recursive_lightning.model.accounting import _count_forward, _mela_flop_counts
-    from recursive_lightning.model.mela import MelaLM
+    from recursive_lightning.model.describe import _count_forward, _mela_flop_counts
+    from recursive_lightning.model.mela.model import MelaLM
 
     cfg = preset("cpu-mela", **extra)
     with torch.device("meta"):
@@ -498,7 +498,7 @@ def test_two_chunks_train_the_memory_update_only_when_read_after(read):
 
 def test_newton_schulz_backward_equals_autograd():
     """The hand-written backward of _NewtonSchulz against autograd through the plain iteration (float64)."""
-    from recursive_lightning.model.neural_memory import NS_COEFFICIENTS
+    from recursive_lightning.model.mela.neural_memory import NS_COEFFICIENTS
 
     def plain(g, steps=5, eps=1e-7):
         a, b, c = NS_COEFFICIENTS
@@ -610,7 +610,7 @@ def test_memory_learns_at_4k_patch32_chunk64(carry):
     memory carried through the cycles (default) the loss reaches eta, M_0 and every other HMM parameter; with
     every application from its own M_0 (``none``, the previous code) each memory updates once from S_0 = 0,
     so eta gets nothing. ``memory_without_gradient`` (train's warning) names exactly the parameters left out."""
-    from recursive_lightning.model.mela import memory_gradient_warning, memory_without_gradient
+    from recursive_lightning.model.mela.model import memory_gradient_warning, memory_without_gradient
 
     torch.manual_seed(0)
     cfg = mela_400m_narrow(memory_carry=carry)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from test_sweep import ENV, run_sweep, sweep_file
 
-from recursive_lightning.tracking import client
-from recursive_lightning.tracking_view import SHARED_VIEW_TAG, VIEW_KEY
+from recursive_lightning.tracking.runs import client
+from recursive_lightning.tracking.view import SHARED_VIEW_TAG, VIEW_KEY
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = [
@@ -100,7 +100,7 @@ def test_report_plots_the_ranking_metric_against_flops_and_wall_clock(ranked_swe
     """Per row: training FLOPs = 3 x forward FLOPs/token (describe of the trial's config.yaml) x its tokens
     (result.json) and wall-clock (result.json's seconds), mean over the seeds, as the figure's table says."""
     from recursive_lightning.config import load_run_config
-    from recursive_lightning.model.accounting import describe
+    from recursive_lightning.model.describe import describe
 
     run_dir, _ = ranked_sweep
     md = (run_dir / "report.md").read_text()
@@ -234,7 +234,7 @@ def test_a_train_run_experiment_gets_a_ranked_view(tmp_path, tiny_run):
     """A single `train` run's experiment: ranked by val/heldout/ppl with tokens/s, and `ui` prints its run page
     in the classic view."""
     from recursive_lightning.config import RunConfig
-    from recursive_lightning.tracking_view import experiment_links
+    from recursive_lightning.tracking.view import experiment_links
     from recursive_lightning.training.run import train
 
     raw = tiny_run()
@@ -257,7 +257,7 @@ def test_the_best_trial_belongs_to_the_best_row():
     """Row a has the single lowest trial (1.0) but the higher mean (3.0); row b (2.0, 2.5) is best: its trial
     2.0 is the best trial, ranked first, and a's 1.0 third (the old `best_trial` named a's 1.0)."""
     from recursive_lightning.sweep.ranking import best, rank
-    from recursive_lightning.sweep.results import Row
+    from recursive_lightning.sweep.tables import Row
 
     def trial(key, seed, v):
         return {"key": key, "params": {"variant": key[0], "train.seed": seed}, "metrics": {"m": v}}
@@ -276,7 +276,7 @@ def test_the_best_trial_belongs_to_the_best_row():
 def test_a_large_sweep_s_description_fits_mlflow_s_limit():
     """60 trials and a 60-row table: the parent's description stays within MLflow's 8,000 characters (a longer
     tag fails the whole batch, and the parent would lose its best_* tags), cut at a whole line and saying so."""
-    from recursive_lightning.tracking_view import NOTE_LIMIT, parent_note
+    from recursive_lightning.tracking.view import NOTE_LIMIT, parent_note
 
     table = ["| row | seeds | ppl |", "|---|---|---|"] + [
         f"| variant-{i:03d} | 2 | {i}.0 ± 0.1 |" * 4 for i in range(60)

@@ -5,10 +5,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recursive_lightning.model.accounting import describe
 from recursive_lightning.model.config import TOPOLOGIES, ModelConfig, preset
-from recursive_lightning.model.model import RecursiveLM
-from recursive_lightning.model.resolution import ResolutionStep, chunk_maps
+from recursive_lightning.model.describe import describe
+from recursive_lightning.model.recursive.model import RecursiveLM
+from recursive_lightning.model.recursive.resolution import ResolutionStep, chunk_maps
 
 BASE = dict(vocab_size=37, d_model=16, n_heads=2, max_seq_len=64)
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from recursive_lightning.evaluation.perplexity import score_sequences
 from recursive_lightning.evaluation.prefix_sharing import pack, plan_trees, score_trees
 from recursive_lightning.model.config import ModelConfig
-from recursive_lightning.model.model import RecursiveLM
+from recursive_lightning.model.recursive.model import RecursiveLM
 
 VOCAB = 61
 ARCHS = {

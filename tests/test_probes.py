@@ -13,7 +13,7 @@ import torch
 
 from recursive_lightning.errors import UserError
 from recursive_lightning.model.config import TOPOLOGIES, ModelConfig
-from recursive_lightning.model.model import RecursiveLM
+from recursive_lightning.model.recursive.model import RecursiveLM
 from recursive_lightning.probes import metrics as M
 from recursive_lightning.probes.capture import ProbeSettings, capture
 
@@ -206,7 +206,12 @@ def test_samples_deterministic_heldout_first(tokenizer_and_text, monkeypatch):
 def sweep(tokenizer_and_text, tmp_path_factory):
     """A sweep dir with three tiny run dirs; `spiral` has an MLflow run whose id the checkpoint carries."""
     from recursive_lightning.config import RunConfig
-    from recursive_lightning.tracking import RUN_ID_FILE, create_run, default_tracking_uri, ensure_experiment
+    from recursive_lightning.tracking.runs import (
+        RUN_ID_FILE,
+        create_run,
+        default_tracking_uri,
+        ensure_experiment,
+    )
     from recursive_lightning.training.checkpoint import save_model_checkpoint
 
     tok, text, _ = tokenizer_and_text
@@ -238,7 +243,7 @@ def test_probe_end_to_end_with_mlflow(sweep):
     from mlflow.tracking import MlflowClient
 
     from recursive_lightning.probes.run import main
-    from recursive_lightning.tracking import default_tracking_uri
+    from recursive_lightning.tracking.runs import default_tracking_uri
 
     run_dir = sweep.root / "spiral"
     assert (

@@ -156,7 +156,12 @@ def run_dir(tmp_path_factory):
 
     from recursive_lightning.config import RunConfig
     from recursive_lightning.data.tokenizer import train_bpe
-    from recursive_lightning.tracking import RUN_ID_FILE, create_run, default_tracking_uri, ensure_experiment
+    from recursive_lightning.tracking.runs import (
+        RUN_ID_FILE,
+        create_run,
+        default_tracking_uri,
+        ensure_experiment,
+    )
     from recursive_lightning.training.checkpoint import save_model_checkpoint
 
     docs = [topics[k] for k in sorted(topics)]
@@ -184,7 +189,7 @@ def test_probe_command_on_a_mela_checkpoint(run_dir, capsys):
     from mlflow.tracking import MlflowClient
 
     from recursive_lightning.probes.run import main
-    from recursive_lightning.tracking import RUN_ID_FILE, default_tracking_uri
+    from recursive_lightning.tracking.runs import RUN_ID_FILE, default_tracking_uri
 
     text = run_dir.parent / "text.txt"
     argv = [str(run_dir), "--data", str(text), "--samples", "5", "--batch-size", "2", "--no-progress"]

@@ -75,7 +75,7 @@ def _columns(markdown: str, header: str) -> list[str]:
 
 def test_results_table_holds_the_trials_values(tiny_report_sweep):
     from recursive_lightning.config import load_run_config
-    from recursive_lightning.model.accounting import describe
+    from recursive_lightning.model.describe import describe
     from recursive_lightning.sweep.report import write_report
 
     run_dir = tiny_report_sweep

@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 from recursive_lightning import cli, tracking
 from recursive_lightning.config import RunConfig, load_run_config
 from recursive_lightning.errors import ConfigError, Terminated, UserError
-from recursive_lightning.tracking import default_tracking_uri, portable_uri
+from recursive_lightning.tracking.runs import default_tracking_uri, portable_uri
 from recursive_lightning.training.run import train
 
 

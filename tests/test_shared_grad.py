@@ -7,7 +7,7 @@ import torch
 
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.model.loss import cross_entropy
-from recursive_lightning.model.model import RecursiveLM
+from recursive_lightning.model.recursive.model import RecursiveLM
 from recursive_lightning.model.shared_grad import Linear
 from recursive_lightning.training import parallel
 

@@ -132,7 +132,7 @@ def test_two_workers_split_the_grid(two_worker_sweep):
     assert len(trials) == 4 and len(set(keys)) == 4
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
     assert len({t.system_attrs["pid"] for t in trials}) == 2  # both workers trained
-    from recursive_lightning.tracking import default_tracking_uri
+    from recursive_lightning.tracking.runs import default_tracking_uri
 
     for key in keys:  # eval / train --resume of a trial directory find its run in the sweep's store
         assert default_tracking_uri(two_worker_sweep / "trials" / key) == (

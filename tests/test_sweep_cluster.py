@@ -16,7 +16,7 @@ from test_sweep_grow import grow_spec, parent_and_children
 from recursive_lightning import cli
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.sweep import runner, servers
-from recursive_lightning.tracking import param_value
+from recursive_lightning.tracking.runs import param_value
 from recursive_lightning.uris import mask_url, same_server
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -159,8 +159,8 @@ def test_three_attached_workers_finish_the_grid_each_point_once(grid, tracking):
 def test_report_and_ui_read_the_server_backed_sweep(grid, tracking, capsys):
     """`report --run-dir` of a sweep whose study and runs live on servers reads them there; `ui` of it names
     the tracking server, which serves the runs itself."""
-    from recursive_lightning import ui
     from recursive_lightning.sweep import report
+    from recursive_lightning.tracking import ui
 
     (grid["run_dir"] / "report.md").unlink()
     assert report.main(["--run-dir", str(grid["run_dir"])]) == 0

@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 
 from recursive_lightning.config import RunConfig
-from recursive_lightning.tracking import client
+from recursive_lightning.tracking.runs import client
 from recursive_lightning.training.run import train
 
 
@@ -125,7 +125,7 @@ def test_system_metrics_are_logged(finished):
 def test_ui_points_a_copied_run_directory_at_its_own_artifacts(finished, tmp_path):
     import shutil
 
-    from recursive_lightning.ui import servable, store_of
+    from recursive_lightning.tracking.ui import servable, store_of
 
     _, r = finished
     copy = tmp_path / "copy"

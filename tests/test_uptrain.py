@@ -17,7 +17,7 @@ from recursive_lightning.config import RunConfig  # noqa: E402
 from recursive_lightning.errors import ConfigError  # noqa: E402
 from recursive_lightning.model.config import ModelConfig  # noqa: E402
 from recursive_lightning.model.layout import parse_layout  # noqa: E402
-from recursive_lightning.model.model import RecursiveLM  # noqa: E402
+from recursive_lightning.model.recursive.model import RecursiveLM  # noqa: E402
 from recursive_lightning.training import uptrain  # noqa: E402
 from recursive_lightning.training.uptrain import Source, initialise, layer_map  # noqa: E402
 
@@ -251,7 +251,7 @@ def hf_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize("family", ["neox", "llama"])
 def test_local_hf_directory_offline_gives_the_hf_logits(hf_dirs, family):
-    from recursive_lightning.model import convert
+    from recursive_lightning.interop import hf as convert
 
     path, hf = hf_dirs[family]
     source = uptrain.load_source(str(path))  # HF_HUB_OFFLINE=1: local files only
@@ -374,7 +374,7 @@ def test_train_init_from_a_checkpoint_records_freezes_and_resumes_exactly(tmp_pa
 
 
 def test_train_takes_the_source_tokenizer_and_refuses_another(tmp_path, tiny_run, hf_dirs, docs):
-    from recursive_lightning.model import convert
+    from recursive_lightning.interop import hf as convert
     from recursive_lightning.training.run import train
 
     path, hf = hf_dirs["neox"]

@@ -465,7 +465,12 @@ def evaluate_checkpoint(
     """
     from recursive_lightning.evaluation.lm_eval_adapter import RecursiveLightningLM
     from recursive_lightning.evaluation.perplexity import perplexity, perplexity_by_context_length, read_texts
-    from recursive_lightning.tracking import atomic_write_text, check_outputs, default_tracking_uri, to_json
+    from recursive_lightning.tracking.runs import (
+        atomic_write_text,
+        check_outputs,
+        default_tracking_uri,
+        to_json,
+    )
     from recursive_lightning.training.checkpoint import load_checkpoint
 
     if loaded is None:
@@ -655,7 +660,7 @@ def foreign_tokenizer(data: Any) -> str | None:
 
 def _mlflow_target(loaded: Any, run_dir: Path, tracking_uri: str | None) -> dict[str, Any]:
     """The checkpoint's training run in the tracking store, or a new run tagged with the checkpoint."""
-    from recursive_lightning.tracking import (
+    from recursive_lightning.tracking.runs import (
         RUN_ID_FILE,
         client,
         create_run,
@@ -715,13 +720,13 @@ def flat_metrics(result: dict[str, Any]) -> dict[str, float]:
 
 
 def _log_mlflow(result: dict[str, Any], json_path: Path) -> None:
-    from recursive_lightning.tracking import log_artifact, log_metrics, set_terminated
+    from recursive_lightning.tracking.runs import log_artifact, log_metrics, set_terminated
 
     target = result["mlflow"]
     uri, run_id = target["tracking_uri"], target["run_id"]
     log_metrics(uri, run_id, flat_metrics(result), step=int(result.get("global_step") or 0))
     if result.get("skipped_tasks"):
-        from recursive_lightning.tracking import client
+        from recursive_lightning.tracking.runs import client
 
         client(uri).set_tag(run_id, "eval.skipped_tasks", ", ".join(result["skipped_tasks"]))
     log_artifact(uri, run_id, json_path, subdir="eval")

@@ -10,9 +10,9 @@ from recursive_lightning.model.config import ModelConfig
 def build_model(cfg: ModelConfig) -> nn.Module:
     """``RecursiveLM`` (vanilla / Transformer++, looped, multi-resolution) or ``MelaLM`` (``arch: mela``)."""
     if cfg.arch == "mela":
-        from recursive_lightning.model.mela import MelaLM
+        from recursive_lightning.model.mela.model import MelaLM
 
         return MelaLM(cfg)
-    from recursive_lightning.model.model import RecursiveLM
+    from recursive_lightning.model.recursive.model import RecursiveLM
 
     return RecursiveLM(cfg)

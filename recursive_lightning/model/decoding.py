@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from recursive_lightning.model.block import KV
-from recursive_lightning.model.resolution import StepCache
+from recursive_lightning.model.recursive.resolution import StepCache
 
 
 @dataclass

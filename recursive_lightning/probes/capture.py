@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from recursive_lightning.model.model import RecursiveLM, Trace
-from recursive_lightning.model.topology import Combination, MeSH
+from recursive_lightning.model.recursive.model import RecursiveLM, Trace
+from recursive_lightning.model.recursive.topology import Combination, MeSH
 from recursive_lightning.probes import metrics as M
 
 __all__ = [

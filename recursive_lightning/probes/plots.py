@@ -44,7 +44,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
-from .metrics import dynamic_heads, minmax_normalize, state_composition_labels
+from recursive_lightning.probes.metrics import dynamic_heads, minmax_normalize, state_composition_labels
 
 __all__ = [
     "model_color",

@@ -718,7 +718,7 @@ def _model_meta(loaded: Any) -> dict[str, Any]:
 
 def _mlflow_run(uri: str, run_dir: Path, loaded: Any) -> tuple[str, bool]:
     """(run id, created): the checkpoint's own MLflow run, or a linked run made for the probes."""
-    from recursive_lightning.tracking import RUN_ID_FILE, client, create_run, ensure_experiment
+    from recursive_lightning.tracking.runs import RUN_ID_FILE, client, create_run, ensure_experiment
 
     c = client(uri)
     ids = [loaded.mlflow_run_id]
@@ -752,7 +752,12 @@ def log_to_mlflow(
     tracking_uri: str | None,
     artifact_path: str,
 ) -> tuple[str, str]:
-    from recursive_lightning.tracking import default_tracking_uri, log_artifact, log_metrics, set_terminated
+    from recursive_lightning.tracking.runs import (
+        default_tracking_uri,
+        log_artifact,
+        log_metrics,
+        set_terminated,
+    )
 
     uri = tracking_uri or default_tracking_uri(run_dir)
     run_id, created = _mlflow_run(uri, run_dir, loaded)
@@ -766,7 +771,7 @@ def log_to_mlflow(
 
 
 def write_json(path: Path, data: dict[str, Any]) -> Path:
-    from recursive_lightning.tracking import atomic_write_text
+    from recursive_lightning.tracking.runs import atomic_write_text
 
     atomic_write_text(path, json.dumps(_clean(data), indent=1, allow_nan=False) + "\n")
     return path
@@ -984,7 +989,7 @@ def _title(p: Probed) -> str:
 
 def _check_outputs(args: argparse.Namespace, run_dirs: Sequence[Path], out: Path) -> None:
     """Before any probing: the figures' folder and each run's MLflow store must be writable."""
-    from recursive_lightning.tracking import check_outputs, default_tracking_uri
+    from recursive_lightning.tracking.runs import check_outputs, default_tracking_uri
 
     check_outputs("probe", out, bool(args.out))
     if not args.no_mlflow:

@@ -2,7 +2,7 @@
 against wall-clock, one point per grid point, mean ± std over its seeds on both axes (error bars).
 
 Training FLOPs of a trial = 3 × forward FLOPs per token × training tokens: the backward pass costs twice the
-forward (Kaplan et al. 2020's C ≈ 6N per token, with the forward's 2N counted by ``model.accounting.describe``,
+forward (Kaplan et al. 2020's C ≈ 6N per token, with the forward's 2N counted by ``model.describe.describe``,
 attention included); the tokens are ``result.json``'s. Wall-clock is ``result.json``'s ``seconds``.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from recursive_lightning.sweep.results import Row, mean_std, trial_value
-from recursive_lightning.tracking import atomic_write_figure
+from recursive_lightning.sweep.tables import Row, mean_std, trial_value
+from recursive_lightning.tracking.runs import atomic_write_figure
 
 BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 forwards
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from recursive_lightning.tracking import atomic_write_figure
+from recursive_lightning.tracking.runs import atomic_write_figure
 
 VAL_PPL = re.compile(r"^val/([^/]+)/ppl$")
 
@@ -27,7 +27,7 @@ def metric_history(
 ) -> dict[str, dict[int, float]]:
     """{metric: {step: value}} of one MLflow run: ``keys`` (default ``train/loss``, ``train/tokens_per_sec``
     and every ``val/<set>/ppl`` the run has). A step logged more than once keeps its latest value."""
-    from recursive_lightning.tracking import client
+    from recursive_lightning.tracking.runs import client
 
     c = client(tracking_uri)
     if keys is None:

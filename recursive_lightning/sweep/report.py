@@ -1,7 +1,7 @@
 """``python -m recursive_lightning report``: the papers' tables of a sweep, tables per axis and plots.
 
 The results table has one row per grid point (its axes other than the seed), aggregated over seeds as mean ±
-std: parameters (non-embedding) and forward FLOPs per token (``model.accounting.describe`` of the trial's
+std: parameters (non-embedding) and forward FLOPs per token (``model.describe.describe`` of the trial's
 ``config.yaml``), training tokens/s and wall-clock, validation perplexity on each named set and downstream
 accuracy per task with their average (MeSH Tables 1-2), and, with ``report: {baseline: <row>}`` and several
 seeds, the paired difference (same seed) of every row to the baseline with a 95 % t-interval over the seed
@@ -28,9 +28,9 @@ from typing import Any
 from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
 from recursive_lightning.errors import ConfigError
-from recursive_lightning.sweep.results import mean_std
 from recursive_lightning.sweep.spec import SEED_AXIS
-from recursive_lightning.tracking import (
+from recursive_lightning.sweep.tables import mean_std
+from recursive_lightning.tracking.runs import (
     absolute_uri,
     atomic_write_figure,
     atomic_write_text,
@@ -205,11 +205,11 @@ def _results_sections(
 ) -> tuple[list[str], list[Path], dict[str, Any]]:
     """The papers' tables (results, downstream accuracy, paired differences to the baseline) and the
     learning-curve figure. Returns (markdown lines, figures, structured data for callers and tests)."""
-    from recursive_lightning.sweep import cost, curves, ranking, results
+    from recursive_lightning.sweep import cost, curves, ranking, tables
     from recursive_lightning.sweep.spec import row_names
 
     describe_cache: dict[str, dict] = {}
-    trials = [results.load_trial(run_dir, t, spec, describe_cache) for t in trials]
+    trials = [tables.load_trial(run_dir, t, spec, describe_cache) for t in trials]
     problems = []
     from recursive_lightning.progress import tracked  # a bar on a terminal, a line every 30 s in a log
 
@@ -221,15 +221,15 @@ def _results_sections(
             except Exception as e:  # a store that cannot be read: tokens/s and curves stay missing
                 problems.append(f"trial {t['number']}: {type(e).__name__}: {e}"[:300])
         t["tokens_per_sec"] = curves.training_tokens_per_sec(t["history"])
-    rows = results.build_rows(trials, axes, row_names(spec.axes) if spec.search is None else ())
-    main_cols, heads, shots = results.columns(trials, ranked)
+    rows = tables.build_rows(trials, axes, row_names(spec.axes) if spec.search is None else ())
+    main_cols, heads, shots = tables.columns(trials, ranked)
     ranks = ranking.rank(rows, ranked)
     best = ranking.best(ranks)[0].name if ranking.best(ranks)[0] is not None else None
     seeds = max((len(r.trials) for r in rows), default=0)
     lines = [
         "## Results",
         "",
-        f"One row per grid point, mean ± std over its seeds; ★ marks the lowest `{ranked}`. {results.MISSING} "
+        f"One row per grid point, mean ± std over its seeds; ★ marks the lowest `{ranked}`. {tables.MISSING} "
         "marks a value the row's trials did not record.",
         "",
         "| " + " | ".join(["row", "seeds", *(c.title for c in main_cols)]) + " |",
@@ -245,7 +245,7 @@ def _results_sections(
                 [
                     r.name + (" ★" if r.name == best else ""),
                     str(len(r.trials)),
-                    *(results.fmt_cell(cells[c.key], c.kind) for c in main_cols),
+                    *(tables.fmt_cell(cells[c.key], c.kind) for c in main_cols),
                 ]
             )
             + " |"
@@ -253,7 +253,7 @@ def _results_sections(
     results_table = lines[4:]
     lines += [
         "",
-        "- **params (non-emb.)** and **fwd FLOPs/token**: `model.accounting.describe` of the trial's "
+        "- **params (non-emb.)** and **fwd FLOPs/token**: `model.describe.describe` of the trial's "
         "`config.yaml` at its training length (2 FLOPs per multiply-accumulate, attention at full L×L; the "
         "forward of one sequence over its tokens).",
         "- **train tokens/s**: tokens of the training steps over their summed step time (harmonic mean of the "
@@ -264,10 +264,10 @@ def _results_sections(
         "`evaluate:`; accuracies in %.",
         "",
     ]
-    elsewhere = [t["number"] for t in trials if t["metrics_source"] != results.SWEEP_RESULT]
+    elsewhere = [t["number"] for t in trials if t["metrics_source"] != tables.SWEEP_RESULT]
     if elsewhere:  # trained where this directory cannot see (another machine): say whose numbers these are
         lines[-1:-1] = [
-            f"- trial(s) {', '.join(map(str, elsewhere))} have no `{results.SWEEP_RESULT}` in this directory "
+            f"- trial(s) {', '.join(map(str, elsewhere))} have no `{tables.SWEEP_RESULT}` in this directory "
             "(trained on another machine?): their metrics are the Optuna study's copy, their wall-clock, "
             "parameters and FLOPs what this directory and the sweep file give."
         ]
@@ -287,10 +287,10 @@ def _results_sections(
             for k in shots:
                 cells = [r.name, f"{k}-shot"]
                 cells += [
-                    results.fmt_cell(r.values(heads[(t, k)]), "acc") if (t, k) in heads else results.MISSING
+                    tables.fmt_cell(r.values(heads[(t, k)]), "acc") if (t, k) in heads else tables.MISSING
                     for t in tasks
                 ]
-                cells.append(results.fmt_cell(r.values(f"eval/avg/{k}shot"), "acc"))
+                cells.append(tables.fmt_cell(r.values(f"eval/avg/{k}shot"), "acc"))
                 lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     baseline = (spec.report or {}).get("baseline")
@@ -302,10 +302,10 @@ def _results_sections(
         if base is None:
             lines += [f"The baseline row `{baseline}` has no finished trial yet: no differences.", ""]
         else:
-            level = round(100 * results.CONFIDENCE)
+            level = round(100 * tables.CONFIDENCE)
             lines += [
                 f"Row − `{baseline}` on the same seed, mean over the seed pairs [{level} % Student-t interval: "
-                f"mean ± t({(1 + results.CONFIDENCE) / 2:.3f}, n−1) · sd/√n over the n pairs]; lower perplexity and "
+                f"mean ± t({(1 + tables.CONFIDENCE) / 2:.3f}, n−1) · sd/√n over the n pairs]; lower perplexity and "
                 "higher accuracy (points) are better; **bold**: the interval excludes 0. An interval needs two "
                 "pairs.",
                 "",
@@ -315,10 +315,10 @@ def _results_sections(
             for r in rows:
                 if r is base:
                     continue
-                diffs = {c.key: results.paired_difference(r, base, c.key) for c in diff_cols}
+                diffs = {c.key: tables.paired_difference(r, base, c.key) for c in diff_cols}
                 paired[r.name] = diffs
                 n = max((d["n"] for d in diffs.values() if d), default=0)
-                cells = [r.name, str(n), *(results.fmt_difference(diffs[c.key], c.kind) for c in diff_cols)]
+                cells = [r.name, str(n), *(tables.fmt_difference(diffs[c.key], c.kind) for c in diff_cols)]
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
     elif seeds > 1 and len(rows) > 1:
@@ -332,7 +332,7 @@ def _results_sections(
         r.name: [
             {
                 "history": t["history"],
-                "tokens_per_step": results.tokens_per_step(t) or 0.0,
+                "tokens_per_step": tables.tokens_per_step(t) or 0.0,
                 "steps": t.get("steps"),
             }
             for t in r.trials
@@ -496,7 +496,7 @@ def write_report(
             log_artifact(tracking_uri, parent, html_path, subdir="report")
             for f in figures:
                 log_artifact(tracking_uri, parent, f, subdir="report")
-            from recursive_lightning.tracking import log_metrics
+            from recursive_lightning.tracking.runs import log_metrics
 
             if rows:
                 from recursive_lightning.sweep.ranking import log_ranking

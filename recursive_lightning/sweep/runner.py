@@ -43,7 +43,7 @@ from recursive_lightning.processes import parent_death_signal
 from recursive_lightning.sweep.devices import CPU, device_pool, devices_needed, hold_devices
 from recursive_lightning.sweep.servers import check_stores, database_lock, recorded_study
 from recursive_lightning.sweep.spec import SweepSpec, load_sweep, point_key
-from recursive_lightning.tracking import (
+from recursive_lightning.tracking.runs import (
     atomic_write_text,
     client,
     create_run,
@@ -57,7 +57,7 @@ from recursive_lightning.tracking import (
     set_terminated,
     writable_dir_problem,
 )
-from recursive_lightning.tracking_view import ui_hint
+from recursive_lightning.tracking.view import ui_hint
 from recursive_lightning.uris import mask_url
 
 REPO = Path(__file__).resolve().parents[2]
@@ -566,7 +566,7 @@ def _validate_last_checkpoint(cfg, result):
     and its result): validate that checkpoint, as training's final validation would have, and record it."""
     import lightning as L
 
-    from recursive_lightning.tracking import log_metrics
+    from recursive_lightning.tracking.runs import log_metrics
     from recursive_lightning.training import parallel
     from recursive_lightning.training.checkpoint import latest_good
     from recursive_lightning.training.module import RecursiveLMModule

@@ -182,7 +182,7 @@ def recorded_study(storage_url: str, name: str, tracking_uri: str | None = None)
 def _moved_with_its_study(storage_url: str, recorded_dir: str | None) -> dict[str, str]:
     """A SQLite study inside a sweep directory that was moved or copied since it recorded ``recorded_dir``: the
     directory and tracking store are where the study lies now (its ``sweep.json``), not at the old path."""
-    from recursive_lightning.tracking import _sqlite_parts, absolute_uri
+    from recursive_lightning.tracking.runs import _sqlite_parts, absolute_uri
 
     parts = _sqlite_parts(absolute_uri(storage_url))
     if parts is None or recorded_dir is None:

@@ -10,8 +10,8 @@ import torch
 from torchmetrics.text import Perplexity
 
 from recursive_lightning.config import RunConfig
-from recursive_lightning.model.accounting import describe
 from recursive_lightning.model.build import build_model
+from recursive_lightning.model.describe import describe
 from recursive_lightning.model.loss import cross_entropy
 from recursive_lightning.training import parallel
 from recursive_lightning.training.optim import build_optimizer

@@ -27,7 +27,7 @@ from typing import Any
 from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig, load_run_config, load_yaml
 from recursive_lightning.errors import ConfigError, Terminated
-from recursive_lightning.tracking import (
+from recursive_lightning.tracking.runs import (
     RUN_ID_FILE,
     absolute_uri,
     atomic_write_text,
@@ -199,7 +199,7 @@ def train(
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from recursive_lightning.model.accounting import describe
+    from recursive_lightning.model.describe import describe
     from recursive_lightning.training import parallel
     from recursive_lightning.training.checkpoint import AtomicCheckpointIO, latest_good, read_checkpoint
     from recursive_lightning.training.host import keep_freed_memory
@@ -272,7 +272,7 @@ def train(
         )
 
     if cfg.model.arch == "mela":  # a memory that cannot learn at this length says so (Mela, issue 31)
-        from recursive_lightning.model.mela import memory_gradient_warning
+        from recursive_lightning.model.mela.model import memory_gradient_warning
 
         warning = memory_gradient_warning(cfg.model, cfg.data.seq_len)
         if warning:
@@ -417,7 +417,7 @@ def train(
     if not metrics:  # never erase a finished run's recorded result
         metrics = _previous_metrics(run_dir, trainer.global_step)
     if trainer.is_global_zero:
-        from recursive_lightning.tracking import log_metrics
+        from recursive_lightning.tracking.runs import log_metrics
 
         log_metrics(
             tracking_uri, run_id, {f"final/{k}": v for k, v in metrics.items()}, step=trainer.global_step

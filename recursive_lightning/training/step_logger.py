@@ -13,7 +13,7 @@ from typing import Any
 
 def last_logged_steps(tracking_uri: str, run_id: str) -> dict[str, int]:
     """The last step logged of each metric of the run."""
-    from recursive_lightning.tracking import client
+    from recursive_lightning.tracking.runs import client
 
     c = client(tracking_uri)
     return {

@@ -6,7 +6,7 @@ initialisations of the looped block; McLeish et al. 2025, retrofitting recurrenc
 taken from the original layers).
 
     source    a checkpoint or run directory of this package (vanilla layout), a local Hugging Face GPT-NeoX
-              (Pythia) or LLaMA directory (read by ``model/convert.py``), or a Hub name when online
+              (Pythia) or LLaMA directory (read by ``interop/hf.py``), or a Hub name when online
     copied    embeddings, LM head and final norm as they are; prelude = the source's first layers, coda =
               its last layers; every distinct core layer from the middle layers by the strategy
     strategy  stepwise | average | lower (Bae et al. 2024) | select:LAYERS (an explicit map)
@@ -73,7 +73,7 @@ from recursive_lightning.errors import ConfigError
 if TYPE_CHECKING:
     from recursive_lightning.config import RunConfig
     from recursive_lightning.model.layout import Layout
-    from recursive_lightning.model.model import RecursiveLM
+    from recursive_lightning.model.recursive.model import RecursiveLM
 
 STRATEGIES = ("stepwise", "average", "lower")
 MESH_ROUTER_MARGIN = 6.0  # [reading] logit gap of the near-identity MeSH routers (see the module docstring)
@@ -199,7 +199,7 @@ def layer_map(n_source: int, layout: Layout, strategy: str) -> LayerMap:
 def start_as_layers(model: RecursiveLM, margin: float = MESH_ROUTER_MARGIN) -> str:
     """Set topology and resolution parameters so the model computes prelude, the core at each full-resolution
     step, coda (module docstring); returns what the start is, for the record."""
-    from recursive_lightning.model.topology import Additive, Combination, MeSH
+    from recursive_lightning.model.recursive.topology import Additive, Combination, MeSH
 
     topo = model.topology
     applied = [step.full_resolution for step in model.steps]  # coarse steps start as skips where possible
@@ -277,7 +277,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 
 def _hf_source(name: str, model_type: str | None, local: bool) -> Source:
-    from recursive_lightning.model import convert
+    from recursive_lightning.interop import hf as convert
 
     loaders = {"gpt_neox": convert.from_pretrained_gpt_neox, "llama": convert.from_pretrained_llama}
     if model_type not in loaders:
@@ -314,7 +314,7 @@ def load_source(spec: str) -> Source:
                     f"train.init_from '{path}': config.json is not readable JSON ({e})."
                 ) from None
             return _hf_source(str(path), model_type, local=True)
-        from recursive_lightning.model.model import RecursiveLM
+        from recursive_lightning.model.recursive.model import RecursiveLM
         from recursive_lightning.training.checkpoint import load_checkpoint
 
         if path.is_file() and not zipfile.is_zipfile(path):  # torch.save writes a zip archive
@@ -336,7 +336,7 @@ def load_source(spec: str) -> Source:
             f"train.init_from '{spec}' does not exist; pass a checkpoint or run directory of this package, a "
             "local Hugging Face model directory, or a Hub name."
         )
-    try:  # a Hub name: the config says which family, then model/convert.py reads the weights
+    try:  # a Hub name: the config says which family, then interop/hf.py reads the weights
         from transformers import AutoConfig
 
         model_type = AutoConfig.from_pretrained(spec).model_type
@@ -378,7 +378,7 @@ def _shape_error(
 def initialise(model: RecursiveLM, source: Source, strategy: str, margin: float = MESH_ROUTER_MARGIN) -> dict:
     """Copy ``source`` into ``model`` by ``strategy`` and start its topology as the selected layers; returns
     the record (source, fingerprints, strategy, layer map, start). Everything is checked before any copy."""
-    from recursive_lightning.model.model import RecursiveLM
+    from recursive_lightning.model.recursive.model import RecursiveLM
 
     if not isinstance(model, RecursiveLM):
         raise ConfigError(
@@ -465,7 +465,7 @@ def keep_tokenizer(cfg: RunConfig, source: Source, run_dir: Path) -> None:
             f"data.tokenizer is 'init' but the source '{source.name}' carries no tokenizer (no tokenizer.json); "
             "save the tokenizer beside the model or set data.tokenizer to its tokenizer.json."
         )
-    from recursive_lightning.tracking import atomic_write_text
+    from recursive_lightning.tracking.runs import atomic_write_text
 
     atomic_write_text(Path(run_dir) / TOKENIZER_FILE, source.tokenizer.to_str())
 
@@ -512,7 +512,7 @@ ARCH_FIELDS = (
 def hf_architecture(path: Path) -> dict[str, Any] | None:
     """The architecture fields (:data:`ARCH_FIELDS`) of a local Hugging Face GPT-NeoX / LLaMA directory, read
     from its config.json alone; None for anything else (loading it later says what is wrong)."""
-    from recursive_lightning.model import convert
+    from recursive_lightning.interop import hf as convert
 
     try:
         raw = json.loads((path / "config.json").read_text())
@@ -565,7 +565,7 @@ def cli_overrides(init_from: str, config: str | None, overrides: list[str]) -> l
 def log_record(tracking_uri: str, run_id: str, record: dict) -> None:
     """MLflow: params init.source / kind / fingerprint / tokenizer_fingerprint / strategy / start, tag
     init.layer_map, artifact init_from.json."""
-    from recursive_lightning.tracking import client, log_artifact_text, log_params
+    from recursive_lightning.tracking.runs import client, log_artifact_text, log_params
 
     keys = ("source", "kind", "fingerprint", "tokenizer_fingerprint", "strategy", "source_layers", "start")
     log_params(tracking_uri, run_id, {f"init.{k}": record[k] for k in keys})

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning.sweep.spec import SEED_AXIS, row_name
-from recursive_lightning.tracking import read_json
+from recursive_lightning.tracking.runs import read_json
 
 SWEEP_RESULT = "sweep_result.json"
 TASK_METRIC = re.compile(r"^eval/(?P<task>[^/]+)/(?P<shots>\d+)shot/(?P<metric>[^/]+)$")
@@ -40,7 +40,7 @@ def load_trial(
 
     ``metrics``: ``trials/<point>/sweep_result.json`` (the sweep's record: training's final validation plus
     ``evaluate:``), else the study's copy; ``seconds`` / ``tokens`` / ``steps``: ``result.json`` (written by
-    ``train``); ``describe``: parameters and FLOPs counted by ``model.accounting.describe`` on the trial's
+    ``train``); ``describe``: parameters and FLOPs counted by ``model.describe.describe`` on the trial's
     ``config.yaml`` (else the sweep file's config of the point); ``mlflow_run_id`` from the record."""
     trial_dir = run_dir / "trials" / str(row.get("key"))
     record = read_json(trial_dir / SWEEP_RESULT)
@@ -80,7 +80,7 @@ def _trial_config(trial_dir: Path, row: dict[str, Any], spec: Any):
 
 
 def _describe(cfg: Any, cache: dict[str, dict]) -> dict[str, Any] | None:
-    from recursive_lightning.model.accounting import describe
+    from recursive_lightning.model.describe import describe
 
     key = json.dumps([cfg.to_dict()["model"], cfg.data.seq_len], sort_keys=True, default=str)
     if key not in cache:

@@ -23,9 +23,9 @@ from recursive_lightning.model.block import Block, Stack, make_norm
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.model.decoding import DecodeCache, Generates
 from recursive_lightning.model.loss import cross_entropy
-from recursive_lightning.model.resolution import ResolutionStep
+from recursive_lightning.model.recursive.resolution import ResolutionStep
+from recursive_lightning.model.recursive.topology import Combination, MeSH, build_topology
 from recursive_lightning.model.shared_grad import accumulate_weight_grads
-from recursive_lightning.model.topology import Combination, MeSH, build_topology
 
 
 @dataclass

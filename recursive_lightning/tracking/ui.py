@@ -26,13 +26,13 @@ from pathlib import Path
 from recursive_lightning import faults
 from recursive_lightning.errors import UserError
 from recursive_lightning.processes import dies_with_parent, stop_group
-from recursive_lightning.tracking import (
+from recursive_lightning.tracking.runs import (
     _sqlite_parts,
     absolute_uri,
     default_tracking_uri,
     relocate_artifacts,
 )
-from recursive_lightning.tracking_view import experiment_links, server_links
+from recursive_lightning.tracking.view import experiment_links, server_links
 
 DEFAULT_DIRS = (Path("runs") / "sweeps" / "default",)
 

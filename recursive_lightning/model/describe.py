@@ -15,8 +15,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from recursive_lightning.errors import UserError
 from recursive_lightning.model.config import ModelConfig
-from recursive_lightning.model.model import RecursiveLM
-from recursive_lightning.model.topology import Combination, MeSH
+from recursive_lightning.model.recursive.model import RecursiveLM
+from recursive_lightning.model.recursive.topology import Combination, MeSH
 
 CONVENTION = (
     "2 FLOPs per multiply-accumulate, attention QK^T and AV at full LxL included (SpiralFormer Table 1)"
@@ -168,8 +168,8 @@ MELA_TABLE1_SHARES = {"mela-400m": (27.45, 65.75), "mela-800m": (28.78, 66.35), 
 
 
 def _mela_parameters(model: torch.nn.Module) -> dict[str, int]:
-    from recursive_lightning.model.hierarchical_memory import GatedAttention
-    from recursive_lightning.model.neural_memory import NeuralMemory
+    from recursive_lightning.model.mela.hierarchical_memory import GatedAttention
+    from recursive_lightning.model.mela.neural_memory import NeuralMemory
 
     hmm = model.hmm
     attention = sum(_numel(m) for m in hmm.modules() if isinstance(m, GatedAttention))
@@ -237,7 +237,7 @@ def _mela_flop_counts(
 def describe_mela(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) -> dict[str, Any]:
     """``describe`` for ``arch: mela``: parameters by part with Table 1's shares, the sequence geometry
     (N_p, N_c, decoder length), HLR's block applications and the forward FLOPs by part."""
-    from recursive_lightning.model.mela import MelaLM
+    from recursive_lightning.model.mela.model import MelaLM
 
     with torch.device("meta"):
         model = MelaLM(cfg)

@@ -32,9 +32,9 @@ from torch import nn
 from recursive_lightning.model.block import KV, Block, Rotary
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.model.decoding import Generates
-from recursive_lightning.model.hierarchical_memory import HierarchicalMemory
 from recursive_lightning.model.loss import cross_entropy
-from recursive_lightning.model.neural_memory import NeuralMemory
+from recursive_lightning.model.mela.hierarchical_memory import HierarchicalMemory
+from recursive_lightning.model.mela.neural_memory import NeuralMemory
 
 
 @dataclass

@@ -59,7 +59,7 @@ import torch
 
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.model.config import ModelConfig
-from recursive_lightning.model.model import RecursiveLM
+from recursive_lightning.model.recursive.model import RecursiveLM
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from torch import nn
 
 from recursive_lightning.model.block import Rotary
 from recursive_lightning.model.config import ModelConfig
-from recursive_lightning.model.neural_memory import MemoryState, NeuralMemory
+from recursive_lightning.model.mela.neural_memory import MemoryState, NeuralMemory
 
 
 def _straight_through(start: MemoryState, now: MemoryState) -> MemoryState:

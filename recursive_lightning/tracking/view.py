@@ -138,7 +138,7 @@ def runs_view(runs: Sequence[Any]) -> dict[str, Any] | None:
 def publish_views(tracking_uri: str, experiment_ids: Iterable[str] | None = None) -> dict[str, str]:
     """Write the ranked view (``runs_view``) of each experiment (default: all) as its shared view; returns
     {experiment id: share key} of those that have runs."""
-    from recursive_lightning.tracking import client
+    from recursive_lightning.tracking.runs import client
 
     c = client(tracking_uri)
     ids = (
@@ -162,7 +162,7 @@ def publish_views(tracking_uri: str, experiment_ids: Iterable[str] | None = None
 def experiment_links(tracking_uri: str, base_url: str) -> list[str]:
     """The lines ``ui`` prints: each experiment's ranked runs table and, for a sweep, its parent run (the page
     that leads to the report); views published first (``publish_views``)."""
-    from recursive_lightning.tracking import client
+    from recursive_lightning.tracking.runs import client
 
     c = client(tracking_uri)
     try:
@@ -260,7 +260,7 @@ def server_links(tracking_uri: str) -> list[str]:
 def ui_hint(run_dir: str, tracking_uri: str) -> str:
     """What the sweep prints at its end: the ``ui`` command of its directory, or, on a tracking server, the
     ranked links themselves."""
-    from recursive_lightning.tracking import ui_command
+    from recursive_lightning.tracking.runs import ui_command
 
     if tracking_uri.startswith(("http://", "https://")):
         try:
