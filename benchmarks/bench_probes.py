@@ -13,9 +13,9 @@ Loading a checkpoint, tokenising text and MLflow logging are not included (secon
 ``--samples``).
 
 Part 2 times the per-sample RBF-CKA matrix between the ``K + 3`` states of ``--cka-samples``
-sequences: ``metrics.cka_matrix`` (all samples and state pairs in one batched computation) and the
-in-place variant ``capture.cka_matrix`` that the probe uses, against a Python double loop over state
-pairs calling ``metrics.cka`` for each pair of each sample, and checks that all agree.
+sequences: ``probes.cka.cka_matrix`` as the probe uses it (all samples and state pairs in one batched
+computation) against a Python double loop over state pairs calling it for one pair of one sample at a
+time, and checks that they agree.
 
 Both wall and process CPU seconds are printed: on a machine shared with other jobs, multi-threaded
 wall times inflate badly; ``--threads 1`` CPU seconds are what one idle core would take.
@@ -37,19 +37,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from recursive_lightning.model.config import preset  # noqa: E402
 from recursive_lightning.model.recursive.model import RecursiveLM  # noqa: E402
-from recursive_lightning.probes import metrics as M  # noqa: E402
-from recursive_lightning.probes.capture import ProbeSettings, capture, cka_matrix  # noqa: E402
-from recursive_lightning.probes.run import draw_single, summarize  # noqa: E402
+from recursive_lightning.probes.capture import ProbeSettings, capture  # noqa: E402
+from recursive_lightning.probes.cka import cka_matrix  # noqa: E402
+from recursive_lightning.probes.figures import Sheet  # noqa: E402
+from recursive_lightning.probes.registry import draw, summarize  # noqa: E402
 
 
 def naive_cka_matrix(states: torch.Tensor, kernel: str = "rbf") -> torch.Tensor:
-    """``[N, S, L, d]`` -> ``[N, S, S]`` with Python loops over samples and state pairs."""
+    """``[N, S, L, d]`` -> ``[N, S, S]`` with Python loops over samples and state pairs (one pair per call)."""
     N, S = states.shape[:2]
     out = torch.empty(N, S, S, dtype=torch.float64)
     for n in range(N):
         for i in range(S):
             for j in range(S):
-                out[n, i, j] = M.cka(states[n, i], states[n, j], kernel=kernel)
+                out[n, i, j] = cka_matrix(states[n, [i, j]], kernel=kernel)[0, 1]
     return out
 
 
@@ -112,7 +113,8 @@ def main() -> int:
     with Timer() as t_sum:
         summary = summarize(cap, meta)
     with tempfile.TemporaryDirectory() as tmp, Timer() as t_plot:
-        files = draw_single(cap, summary, Path(tmp), f"bench ({args.layout}, {cfg.topology})")
+        title = f"bench ({args.layout}, {cfg.topology})"
+        files = draw({"bench": (cap, summary)}, Sheet(Path(tmp), title))
     wall = t_cap.wall + t_sum.wall + t_plot.wall
     cpu = t_cap.cpu + t_sum.cpu + t_plot.cpu
     print(f"plain forward (no probes)      {t_fwd}")
@@ -127,16 +129,13 @@ def main() -> int:
     _, trace = model.traced(x[:n])
     states = torch.stack([h for _, h in trace.states], dim=1).to(torch.float64)  # [n, S, L, d]
     with Timer() as t_fast:
-        fast = M.cka_matrix(states)
-    with Timer() as t_cap_cka:
-        fast2 = cka_matrix(states)  # the in-place variant capture() uses
+        fast = cka_matrix(states)
     with Timer() as t_slow:
         slow = naive_cka_matrix(states)
     err = float((fast - slow).abs().max())
     S = states.shape[1]
     print(f"RBF-CKA of {n} samples x {S} states ({S * S} pairs each, L={args.seq_len}, d={cfg.d_model}):")
-    print(f"  batched metrics.cka_matrix   {t_fast}")
-    print(f"  capture.cka_matrix (in place){t_cap_cka}  max |diff| {float((fast2 - fast).abs().max()):.1e}")
+    print(f"  batched cka_matrix           {t_fast}")
     print(
         f"  naive double loop (cka)      {t_slow}  -> {t_slow.wall / t_fast.wall:.1f}x slower than batched; "
         f"max |diff| {err:.1e}"

@@ -14,8 +14,12 @@ import torch
 from recursive_lightning.errors import UserError
 from recursive_lightning.model.config import TOPOLOGIES, ModelConfig
 from recursive_lightning.model.recursive.model import RecursiveLM
-from recursive_lightning.probes import metrics as M
+from recursive_lightning.probes.attention import key_marginal_entropy, lam_window, local_attention_mass
 from recursive_lightning.probes.capture import ProbeSettings, capture
+from recursive_lightning.probes.cka import cka_matrix
+from recursive_lightning.probes.mesh import mesh_state_composition
+from recursive_lightning.probes.skew import computation_skew
+from recursive_lightning.probes.subspace import shared_subspace_variance
 
 TINY = dict(vocab_size=61, d_model=32, n_heads=4, max_seq_len=64)
 
@@ -87,27 +91,33 @@ def test_probing_leaves_outputs_unchanged(layout, topology):
 
 
 def test_capture_equals_reference_metrics():
-    """Batches of 2 over 5 samples == one traced call + the reference functions of `metrics`."""
+    """Batches of 2 over 5 samples == one traced call + the metrics on all samples at once (spectra and
+    effective rank from an SVD; each metric is checked against its reference formula in
+    test_probe_metrics.py)."""
     model = tiny("1+2x{1/4,1/2,1}+1", "mesh", seed=3)
     x = tokens(5, 24)
     cap = capture(model, x, ProbeSettings(batch_size=2, token_index=-3), progress=False)
     _, tr = model.traced(x, attention=True)
     states = torch.stack([h for _, h in tr.states], dim=1)
-    skew = torch.stack([M.computation_skew(i, o) for _, i, o in tr.blocks], dim=-1)
+    skew = torch.stack([computation_skew(i, o) for _, i, o in tr.blocks], dim=-1)
     torch.testing.assert_close(cap.skew, skew)
-    torch.testing.assert_close(cap.cka, M.cka_matrix(states))
-    torch.testing.assert_close(cap.spectra, M.normalized_spectrum(states, 50), atol=1e-7, rtol=0)
-    torch.testing.assert_close(cap.effective_rank, M.effective_rank(states), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cap.cka, cka_matrix(states))
+    sv = torch.linalg.svdvals(states)
+    spectra = torch.nn.functional.pad(sv / sv[..., :1], (0, 50 - sv.shape[-1]))
+    torch.testing.assert_close(cap.spectra, spectra, atol=1e-7, rtol=0)
+    p = sv / sv.sum(-1, keepdim=True)
+    erank = torch.exp(-torch.special.xlogy(p, p).sum(-1))
+    torch.testing.assert_close(cap.effective_rank, erank, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(
-        cap.subspace, M.shared_subspace_variance(states[:, 1:5], k_max=32), atol=1e-9, rtol=0
+        cap.subspace, shared_subspace_variance(states[:, 1:5], k_max=32), atol=1e-9, rtol=0
     )
     lin = capture(model, x, ProbeSettings(kernel="linear", cka_tokens=8, attention=False), progress=False)
     pos = (
         torch.linspace(0, 23, 8).round().long()
     )  # --cka-tokens: evenly spaced positions, same for all states
     assert lin.cka_positions == 8
-    torch.testing.assert_close(lin.cka, M.cka_matrix(states[:, :, pos], kernel="linear"))
-    comp = M.mesh_state_composition(torch.stack(tr.routing["write"]), torch.stack(tr.routing["read"]))
+    torch.testing.assert_close(lin.cka, cka_matrix(states[:, :, pos], kernel="linear"))
+    comp = mesh_state_composition(torch.stack(tr.routing["write"]), torch.stack(tr.routing["read"]))
     assert cap.token_index == 21
     torch.testing.assert_close(cap.routing["comp_seq"], comp.mean(1))
     torch.testing.assert_close(cap.routing["comp_tok"], comp[:, 21])
@@ -118,9 +128,9 @@ def test_capture_equals_reference_metrics():
     for layer in range(2):
         for t, g in enumerate((4, 2, 1)):
             a = maps[layer][t]
-            torch.testing.assert_close(cap.attention["entropy"][:, t, layer], M.key_marginal_entropy(a))
+            torch.testing.assert_close(cap.attention["entropy"][:, t, layer], key_marginal_entropy(a))
             torch.testing.assert_close(
-                cap.attention["lam"][:, t, layer], M.local_attention_mass(a, M.lam_window(1 / g))
+                cap.attention["lam"][:, t, layer], local_attention_mass(a, lam_window(1 / g))
             )
 
 
@@ -150,14 +160,14 @@ def test_mesh_composition_with_hand_set_routers():
     for j, s in enumerate(write_slots):
         write[j, s] = 1.0 / len(s)
     torch.testing.assert_close(cap.routing["write_seq"][0], write, atol=1e-12, rtol=0)
-    from recursive_lightning.probes.run import summarize
+    from recursive_lightning.probes.registry import summarize
 
     summary = summarize(cap, {"model": {"kind": "looped", "chunk": [1, 1]}})
     assert summary["mesh"]["composition"]["gating_factor"].tolist() == pytest.approx([1.0, 0.5, 1.0])
     # the coefficients reconstruct the states token-wise (Eq. 7) for arbitrary routers too
     model = tiny("1+1R2+1", "mesh", seed=5)
     _, tr = model.traced(tokens(2, 16))
-    coef = M.mesh_state_composition(torch.stack(tr.routing["write"]), torch.stack(tr.routing["read"]))
+    coef = mesh_state_composition(torch.stack(tr.routing["write"]), torch.stack(tr.routing["read"]))
     sources = torch.stack([tr.states[0][1], tr.blocks[0][2], tr.blocks[1][2], tr.blocks[2][2]], dim=-2)
     for t in range(3):
         torch.testing.assert_close((coef[..., t, :, None] * sources).sum(-2), tr.states[t + 1][1])
@@ -184,7 +194,7 @@ def tokenizer_and_text(tmp_path_factory):
 def test_samples_deterministic_heldout_first(tokenizer_and_text, monkeypatch):
     from recursive_lightning.data import corpus
     from recursive_lightning.data.shards import is_validation_document
-    from recursive_lightning.probes.run import load_samples
+    from recursive_lightning.probes.samples import load_samples
 
     tok, _, docs = tokenizer_and_text
     monkeypatch.setattr(corpus, "embedded_corpus_documents", lambda: list(docs))  # the default source
@@ -279,7 +289,7 @@ def test_probe_end_to_end_with_mlflow(sweep):
     assert {"probes.json", *summary["figures"]} <= logged
     assert "probe/skew/core_1" in client.get_run(sweep.run_id).data.metrics
     # a checkpoint whose MLflow run is unknown gets one linked run, reused on the next call
-    from recursive_lightning.probes.run import _mlflow_run
+    from recursive_lightning.probes.outputs import mlflow_run
 
     stub = SimpleNamespace(
         mlflow_run_id="0" * 32,
@@ -287,9 +297,9 @@ def test_probe_end_to_end_with_mlflow(sweep):
         run=SimpleNamespace(name="spiral"),
     )
     uri = default_tracking_uri(run_dir)
-    rid, created = _mlflow_run(uri, sweep.root / "base", stub)  # base has no run id file
+    rid, created = mlflow_run(uri, sweep.root / "base", stub)  # base has no run id file
     assert created and rid != sweep.run_id
-    assert _mlflow_run(uri, sweep.root / "base", stub) == (rid, True)
+    assert mlflow_run(uri, sweep.root / "base", stub) == (rid, True)
     assert client.get_run(rid).data.tags["probe.checkpoint"].endswith("other.ckpt")
 
 

@@ -94,10 +94,10 @@ def test_recorded_gates_are_the_sigmoid_of_the_heads(model, tokens, app):
 
 
 def test_json_holds_every_application_and_chunk(model, tokens):
-    from recursive_lightning.probes.run import _clean
+    from recursive_lightning.probes.outputs import clean
 
     cap = capture_mela(model, tokens[:2], batch_size=4, progress=False)
-    mela = json.loads(json.dumps(_clean(summarize(cap))))  # as probes.json holds it
+    mela = json.loads(json.dumps(clean(summarize(cap))))  # as probes.json holds it
     apps = applications(model.cfg)
     assert len(apps) == 3 * (2 * 1 + 2) == len(mela["applications"])
     assert apps[5]["name"] == "cycle 2 / L step 2 / L-block 0" and apps[-1]["name"] == "cycle 3 / H-block 1"

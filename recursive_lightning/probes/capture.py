@@ -19,15 +19,15 @@ What is computed on what (``N`` samples of ``L`` tokens, hidden size ``d``):
   kept across samples.  By default every token of the sequence is used; ``cka_tokens`` keeps
   that many evenly spaced positions instead (the same positions for every state), which bounds
   the ``O(L^2)`` Gram matrices for long sequences.  RBF bandwidth: median heuristic per state and
-  sample (:func:`metrics.gram_rbf`).
+  sample (:func:`.cka.cka_matrix`).
 * **Singular spectra / effective rank** (MeSH Fig. 5) - per sample and state, the top-``k``
   normalised singular values ``sigma_i / sigma_0`` of the un-centred ``[L, d]`` matrix, and its
   effective rank (Roy & Vetterli).
 * **Shared subspace** (MeSH App. E.8, Fig. 10) - per sample, on the loop states
-  ``h^(0..K)`` (:func:`metrics.shared_subspace_variance`).
+  ``h^(0..K)`` (:func:`.subspace.shared_subspace_variance`).
 * **MeSH routing** (MeSH App. F, Fig. 11) - per sample, the write/read weights of every step
   ``t = -1..K-1`` and slot averaged over the sequence and at position ``token_index``, and the
-  Eq. 7 state composition (:func:`metrics.mesh_state_composition`, token-wise, then averaged the
+  Eq. 7 state composition (:func:`.mesh.mesh_state_composition`, token-wise, then averaged the
   same way).
 * **Combination coefficients** (static/dynamic topologies, MeSH App. E.3) - per sample, the
   sequence mean of the 4 coefficients ``(core, residual, anchor, anchor_emb)`` of every step.
@@ -46,20 +46,13 @@ from torch import Tensor
 
 from recursive_lightning.model.recursive.model import RecursiveLM, Trace
 from recursive_lightning.model.recursive.topology import Combination, MeSH
-from recursive_lightning.probes import metrics as M
-
-__all__ = [
-    "ProbeSettings",
-    "Capture",
-    "capture",
-    "attention_loops",
-    "COEFFICIENT_TERMS",
-    "cka_matrix",
-    "singular_values",
-    "shared_subspace_variance",
-]
-
-COEFFICIENT_TERMS = ("core", "residual", "anchor", "anchor_emb")  # order of Combination.INIT
+from recursive_lightning.probes.attention import key_marginal_entropy, lam_window, local_attention_mass
+from recursive_lightning.probes.batches import run_batches
+from recursive_lightning.probes.cka import cka_in_chunks
+from recursive_lightning.probes.mesh import mesh_state_composition
+from recursive_lightning.probes.skew import computation_skew
+from recursive_lightning.probes.spectra import effective_rank, normalized_spectrum, singular_values
+from recursive_lightning.probes.subspace import shared_subspace_variance
 
 
 @dataclass
@@ -124,107 +117,6 @@ def _kept_blocks(model: RecursiveLM, trace: Trace) -> list[int]:
     return keep
 
 
-# ---------------------------------------------------------------------------
-# Fast equivalents of metrics.normalized_spectrum / effective_rank / shared_subspace_variance
-# ---------------------------------------------------------------------------
-# The reference functions in ``metrics`` use an SVD of every [L, d] state matrix; on CPU this
-# dominates probing (about 10x the forward pass).  The same quantities follow from the
-# eigen-decomposition of the small Gram matrix (d x d, or L x L if L < d) at a fraction of the
-# cost.  Singular values come out with an absolute error of about 1e-8 sigma_0 (float64), far below
-# what the log-scale spectra resolve; tests check agreement with the reference implementation.
-
-
-def singular_values(X: Tensor) -> Tensor:
-    """Singular values (descending, float64) of ``X [..., n, d]`` via the eigenvalues of its Gram."""
-    X = X.to(torch.float64)
-    n, d = X.shape[-2:]
-    G = X.mT @ X if n >= d else X @ X.mT
-    return torch.linalg.eigvalsh(G).flip(-1).clamp_min(0.0).sqrt()
-
-
-def spectrum_from_singular_values(sv: Tensor, k: int = 50) -> Tensor:
-    """``sigma_i / sigma_0`` for the top ``k`` values, zero-padded (= ``metrics.normalized_spectrum``)."""
-    norm = sv / sv[..., :1]
-    if norm.shape[-1] < k:
-        norm = torch.cat([norm, norm.new_zeros(*norm.shape[:-1], k - norm.shape[-1])], dim=-1)
-    return norm[..., :k]
-
-
-def effective_rank_from_singular_values(sv: Tensor) -> Tensor:
-    """``exp(H(sigma / sum sigma))`` (= ``metrics.effective_rank``)."""
-    p = sv / sv.sum(-1, keepdim=True)
-    return torch.exp(-torch.special.xlogy(p, p).sum(-1))
-
-
-def shared_subspace_variance(states: Tensor, k_max: int | None = None, center: bool = True) -> Tensor:
-    """Same result as :func:`metrics.shared_subspace_variance` (MeSH App. E.8) from Gram matrices.
-
-    With ``G_s = X_s^T X_s`` and ``G = sum_s G_s`` (the Gram of the token-concatenation), the shared
-    basis ``v_j`` are the eigenvectors of ``G`` (descending eigenvalue = squared singular value of the
-    concatenation) and ``||X_s v_j||^2 = v_j^T G_s v_j``.
-    """
-    X = states.to(torch.float64)
-    if center:
-        X = X - X.mean(-2, keepdim=True)
-    Gs = X.mT @ X  # [..., S, d, d]
-    _, V = torch.linalg.eigh(Gs.sum(-3))  # ascending
-    V = V.flip(-1).unsqueeze(-3)  # [..., 1, d, d] columns = shared directions, descending
-    energy = ((Gs @ V) * V).sum(-2)  # [..., S, d]
-    total = torch.diagonal(Gs, dim1=-2, dim2=-1).sum(-1)
-    cum = energy.cumsum(-1) / total.unsqueeze(-1)
-    d = cum.shape[-1]
-    k = d if k_max is None else int(k_max)
-    if k <= d:
-        return cum[..., :k]
-    return torch.cat([cum, cum[..., -1:].expand(*cum.shape[:-1], k - d)], dim=-1)
-
-
-def cka_matrix(states: Tensor, kernel: str = "rbf", sigma_frac: float = 1.0) -> Tensor:
-    """Same result as :func:`metrics.cka_matrix` for ``states [..., S, n, d]``, with fewer passes.
-
-    Squared distances come from the Gram ``X X^T`` (in place), the median pairwise distance of the RBF
-    bandwidth from two ``kthvalue`` selections instead of a full sort, and the kernel and its
-    double-centring are formed in place; ``HSIC_ij = <Kc_i, Kc_j>_F`` is one batched matmul.
-    """
-    X = states.to(torch.float64)
-    K = X @ X.mT  # [..., S, n, n]
-    n = K.shape[-1]
-    if kernel == "rbf":
-        sq = K.diagonal(dim1=-2, dim2=-1).clone()
-        d2 = K.mul_(-2.0).add_(sq.unsqueeze(-1)).add_(sq.unsqueeze(-2)).clamp_min_(0.0)
-        d2.diagonal(dim1=-2, dim2=-1).zero_()
-        iu = torch.triu_indices(n, n, offset=1, device=d2.device)
-        pairs = d2[..., iu[0], iu[1]]  # [..., S, n(n-1)/2] squared distances
-        m = pairs.shape[-1]
-        lo = pairs.kthvalue((m - 1) // 2 + 1, dim=-1).values
-        hi = pairs.kthvalue(m // 2 + 1, dim=-1).values if m % 2 == 0 else lo
-        del pairs
-        sigma = (sigma_frac * 0.5 * (lo.sqrt() + hi.sqrt())).clamp_min(torch.finfo(torch.float64).tiny)
-        K = d2.div_((-2.0 * sigma * sigma)[..., None, None]).exp_()
-    elif kernel != "linear":
-        raise ValueError(f"unknown kernel {kernel!r}; expected 'rbf' or 'linear'")
-    row = K.mean(-1, keepdim=True)
-    col = K.mean(-2, keepdim=True)
-    tot = row.mean(-2, keepdim=True)
-    Kc = K.sub_(row).sub_(col).add_(tot)
-    F = Kc.flatten(-2)
-    hsic = F @ F.mT
-    norm = torch.diagonal(hsic, dim1=-2, dim2=-1).sqrt()
-    return hsic / (norm.unsqueeze(-1) * norm.unsqueeze(-2))
-
-
-def _cka_chunks(states: Tensor, settings: ProbeSettings) -> Tensor:
-    """Per-sample CKA matrices ``[b, S, S]`` of ``states [b, S, n, d]``, in sample chunks."""
-    b, S, n, _ = states.shape
-    per_sample = S * n * n * 8 * 2  # the in-place kernel matrix + the pair list for the median (float64)
-    chunk = max(1, min(b, settings.max_gram_bytes // max(per_sample, 1)))
-    out = [
-        cka_matrix(states[i : i + chunk], kernel=settings.kernel, sigma_frac=settings.sigma_frac)
-        for i in range(0, b, chunk)
-    ]
-    return torch.cat(out)
-
-
 def _cka_positions(seq_len: int, cka_tokens: int | None) -> Tensor | None:
     if not cka_tokens or cka_tokens >= seq_len:
         return None
@@ -251,15 +143,15 @@ class _Accumulator:
             self.block_names = [trace.blocks[i][0] for i in self.kept]
             self.state_names = [name for name, _ in trace.states]
         # 1. computation skew per block
-        skews = [M.computation_skew(trace.blocks[i][1], trace.blocks[i][2]) for i in self.kept]
+        skews = [computation_skew(trace.blocks[i][1], trace.blocks[i][2]) for i in self.kept]
         self.add("skew", torch.stack(skews, dim=-1))
         # 2.-4. representation metrics on the stacked states [b, S, L, d]
         states = torch.stack([h for _, h in trace.states], dim=1)
         cka_in = states if self.positions is None else states[:, :, self.positions.to(states.device)]
-        self.add("cka", _cka_chunks(cka_in, s))
+        self.add("cka", cka_in_chunks(cka_in, s.kernel, s.sigma_frac, s.max_gram_bytes))
         sv = singular_values(states)  # [b, S, min(L, d)], one decomposition for both metrics
-        self.add("spectra", spectrum_from_singular_values(sv, s.spectrum_k))
-        self.add("effective_rank", effective_rank_from_singular_values(sv))
+        self.add("spectra", normalized_spectrum(sv, s.spectrum_k))
+        self.add("effective_rank", effective_rank(sv))
         n_loop = self.model.layout.n_loop
         if n_loop > 0:
             kmax = s.subspace_k or min(states.shape[-1], 128)
@@ -269,7 +161,7 @@ class _Accumulator:
         if trace.routing is not None:
             w = torch.stack(trace.routing["write"])  # [K+1, b, L, B]
             r = torch.stack(trace.routing["read"])
-            comp = M.mesh_state_composition(w, r)  # [b, L, K+1, K+2]
+            comp = mesh_state_composition(w, r)  # [b, L, K+1, K+2]
             i = s.token_index
             self.add("write_seq", w.float().mean(2).transpose(0, 1))  # [b, K+1, B]
             self.add("read_seq", r.float().mean(2).transpose(0, 1))
@@ -301,9 +193,9 @@ class _Accumulator:
                 )
             # the maps are exactly causal (softmax of -inf above the diagonal), so the entropy's
             # causal masking pass is skipped (identical result)
-            ent = [M.key_marginal_entropy(a, causal=False) for a in maps]  # each [b, H]
+            ent = [key_marginal_entropy(a, causal=False) for a in maps]  # each [b, H]
             lam = [
-                M.local_attention_mass(a, M.lam_window(1.0 / chunk[t], self.s.lam_gamma))
+                local_attention_mass(a, lam_window(1.0 / chunk[t], self.s.lam_gamma))
                 for a, t in zip(maps, self.loops)
             ]
             ent_layers.append(torch.stack(ent, dim=1))  # [b, T, H]
@@ -328,8 +220,6 @@ def capture(
     The model is put in eval mode for the duration (and restored); parameters, buffers and the
     model's outputs are untouched (``traced`` resets every recording hook it sets).
     """
-    import time
-
     s = settings or ProbeSettings()
     if tokens.dim() != 2 or tokens.numel() == 0:
         raise ValueError("tokens must be a non-empty [N, L] tensor")
@@ -338,30 +228,14 @@ def capture(
     if not -L <= index < L:
         raise ValueError(f"token_index {index} is outside a sequence of {L} tokens")
     s = ProbeSettings(**{**s.__dict__, "token_index": index % L})
-    device = next(model.parameters()).device
     acc = _Accumulator(model, s, L)
-    batches = [tokens[i : i + s.batch_size] for i in range(0, N, s.batch_size)]
-    it: Iterable = batches
-    if callable(progress):
-        it = progress(batches)
-    elif progress:  # a bar on a terminal, a line every 30 s in a log
-        from recursive_lightning.progress import tracked
+    stacks = {f"core{i}" for i in range(len(model.cores))} if acc.loops else False
 
-        it = tracked(batches, desc, lambda b: b.numel())
-    was_training = model.training
-    model.eval()
-    t0 = time.perf_counter()
-    try:
-        with torch.no_grad():
-            for batch in it:
-                _, trace = model.traced(
-                    batch.to(device),
-                    attention={f"core{i}" for i in range(len(model.cores))} if acc.loops else False,
-                )
-                acc.update(trace)
-                del trace
-    finally:
-        model.train(was_training)
+    def step(start: int, batch: Tensor) -> None:
+        _, trace = model.traced(batch, attention=stacks)
+        acc.update(trace)
+
+    seconds = run_batches(model, tokens, s.batch_size, step, progress, desc)
     chunk = model.layout.chunk
     attention = None
     if acc.get("entropy") is not None:
@@ -388,10 +262,10 @@ def capture(
         attention=attention,
         attention_loops=list(acc.loops) if attention is not None else [],
         attention_chunk=[chunk[t] for t in acc.loops] if attention is not None else [],
-        attention_window=[M.lam_window(1.0 / chunk[t], s.lam_gamma) for t in acc.loops]
+        attention_window=[lam_window(1.0 / chunk[t], s.lam_gamma) for t in acc.loops]
         if attention is not None
         else [],
         token_index=s.token_index,
         cka_positions=L if acc.positions is None else int(acc.positions.numel()),
-        seconds=time.perf_counter() - t0,
+        seconds=seconds,
     )

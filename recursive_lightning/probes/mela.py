@@ -28,10 +28,8 @@ k]``) plus three numbers per sample, cycle and chunk.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +37,7 @@ import torch
 from torch import nn
 
 from recursive_lightning.errors import UserError
+from recursive_lightning.probes.batches import run_batches
 
 RATES = ("theta", "eta", "alpha")
 SKIPPED = (
@@ -220,48 +219,35 @@ def capture_mela(
         **{r: np.zeros((A, T)) for r in RATES},
     }
     ratio, znorm, rnorm = (np.zeros((N, H1, n)) for _ in range(3))
-    device = next(model.parameters()).device
-    starts = list(range(0, N, batch_size))
-    it: Iterable = starts
-    if callable(progress):
-        it = progress(starts)
-    elif progress:  # a bar on a terminal, a line every 30 s in a log
-        from recursive_lightning.progress import tracked
 
-        it = tracked(starts, desc, lambda s0: tokens[s0 : s0 + batch_size].numel())
-    was_training = model.training
-    model.eval()
-    t0 = time.perf_counter()
-    try:
-        with torch.no_grad(), _Recorder(model) as rec:
-            for s0 in it:
-                batch = tokens[s0 : s0 + batch_size].to(device)
-                b = batch.shape[0]
-                rec.start_batch()
-                model.hidden(batch)
-                if memories:
-                    got, want = [key for key, _ in rec.calls], list(model.hmm.applications)
-                    # memory_carry cycles runs every application once per chunk (chunk-major), none once
-                    if not got or len(got) % len(want) or got != want * (len(got) // len(want)):
-                        raise RuntimeError(f"recorded memory applications {got} differ from the model's")
-                    for c, (_, rows) in enumerate(rec.calls):
-                        a, offset = c % len(want), c // len(want)
-                        for row in rows:
-                            t, i = row["chunk"] + offset, row["tensor"]
-                            sums["surprise"][a, t, i] += b * row["surprise_norm"]
-                            sums["singular"][a, t, i] += b * row["update_singular_values"].double().numpy()
-                            if i == 0:  # theta, eta, alpha are shared by the tensors of one update
-                                for r in RATES:
-                                    sums[r][a, t] += b * row[r]
-                for c in range(H1):
-                    zc = rec.z[c].double().view(b, n).cpu().numpy()
-                    rc = rec.rows[c].double().view(b, n).cpu().numpy()
-                    znorm[s0 : s0 + b, c] = zc
-                    rnorm[s0 : s0 + b, c] = rc
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        ratio[s0 : s0 + b, c] = np.where(zc == 0, 0.0, zc / rc)
-    finally:
-        model.train(was_training)
+    def step(s0: int, batch: torch.Tensor) -> None:
+        b = batch.shape[0]
+        rec.start_batch()
+        model.hidden(batch)
+        if memories:
+            got, want = [key for key, _ in rec.calls], list(model.hmm.applications)
+            # memory_carry cycles runs every application once per chunk (chunk-major), none once
+            if not got or len(got) % len(want) or got != want * (len(got) // len(want)):
+                raise RuntimeError(f"recorded memory applications {got} differ from the model's")
+            for c, (_, rows) in enumerate(rec.calls):
+                a, offset = c % len(want), c // len(want)
+                for row in rows:
+                    t, i = row["chunk"] + offset, row["tensor"]
+                    sums["surprise"][a, t, i] += b * row["surprise_norm"]
+                    sums["singular"][a, t, i] += b * row["update_singular_values"].double().numpy()
+                    if i == 0:  # theta, eta, alpha are shared by the tensors of one update
+                        for r in RATES:
+                            sums[r][a, t] += b * row[r]
+        for c in range(H1):
+            zc = rec.z[c].double().view(b, n).cpu().numpy()
+            rc = rec.rows[c].double().view(b, n).cpu().numpy()
+            znorm[s0 : s0 + b, c] = zc
+            rnorm[s0 : s0 + b, c] = rc
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio[s0 : s0 + b, c] = np.where(zc == 0, 0.0, zc / rc)
+
+    with _Recorder(model) as rec:
+        seconds = run_batches(model, tokens, batch_size, step, progress, desc)
     mean = {key: v / N for key, v in sums.items()}
     has = bool(memories)
     return MelaCapture(
@@ -280,7 +266,7 @@ def capture_mela(
         memstack_ratio=ratio,
         memstack_z=znorm,
         memstack_rows=rnorm,
-        seconds=time.perf_counter() - t0,
+        seconds=seconds,
         cfg=cfg,
     )
 
@@ -417,75 +403,3 @@ def scalar_metrics(mela: dict[str, Any]) -> dict[str, float]:
     for c, v in zip(ms["cycles"], ms["relative_change"]["mean"]):
         out[f"probe/mela/memstack/cycle{c}"] = float(v)
     return {k: v for k, v in out.items() if math.isfinite(v)}
-
-
-# ---------------------------------------------------------------------------
-# figures
-# ---------------------------------------------------------------------------
-
-
-def draw(cap: MelaCapture, out: Path, title: str) -> list[Path]:
-    """The Mela figures: memory heatmaps (surprise; theta / eta / alpha), update spectrum, MemStack."""
-    from recursive_lightning.probes import plots as P
-
-    cfg = cap.cfg
-    names = [a["name"] for a in cap.applications]
-    short = [a["short"] for a in cap.applications]
-    chunks = [str(t) for t in range(cap.memory_chunks)]
-    cycles = [a["cycle"] for a in cap.applications]
-    files = []
-    if cap.surprise is not None:
-        files.append(
-            P.plot_application_heatmaps(
-                {lab: cap.surprise[:, :, i] for i, lab in enumerate(cap.tensor_labels)},
-                out / "mela_surprise.png",
-                rows=names,
-                cols=chunks,
-                groups=cycles,
-                cmap="magma",
-                title=f"Surprise norm per memory tensor (mean over samples and heads) - {title}",
-            )
-        )
-        rates = {r"learning rate $\theta$": cap.theta, r"momentum $\eta$": cap.eta}
-        rates[r"forgetting $\alpha$"] = cap.alpha
-        if cfg.memory_update in ("plain", "momentum"):
-            rates.pop(r"forgetting $\alpha$")  # 1 by definition
-        if cfg.memory_update == "plain":
-            rates.pop(r"momentum $\eta$")  # no momentum
-        files.append(
-            P.plot_application_heatmaps(
-                rates,
-                out / "mela_rates.png",
-                rows=names,
-                cols=chunks,
-                groups=cycles,
-                cmap="viridis",
-                fmt="{:.3f}",
-                title=f"Gates the memory update used (memory_update: {cfg.memory_update}) - {title}",
-            )
-        )
-        ns = cfg.memory_update == "newton_schulz"
-        files.append(
-            P.plot_update_spectrum(
-                cap.singular,
-                out / "mela_update_spectrum.png",
-                apps=short,
-                tensors=cap.tensor_labels,
-                groups=cycles,
-                reference=1.0 if ns else None,
-                title=(
-                    f"Singular values of the memory update after Newton-Schulz-{cfg.ns_steps} - {title}"
-                    if ns
-                    else f"Singular values of the memory update (no Newton-Schulz) - {title}"
-                ),
-            )
-        )
-    files.append(
-        P.plot_memstack_change(
-            cap.memstack_ratio,
-            out / "mela_memstack.png",
-            enabled=bool(cfg.memstack),
-            title=f"MemStack: relative change of the decoder's memory rows - {title}",
-        )
-    )
-    return files
