@@ -36,7 +36,10 @@ def cka_matrix(states: Tensor, kernel: str = "rbf", sigma_frac: float = 1.0) -> 
 
     ``CKA(X, Y) = HSIC(K, L) / sqrt(HSIC(K, K) HSIC(L, L))`` with double-centred kernel matrices: linear
     ``X X^T`` or RBF ``exp(-||x_i - x_j||^2 / (2 sigma^2))``, ``sigma = sigma_frac x`` the median pairwise
-    distance of each state (median heuristic; MeSH: RBF). Squared distances come from the Gram ``X X^T``
+    distance of each state (median heuristic of Kornblith et al. 2019, Sec. 3, over the ``n(n-1)/2``
+    distinct pairs - their reference code takes the full matrix, zero diagonal included, which biases
+    sigma down for small ``n``; with it CKA is invariant to isotropic scaling and orthogonal transforms, as
+    linear CKA is). MeSH uses RBF without stating sigma. Squared distances come from the Gram ``X X^T``
     (in place), the median from two ``kthvalue`` selections instead of a full sort, and the kernel and its
     double-centring are formed in place; ``HSIC_ij = <Kc_i, Kc_j>_F`` is one batched matmul.
     """

@@ -11,7 +11,8 @@ documents the training split holds out (the same content hash as the shard write
 the others, each followed by the end-of-text token, and the token stream is cut into ``--samples``
 consecutive windows of ``--seq-len`` tokens - deterministic for a given tokenizer and text.
 
-Computed (details of what is computed on what: :mod:`recursive_lightning.probes.capture`):
+Computed (one module per probe, in the order of :data:`recursive_lightning.probes.registry.PROBES`; what
+is computed on what: :mod:`recursive_lightning.probes.capture`):
 
 1. computation skew per block (MeSH Fig. 3), mean +- std over samples;
 2. CKA matrix between ``h_emb, h^(0..K), h_out`` (MeSH Fig. 4; RBF by default, per sample over its

@@ -29,9 +29,14 @@ if TYPE_CHECKING:
 
 
 def shared_subspace_variance(states: Tensor, k_max: int | None = None, center: bool = True) -> Tensor:
-    """Cumulative variance of each state ``[..., S, n, d]`` in the subspace the states share (MeSH App.
-    E.8): the top ``k`` right singular vectors of the token-concatenation of the (centred) states;
-    returns ``[..., S, k_max or d]`` (padded with the last value beyond ``d``).
+    """Cumulative variance of each state ``[..., S, n, d]`` in the subspace the states share, ``[..., S,
+    k_max or d]`` (padded with the last value beyond ``d``).
+
+    MeSH App. E.8 / Fig. 10: "performing SVD on the concatenated hidden states of all loop iterations
+    (h^(0), ..., h^(3)) and using the top singular directions as the shared basis ... the cumulative
+    variance of each individual state when projected onto this shared subspace": each state centred by
+    its token mean (``center``), ``C[s, k-1] = sum_{j<=k} ||X_s v_j||^2 / ||X_s||_F^2``, non-decreasing
+    in ``k``, 1 once the basis spans the row space of ``X_s``.
 
     With ``G_s = X_s^T X_s`` and ``G = sum_s G_s`` (the Gram of the token-concatenation), the shared
     basis ``v_j`` are the eigenvectors of ``G`` (descending eigenvalue = squared singular value of the
