@@ -22,7 +22,7 @@ re-implemented here) and two things are recorded:
   does every chunk with ``memstack: false``. Summaries average over samples and over chunks 1..n-1.
 
 Memory stays bounded: only per-batch scalars and spectra are kept (``[applications, chunks, tensors,
-k]``) plus three numbers per sample, cycle and chunk.
+k]``) plus three numbers per sample, cycle and chunk. Figures: :mod:`recursive_lightning.probes.mela_figures`.
 """
 
 from __future__ import annotations

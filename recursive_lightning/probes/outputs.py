@@ -80,6 +80,8 @@ def log_to_mlflow(
     tracking_uri: str | None,
     artifact_path: str,
 ) -> tuple[str, str]:
+    """Log ``files`` under ``artifact_path`` and ``metrics`` (at the checkpoint's step) to the run's MLflow
+    run (:func:`mlflow_run`); returns (tracking URI, run id)."""
     uri = tracking_uri or default_tracking_uri(run_dir)
     run_id, created = mlflow_run(uri, run_dir, loaded)
     for f in files:
@@ -92,5 +94,6 @@ def log_to_mlflow(
 
 
 def write_json(path: Path, data: dict[str, Any]) -> Path:
+    """``data`` as JSON (:func:`clean`: NaN/inf as null), written atomically."""
     atomic_write_text(path, json.dumps(clean(data), indent=1, allow_nan=False) + "\n")
     return path
