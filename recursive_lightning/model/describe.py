@@ -15,8 +15,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from recursive_lightning.errors import UserError
 from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.recursive.mesh import MeSH
 from recursive_lightning.model.recursive.model import RecursiveLM
-from recursive_lightning.model.recursive.topology import Combination, MeSH
+from recursive_lightning.model.recursive.topology import Combination
 
 CONVENTION = (
     "2 FLOPs per multiply-accumulate, attention QK^T and AV at full LxL included (SpiralFormer Table 1)"

@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from recursive_lightning.model.recursive.mesh import MeSH
 from recursive_lightning.model.recursive.model import RecursiveLM, Trace
-from recursive_lightning.model.recursive.topology import Combination, MeSH
+from recursive_lightning.model.recursive.topology import Combination
 from recursive_lightning.probes import metrics as M
 
 __all__ = [

@@ -199,7 +199,8 @@ def layer_map(n_source: int, layout: Layout, strategy: str) -> LayerMap:
 def start_as_layers(model: RecursiveLM, margin: float = MESH_ROUTER_MARGIN) -> str:
     """Set topology and resolution parameters so the model computes prelude, the core at each full-resolution
     step, coda (module docstring); returns what the start is, for the record."""
-    from recursive_lightning.model.recursive.topology import Additive, Combination, MeSH
+    from recursive_lightning.model.recursive.mesh import MeSH
+    from recursive_lightning.model.recursive.topology import Additive, Combination
 
     topo = model.topology
     applied = [step.full_resolution for step in model.steps]  # coarse steps start as skips where possible
