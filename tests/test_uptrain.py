@@ -1,5 +1,6 @@
-"""Uptraining (interop/init.py and training/uptrain.py, issue 19): layer maps by strategy, identity starts, HF sources offline,
-one-sentence errors, the record in checkpoints and MLflow, train_only, exact resume without the source."""
+"""Uptraining (interop/init.py and training/uptrain.py, issue 19): layer maps by strategy, identity starts,
+HF sources offline, one-sentence errors, the record in checkpoints and MLflow, train_only, exact resume
+without the source."""
 
 from __future__ import annotations
 
