@@ -175,60 +175,56 @@ def start_as_layers(model: RecursiveLM, margin: float = MESH_ROUTER_MARGIN) -> s
     step, coda (module docstring); returns what the start is, for the record."""
     import torch  # heavy
 
-    with torch.no_grad():
-        return _start_as_layers(model, margin)
-
-
-def _start_as_layers(model: RecursiveLM, margin: float) -> str:
-    import torch  # heavy
-
     from recursive_lightning.model.recursive.mesh import MeSH  # heavy
     from recursive_lightning.model.recursive.topology import Additive, Combination  # heavy
 
-    topo = model.topology
-    applied = [step.full_resolution for step in model.steps]  # coarse steps start as skips where possible
-    for step in model.steps:  # mean pooling and uniform broadcast (Eqs. 17, 21 with uniform softmax)
-        for lin in (step.scorer, step.allocator):
-            if lin is not None:
-                lin.weight.zero_()
-                lin.bias.zero_()
-    coarse = not all(applied)
-    if not applied:
-        return "exact: a vanilla target"
-    if isinstance(topo, Combination):
-        for t, on in enumerate(applied):
-            coef = torch.tensor([1.0, 0.0, 0.0, 0.0] if on else [0.0, 1.0, 0.0, 0.0])
-            if topo.dynamic:
-                topo.coef[t].weight.zero_()
-                topo.coef[t].bias.copy_(coef)
-            else:
-                topo.alpha[t].copy_(coef)
-        return "exact: (a_core, a_res, a_anc, a_emb) = (1,0,0,0) at full-resolution steps" + (
-            ", (0,1,0,0) (skip) at coarse steps" if coarse else ""
-        )
-    if isinstance(topo, MeSH):
-        slots = topo.slots
-        if slots < len(applied) + 2:
-            return (
-                f"paper init: MeSH with B={slots} slots < N_loop + 2 = {len(applied) + 2} cannot keep each "
-                "update in a slot of its own"
+    with torch.no_grad():
+        topo = model.topology
+        applied = [step.full_resolution for step in model.steps]  # coarse steps start as skips where possible
+        for step in model.steps:  # mean pooling and uniform broadcast (Eqs. 17, 21 with uniform softmax)
+            for lin in (step.scorer, step.allocator):
+                if lin is not None:
+                    lin.weight.zero_()
+                    lin.bias.zero_()
+        coarse = not all(applied)
+        if not applied:
+            return "exact: a vanilla target"
+        if isinstance(topo, Combination):
+            for t, on in enumerate(applied):
+                coef = torch.tensor([1.0, 0.0, 0.0, 0.0] if on else [0.0, 1.0, 0.0, 0.0])
+                if topo.dynamic:
+                    topo.coef[t].weight.zero_()
+                    topo.coef[t].bias.copy_(coef)
+                else:
+                    topo.alpha[t].copy_(coef)
+            return "exact: (a_core, a_res, a_anc, a_emb) = (1,0,0,0) at full-resolution steps" + (
+                ", (0,1,0,0) (skip) at coarse steps" if coarse else ""
             )
-        newest = 1  # the slot holding the current state: the prelude output first
-        for idx in range(len(applied) + 1):  # router pair 0: transitional step; idx = t + 1: loop step t
-            write = 1 if idx == 0 else idx + 1
-            if idx > 0 and applied[idx - 1]:
-                newest = write
-            for router, slot in ((topo.write[idx], write), (topo.read[idx], newest)):
-                router.weight.zero_()
-                router.bias.zero_()
-                router.bias[slot] = margin
-        weight = 1 / (1 + (slots - 1) * math.exp(-margin))
-        return f"near: MeSH routers one-hot-like, logit margin {margin:g} (chosen slot weight {weight:.4f})"
-    if isinstance(topo, Additive):
-        return f"not an identity: topology {model.cfg.topology} adds fixed supplements (no coefficient)"
-    if coarse:
-        return "not an identity: base topology with coarse steps (the state becomes the up-scaled update)"
-    return "exact: base topology"
+        if isinstance(topo, MeSH):
+            slots = topo.slots
+            if slots < len(applied) + 2:
+                return (
+                    f"paper init: MeSH with B={slots} slots < N_loop + 2 = {len(applied) + 2} cannot keep each "
+                    "update in a slot of its own"
+                )
+            newest = 1  # the slot holding the current state: the prelude output first
+            for idx in range(len(applied) + 1):  # router pair 0: transitional step; idx = t + 1: loop step t
+                write = 1 if idx == 0 else idx + 1
+                if idx > 0 and applied[idx - 1]:
+                    newest = write
+                for router, slot in ((topo.write[idx], write), (topo.read[idx], newest)):
+                    router.weight.zero_()
+                    router.bias.zero_()
+                    router.bias[slot] = margin
+            weight = 1 / (1 + (slots - 1) * math.exp(-margin))
+            return (
+                f"near: MeSH routers one-hot-like, logit margin {margin:g} (chosen slot weight {weight:.4f})"
+            )
+        if isinstance(topo, Additive):
+            return f"not an identity: topology {model.cfg.topology} adds fixed supplements (no coefficient)"
+        if coarse:
+            return "not an identity: base topology with coarse steps (the state becomes the up-scaled update)"
+        return "exact: base topology"
 
 
 # ---------------------------------------------------------------------------------- copying
@@ -276,12 +272,11 @@ def initialise(
         )
     _check_fields(model, source, source_name, _CATEGORICAL)
     lmap = layer_map(len(source.prelude.layers), model.layout, strategy)
-    src = source
     # (target parameter, source tensors to average, target name, source names)
     plan: list[tuple[torch.Tensor, list[torch.Tensor], str, list[str]]] = []
-    shared = [("embed", model.embed, src.embed), ("norm", model.norm, src.norm)]
+    shared = [("embed", model.embed, source.embed), ("norm", model.norm, source.norm)]
     if not model.cfg.tie_embeddings:  # tied: the head is the embedding (and the source's too, checked above)
-        shared.append(("head", model.head, src.head))
+        shared.append(("head", model.head, source.head))
     for prefix, ours, theirs in shared:
         for pname, param in ours.named_parameters():
             key = f"{prefix}.{pname}"
@@ -290,7 +285,7 @@ def initialise(
         stack = model.get_submodule(name)
         for j, idx in enumerate(sources):
             for pname, param in stack.layers[j].named_parameters():
-                values = [src.prelude.layers[i].get_parameter(pname) for i in idx]
+                values = [source.prelude.layers[i].get_parameter(pname) for i in idx]
                 plan.append(
                     (param, values, f"{name}.layers.{j}.{pname}", [f"layers.{i}.{pname}" for i in idx])
                 )
