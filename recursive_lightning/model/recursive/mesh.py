@@ -66,10 +66,10 @@ class MeSH(Topology):
     def read_buffer(carry: Carry, writes: Writes, w_read: torch.Tensor) -> torch.Tensor:
         """Eq. 6 on the factored buffer: slot 0's h_emb, plus each write u^(tau) with gain <w_write^(tau), w_read>."""
         h_emb = carry["h_emb"].to(w_read.dtype)
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return _read_buffer_reference(
-                h_emb, w_read, writes
-            )  # no backward to save / the compiler fuses it
+        if (
+            not torch.is_grad_enabled() or torch.compiler.is_compiling()
+        ):  # no backward / the compiler fuses it
+            return _read_buffer_reference(h_emb, w_read, writes)
         return _FactoredRead.apply(h_emb, w_read, *(t for write in writes for t in write))
 
     @staticmethod
