@@ -18,7 +18,50 @@ from typing import Any
 import yaml
 
 from recursive_lightning.errors import ConfigError
+from recursive_lightning.interop.init import parse_strategy
 from recursive_lightning.model.config import ModelConfig
+
+# train.train_only part -> parameter-name prefixes of RecursiveLM (model/recursive/model.py; training/partial.py)
+PARTS: dict[str, tuple[str, ...]] = {
+    "embed": ("embed.",),
+    "prelude": ("prelude.",),
+    "core": ("cores.",),
+    "coda": ("coda.",),
+    "norm": ("norm.",),
+    "head": ("head.",),
+    "topology": ("topology.",),  # MeSH routers, static / dynamic combination coefficients
+    "resolution": ("steps.",),  # SpiralFormer scorers A^(t) and allocators B^(t)
+}
+
+
+def check_train_only(parts: Any, steps: int, max_steps: int) -> None:
+    """One sentence for a bad ``train.train_only`` / ``train.train_only_steps`` pair."""
+    if steps < 0:
+        raise ConfigError(f"train.train_only_steps must be >= 0, not {steps}.")
+    if parts is None:
+        if steps:
+            raise ConfigError(
+                f"train.train_only_steps is {steps} but train.train_only names no parts; list the parts to "
+                f"train first, e.g. train.train_only: [topology, core] (parts: {', '.join(PARTS)})."
+            )
+        return
+    if not isinstance(parts, list | tuple) or not parts or not all(isinstance(p, str) for p in parts):
+        raise ConfigError(
+            f"train.train_only must be a non-empty list of parts such as [topology, core], not {parts!r}."
+        )
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ConfigError(f"train.train_only part '{unknown[0]}' is unknown; choose from {', '.join(PARTS)}.")
+    if steps < 1:
+        raise ConfigError(
+            "train.train_only is set but train.train_only_steps is 0; give the number of steps to train "
+            "only those parts (e.g. --train.train_only_steps 100)."
+        )
+    if steps > max_steps:
+        raise ConfigError(
+            f"train.train_only_steps {steps} exceeds train.max_steps {max_steps}; lower it or raise "
+            "train.max_steps."
+        )
 
 
 @dataclass
@@ -155,12 +198,8 @@ class RunConfig:
         if t.strategy not in ("auto", "ddp", "fsdp"):
             raise ConfigError(f"train.strategy '{t.strategy}' is unknown; choose auto, ddp or fsdp.")
         if t.init_from is not None or t.init_strategy != "stepwise":  # uptraining (issue 19)
-            from recursive_lightning.training.uptrain import parse_strategy
-
             parse_strategy(t.init_strategy)
         if t.train_only is not None or t.train_only_steps:
-            from recursive_lightning.training.partial import check_train_only
-
             check_train_only(t.train_only, t.train_only_steps, t.max_steps)
         if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):
             raise ConfigError(

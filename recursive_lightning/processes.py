@@ -9,6 +9,7 @@ parent-death signal closes that window on Linux.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -23,8 +24,6 @@ def parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        import ctypes
-
         return ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False

@@ -50,7 +50,7 @@ class Progress:
             bar = bool(isatty()) and not os.environ.get("TQDM_DISABLE")
         self._bar: Any = None
         if bar:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # heavy
 
             self._bar = tqdm(
                 total=self.total,

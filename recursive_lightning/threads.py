@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -60,8 +61,6 @@ def _cpu_times() -> tuple[int, int] | None:
 
 def idle_cores(seconds: float = SAMPLE_S, sleep: Callable[[float], None] | None = None) -> float | None:
     """Cores idle over the next ``seconds`` (all of the machine's CPUs), or None where unknown."""
-    import time
-
     first = _cpu_times()
     (sleep or time.sleep)(seconds)
     second = _cpu_times()
@@ -98,7 +97,7 @@ _active = False  # inside a CLI command (:func:`for_command`); library calls (te
 def apply_for(model_or_cfg: object) -> int:
     """Inside a CLI command, set torch's intra-op threads for this model (see the module docstring);
     elsewhere leave them. Returns the count in use."""
-    import torch
+    import torch  # heavy
 
     if not _active:
         return torch.get_num_threads()

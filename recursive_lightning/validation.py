@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning.errors import ConfigError, UserError
+from recursive_lightning.evaluation.run import _safe, check_tasks, expand_tasks, task_manager
 
 
 @contextlib.contextmanager
@@ -41,7 +42,7 @@ def undo_on_refusal(folder: str | Path, keep_if: str = "checkpoints") -> Iterato
 
 def check_device(name: str) -> None:
     """One sentence for a device torch does not know, or CUDA asked for where there is none."""
-    import torch
+    import torch  # heavy
 
     try:
         device = torch.device(name)
@@ -113,8 +114,6 @@ def check_evaluate_block(evaluate: dict, here: Path, where: str) -> None:
         raise ConfigError(
             f"{where}: evaluate.include_path '{include}' is not a folder (relative to the sweep file's folder)."
         )
-    from recursive_lightning.evaluation.run import check_tasks, expand_tasks, task_manager
-
     tasks, _ = expand_tasks(evaluate.get("tasks") or [])
     if tasks:
         try:
@@ -131,8 +130,6 @@ def check_evaluate_block(evaluate: dict, here: Path, where: str) -> None:
 def trial_metrics(evaluate: dict) -> list[str]:
     """The metric names a sweep's trial produces (``val/heldout/*`` and what its ``evaluate:`` block adds, as
     ``evaluation.run.flat_metrics`` names them); ``eval/<task>/<k>shot/`` prefixes end in ``/``."""
-    from recursive_lightning.evaluation.run import _safe, expand_tasks
-
     names = ["val/heldout/loss", "val/heldout/ppl"]
     for name in (evaluate.get("ppl") or {}) if isinstance(evaluate.get("ppl"), dict) else {}:
         names += [f"eval/ppl/{_safe(str(name))}", f"eval/bpb/{_safe(str(name))}"]

@@ -1,7 +1,7 @@
 """The fused eager glue and the compiled glue regions (issue 18) against their reference forms, in float64.
 
 Eager fast paths with written-out backwards: the attention input's head split + rotary (``block._QKVRotary``),
-MeSH's factored read (``topology._FactoredRead``), S_down / S_up as views (``resolution._SelfAggregation``,
+MeSH's factored read (``mesh._FactoredRead``), S_down / S_up as views (``resolution._SelfAggregation``,
 ``_ChunkMap``). References: the composed rotary, the term-by-term read, the padded S_down / S_up (the forms
 ``train.compile: glue`` hands to ``torch.compile``). Values and gradients, causality, and kill-and-resume with
 the compiled glue on."""
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from recursive_lightning.model.block import _rotate_half_reference, qkv_rotary
 from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.recursive.mesh import _FactoredRead, _read_buffer_reference
 from recursive_lightning.model.recursive.model import RecursiveLM
 from recursive_lightning.model.recursive.resolution import ResolutionStep
-from recursive_lightning.model.recursive.topology import _FactoredRead, _read_reference
 
 
 def _grads(out, inputs, seed: int = 0):
@@ -69,7 +69,7 @@ def test_factored_read_equals_the_term_by_term_read(writes, slots, seed):
     h_emb, w_read = rand(2, 5, 8), rand(2, 5, slots, simplex=True)
     pairs = [(rand(2, 5, 8), rand(2, 5, slots, simplex=True)) for _ in range(writes)]
     flat = [t for pair in pairs for t in pair]
-    fused, ref = _FactoredRead.apply(h_emb, w_read, *flat), _read_reference(h_emb, w_read, pairs)
+    fused, ref = _FactoredRead.apply(h_emb, w_read, *flat), _read_buffer_reference(h_emb, w_read, pairs)
     assert torch.equal(fused, ref)
     for a, r in zip(_grads(fused, [h_emb, w_read, *flat]), _grads(ref, [h_emb, w_read, *flat])):
         torch.testing.assert_close(a, r, rtol=1e-13, atol=1e-13)

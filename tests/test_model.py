@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from recursive_lightning.model.config import TOPOLOGIES, ModelConfig, preset
 from recursive_lightning.model.describe import describe
+from recursive_lightning.model.recursive.mesh import MeSH
 from recursive_lightning.model.recursive.model import RecursiveLM
-from recursive_lightning.model.recursive.topology import MeSH
 
 TINY = dict(vocab_size=61, d_model=32, n_heads=4, max_seq_len=64)
 

@@ -1,5 +1,6 @@
-"""Uptraining (training/uptrain.py, issue 19): layer maps by strategy, identity starts, HF sources offline,
-one-sentence errors, the record in checkpoints and MLflow, train_only, exact resume without the source."""
+"""Uptraining (interop/init.py and training/uptrain.py, issue 19): layer maps by strategy, identity starts,
+HF sources offline, one-sentence errors, the record in checkpoints and MLflow, train_only, exact resume
+without the source."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import torch  # noqa: E402
 
 from recursive_lightning.config import RunConfig  # noqa: E402
 from recursive_lightning.errors import ConfigError  # noqa: E402
+from recursive_lightning.interop.init import layer_map  # noqa: E402
 from recursive_lightning.model.config import ModelConfig  # noqa: E402
 from recursive_lightning.model.layout import parse_layout  # noqa: E402
 from recursive_lightning.model.recursive.model import RecursiveLM  # noqa: E402
 from recursive_lightning.training import uptrain  # noqa: E402
-from recursive_lightning.training.uptrain import Source, initialise, layer_map  # noqa: E402
+from recursive_lightning.training.uptrain import Source, initialise_from  # noqa: E402
 
 SMALL = {"preset": "cpu-tiny", "max_seq_len": 64, "vocab_size": 512}
 
@@ -133,7 +135,7 @@ def test_prelude_core_coda_covering_every_layer_once_gives_the_vanilla_logits(
     vanilla, topology, layout, select
 ):
     model = _target(layout, topology)
-    record = initialise(model, vanilla, select)
+    record = initialise_from(model, vanilla, select)
     assert record["start"].startswith("exact")
     with torch.no_grad():
         torch.testing.assert_close(model(IDX), vanilla.model(IDX), atol=1e-5, rtol=0)
@@ -153,7 +155,7 @@ def test_prelude_core_coda_covering_every_layer_once_gives_the_vanilla_logits(
 )
 def test_looped_and_spiral_starts_compute_the_selected_layers(vanilla, layout, topology, layers):
     model = _target(layout, topology)
-    initialise(model, vanilla, "stepwise")
+    initialise_from(model, vanilla, "stepwise")
     with torch.no_grad():
         torch.testing.assert_close(model(IDX), _stacked(vanilla, layers)(IDX), atol=1e-5, rtol=0)
 
@@ -165,7 +167,7 @@ def test_every_topology_starts_as_the_readme_table_says(vanilla, layout):
     coarse = "x{" in layout
     for topology in TOPOLOGIES:
         model = _target(layout, topology)
-        start = initialise(model, vanilla, "average")["start"]
+        start = initialise_from(model, vanilla, "average")["start"]
         if topology in ("static", "dynamic") or (topology == "base" and not coarse):
             assert start.startswith("exact"), (topology, start)
         elif topology == "mesh":
@@ -181,18 +183,18 @@ def test_mesh_starts_near_the_selected_layers_and_closer_with_a_larger_margin(va
     gaps = []
     for margin in (4.0, 8.0, 16.0, 40.0):
         model = _target("2+4x{1/4,1/2,1}+2", "mesh")  # SpiralFormer-B: coarse writes are never read
-        record = initialise(model, vanilla, "stepwise", margin=margin)
+        record = initialise_from(model, vanilla, "stepwise", margin=margin)
         assert record["start"].startswith("near")
         with torch.no_grad():
             gaps.append((model(IDX) - want(IDX)).abs().max().item())
     assert gaps[0] > gaps[1] > gaps[2] and gaps[3] < 1e-5, gaps
     model = _target("2+4R2+2", "mesh", buffer=3)  # too few slots to keep each update apart: paper init kept
-    assert initialise(model, vanilla, "stepwise")["start"].startswith("paper init")
+    assert initialise_from(model, vanilla, "stepwise")["start"].startswith("paper init")
 
 
 def test_average_is_the_mean_of_the_tied_layers(vanilla):
     model = _target("2+4R2+2", "base")
-    initialise(model, vanilla, "average")
+    initialise_from(model, vanilla, "average")
     src = vanilla.model.prelude.layers
     for j in range(4):
         for name, p in model.cores[0].layers[j].named_parameters():
@@ -203,12 +205,12 @@ def test_average_is_the_mean_of_the_tied_layers(vanilla):
 def test_mismatched_target_is_one_sentence_and_leaves_the_model_untouched(vanilla):
     model = _target("4+4R1+4", "base", norm="rmsnorm", bias=False)
     with pytest.raises(ConfigError) as err:
-        initialise(model, vanilla, "stepwise")
+        initialise_from(model, vanilla, "stepwise")
     assert "model.norm" in _one_sentence(err)
     model = _target("4+4R1+4", "base", n_heads=8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ConfigError) as err:
-        initialise(model, vanilla, "stepwise")
+        initialise_from(model, vanilla, "stepwise")
     assert "model.n_heads" in _one_sentence(err)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -259,7 +261,7 @@ def test_local_hf_directory_offline_gives_the_hf_logits(hf_dirs, family):
     to_config = convert.config_from_gpt_neox if family == "neox" else convert.config_from_llama
     cfg = to_config(hf.config).to_dict()
     model = RecursiveLM(ModelConfig.from_dict({**cfg, "layout": "1+2R1+1", "n_layers_hint": None})).eval()
-    record = initialise(model, source, "select:0/1-2/3")
+    record = initialise_from(model, source, "select:0/1-2/3")
     assert record["fingerprint"] == uptrain.weights_fingerprint(source.model)
     idx = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -269,7 +271,7 @@ def test_local_hf_directory_offline_gives_the_hf_logits(hf_dirs, family):
             ModelConfig.from_dict({**cfg, "layout": "1+2R1+1", field: value, "n_layers_hint": None})
         )
         with pytest.raises(ConfigError) as err:
-            initialise(bad, source, "stepwise")
+            initialise_from(bad, source, "stepwise")
         assert "tensor 'embed.weight'" in _one_sentence(err)
 
 

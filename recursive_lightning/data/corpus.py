@@ -26,6 +26,7 @@ import sys
 import sysconfig
 import types
 from pathlib import Path
+from pydoc_data.topics import topics
 
 from recursive_lightning.tracking.runs import atomic_write_text
 
@@ -166,8 +167,6 @@ def _join_unique(docstrings: list[object], seen: set[str]) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _documents() -> tuple[str, ...]:
-    from pydoc_data.topics import topics
-
     seen: set[str] = set()
     documents = [_join_unique([topics[key]], seen) for key in sorted(topics)]
     for path in _stdlib_source_files():

@@ -11,6 +11,7 @@ twice is harmless. Either way training continues with exactly the next batch.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable
@@ -175,8 +176,6 @@ class TextDataModule(L.LightningDataModule):
     def corpus_summary(self) -> dict[str, Any]:
         """What the run trains on, for the tracking store (available after :meth:`setup`): name, source kind
         and location, corpus and tokenizer fingerprints, and the documents and tokens of each split."""
-        import json
-
         meta_file = self.shards.path / "meta.json" if self.shards is not None else None
         meta = json.loads(meta_file.read_text()) if meta_file is not None and meta_file.is_file() else {}
         if self._prebuilt_dir() is not None:

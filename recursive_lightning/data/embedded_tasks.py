@@ -34,6 +34,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning.data.corpus import embedded_corpus_documents, embedded_corpus_fingerprint
+from recursive_lightning.errors import UserError
+from recursive_lightning.tracking.runs import atomic_write_text
+
 __all__ = [
     "EMBEDDED_TASKS",
     "HELDOUT_FRACTION",
@@ -190,10 +194,6 @@ def embedded_task_items(
 ) -> dict[str, Any]:
     """The items of both tasks (``{"meta": ..., task: {"test": [...], "train": [...]}}``), read from the cache or
     built from the embedded corpus and cached (atomically) under ``<cache_dir>/tasks/``."""
-    from recursive_lightning.data.corpus import embedded_corpus_fingerprint
-    from recursive_lightning.errors import UserError
-    from recursive_lightning.tracking.runs import atomic_write_text
-
     fingerprint = embedded_corpus_fingerprint()
     key = _cache_key(fingerprint, HELDOUT_FRACTION, seed, test_items, fewshot_items)
     path = Path(cache_dir or default_cache_dir()) / "tasks" / f"embedded-{key}.json"
@@ -204,8 +204,7 @@ def embedded_task_items(
                 return data
         except (OSError, ValueError):
             pass  # damaged: built again below
-    from recursive_lightning.data.corpus import embedded_corpus_documents
-    from recursive_lightning.data.shards import split_documents
+    from recursive_lightning.data.shards import split_documents  # heavy
 
     training, heldout = split_documents(embedded_corpus_documents(), HELDOUT_FRACTION)
     data = {
@@ -231,7 +230,7 @@ def embedded_task_items(
 
 def dataset_dict(task: str, cache_dir: str | os.PathLike[str] | None = None, **_: Any) -> Any:
     """A ``datasets.DatasetDict`` (``test``, ``train``) of ``task``, for lm-eval's ``custom_dataset``."""
-    import datasets
+    import datasets  # heavy
 
     items = embedded_task_items(cache_dir)[task]
     return datasets.DatasetDict({split: datasets.Dataset.from_list(rows) for split, rows in items.items()})

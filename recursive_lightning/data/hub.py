@@ -33,7 +33,7 @@ __all__ = ["HubStreamEncoder", "build_hub_shards", "hub_num_shards", "iter_hub_t
 
 def _stream(dataset: str, config: str | None, split: str) -> Any:
     try:
-        import datasets
+        import datasets  # optional
     except ImportError:
         raise DataError(
             "Streaming from the Hub needs the `datasets` package; run `pip install datasets`."

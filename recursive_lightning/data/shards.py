@@ -35,6 +35,7 @@ import torch
 os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")  # no network round-trip on every optimize()
 
 from litdata import StreamingDataset, optimize  # noqa: E402
+from litdata.constants import _TORCH_DTYPES_MAPPING  # noqa: E402
 from litdata.streaming.item_loader import TokensLoader  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
@@ -256,8 +257,6 @@ def iter_chunk_tokens(split_dir: str | os.PathLike[str]) -> Iterator[np.ndarray]
     serializer, dtype_index = data_format.split(":")
     if serializer != "no_header_tensor":
         raise ValueError(f"{split_dir} holds {serializer!r} items, not token tensors.")
-    from litdata.constants import _TORCH_DTYPES_MAPPING
-
     dtype = torch.empty(0, dtype=_TORCH_DTYPES_MAPPING[int(dtype_index)]).numpy().dtype
     for chunk in index["chunks"]:
         offset = (

@@ -176,7 +176,7 @@ def short_reason(err: BaseException) -> str:
 
 def _hf_documents(source: DataSource) -> Iterator[str]:
     try:
-        import datasets
+        import datasets  # optional
     except ImportError:
         raise DataError(
             f"Reading {source.spec} needs the `datasets` package; run `pip install datasets`."

@@ -482,7 +482,7 @@ def _from_pretrained(
     name_or_path: str,
     kwargs: dict[str, Any],
 ) -> RecursiveLM:
-    import transformers
+    import transformers  # heavy
 
     if "dtype" not in kwargs and "torch_dtype" not in kwargs:
         # transformers >= 5 loads the checkpoint's dtype by default (float16 for Pythia); keep float32

@@ -5,14 +5,12 @@ from __future__ import annotations
 from torch import nn
 
 from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.mela.model import MelaLM
+from recursive_lightning.model.recursive.model import RecursiveLM
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
     """``RecursiveLM`` (vanilla / Transformer++, looped, multi-resolution) or ``MelaLM`` (``arch: mela``)."""
     if cfg.arch == "mela":
-        from recursive_lightning.model.mela.model import MelaLM
-
         return MelaLM(cfg)
-    from recursive_lightning.model.recursive.model import RecursiveLM
-
     return RecursiveLM(cfg)

@@ -13,10 +13,15 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from recursive_lightning import formatting
 from recursive_lightning.errors import UserError
 from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.mela.hierarchical_memory import GatedAttention
+from recursive_lightning.model.mela.model import MelaLM
+from recursive_lightning.model.mela.neural_memory import NeuralMemory
+from recursive_lightning.model.recursive.mesh import MeSH
 from recursive_lightning.model.recursive.model import RecursiveLM
-from recursive_lightning.model.recursive.topology import Combination, MeSH
+from recursive_lightning.model.recursive.topology import Combination
 
 CONVENTION = (
     "2 FLOPs per multiply-accumulate, attention QK^T and AV at full LxL included (SpiralFormer Table 1)"
@@ -168,9 +173,6 @@ MELA_TABLE1_SHARES = {"mela-400m": (27.45, 65.75), "mela-800m": (28.78, 66.35), 
 
 
 def _mela_parameters(model: torch.nn.Module) -> dict[str, int]:
-    from recursive_lightning.model.mela.hierarchical_memory import GatedAttention
-    from recursive_lightning.model.mela.neural_memory import NeuralMemory
-
     hmm = model.hmm
     attention = sum(_numel(m) for m in hmm.modules() if isinstance(m, GatedAttention))
     gates = sum(_numel(m.gate) for m in hmm.modules() if isinstance(m, GatedAttention))
@@ -237,8 +239,6 @@ def _mela_flop_counts(
 def describe_mela(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) -> dict[str, Any]:
     """``describe`` for ``arch: mela``: parameters by part with Table 1's shares, the sequence geometry
     (N_p, N_c, decoder length), HLR's block applications and the forward FLOPs by part."""
-    from recursive_lightning.model.mela.model import MelaLM
-
     with torch.device("meta"):
         model = MelaLM(cfg)
     counts = _mela_flop_counts(model, cfg, seq_len, batch_size)
@@ -338,15 +338,11 @@ def format_description(d: dict[str, Any]) -> str:
     if d.get("arch") == "mela":
         return format_mela(d)
 
-    from recursive_lightning import formatting as fmt
-
-    m = fmt.params
-
     lines = [
         f"layout            {d['layout']} ({d['kind']}, {d['n_loop']} loop steps, {d['n_compute_layers']} unrolled layers)",
         f"topology          {d['topology']}" + (f" (buffer B={d['buffer']})" if d["buffer"] else ""),
-        f"params total      {m(d['params_total'])}",
-        f"params non-emb    {m(d['params_non_embedding'])}",
+        f"params total      {formatting.params(d['params_total'])}",
+        f"params non-emb    {formatting.params(d['params_non_embedding'])}",
         f"params router     {d['params_router']:,}",
     ]
     if d["params_resolution"]:
@@ -356,12 +352,12 @@ def format_description(d: dict[str, Any]) -> str:
     if d["params_combination"]:
         lines.append(f"params combin.    {d['params_combination']:,}")
     lines += [
-        f"forward FLOPs     {fmt.flops(d['flops_forward'])} for {d['batch_size']}x{d['seq_len']} tokens",
+        f"forward FLOPs     {formatting.flops(d['flops_forward'])} for {d['batch_size']}x{d['seq_len']} tokens",
         f"                  convention: {d['flops_convention']}",
-        f"                  fvcore-style (1/MAC, no attention): {fmt.flops(d['flops_forward_fvcore'])}",
+        f"                  fvcore-style (1/MAC, no attention): {formatting.flops(d['flops_forward_fvcore'])}",
     ]
     if "flops_mesh_eq8" in d:
-        lines.append(f"MeSH Eq. 8 extra  {fmt.flops(d['flops_mesh_eq8'])} (fvcore units)")
+        lines.append(f"MeSH Eq. 8 extra  {formatting.flops(d['flops_mesh_eq8'])} (fvcore units)")
     return "\n".join(lines)
 
 
@@ -371,10 +367,8 @@ def format_mela(d: dict[str, Any]) -> str:
     def m(x: int) -> str:
         return f"{x:>15,} ({x / 1e6:8.2f}M, {100 * x / total:5.2f}%)"
 
-    from recursive_lightning import formatting as fmt
-
     def f(x: int) -> str:
-        return f"{fmt.flops(x):>13} ({100 * x / d['flops_forward']:5.1f}%)"
+        return f"{formatting.flops(x):>13} ({100 * x / d['flops_forward']:5.1f}%)"
 
     table = ""
     if "table1_memory_pct" in d:
@@ -416,7 +410,7 @@ def format_mela(d: dict[str, Any]) -> str:
         )
         + f"); memory_read {d['memory_read']}; fusion {d['fusion']}"
         + (" (h only, parameter-free)" if d["fusion"] == "none" else ""),
-        f"forward FLOPs     {fmt.flops(d['flops_forward'])} for {d['batch_size']}x{d['seq_len']} tokens, by part:",
+        f"forward FLOPs     {formatting.flops(d['flops_forward'])} for {d['batch_size']}x{d['seq_len']} tokens, by part:",
         f"  decoder         {f(d['flops_decoder'])}",
         f"  HMM attention   {f(d['flops_hmm_attention'])}",
         f"  memory proj.    {f(d['flops_memory_projections'])}",

@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from recursive_lightning.model.recursive.mesh import MeSH
 from recursive_lightning.model.recursive.model import RecursiveLM, Trace
-from recursive_lightning.model.recursive.topology import Combination, MeSH
+from recursive_lightning.model.recursive.topology import Combination
 from recursive_lightning.probes.attention import key_marginal_entropy, lam_window, local_attention_mass
 from recursive_lightning.probes.batches import run_batches
 from recursive_lightning.probes.cka import cka_in_chunks

@@ -11,54 +11,11 @@ switch is stateless and keyed on the global step, so ``--resume`` continues it e
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from recursive_lightning.config import PARTS
 from recursive_lightning.errors import ConfigError
-
-# part -> parameter-name prefixes of RecursiveLM (model/model.py)
-PARTS: dict[str, tuple[str, ...]] = {
-    "embed": ("embed.",),
-    "prelude": ("prelude.",),
-    "core": ("cores.",),
-    "coda": ("coda.",),
-    "norm": ("norm.",),
-    "head": ("head.",),
-    "topology": ("topology.",),  # MeSH routers, static / dynamic combination coefficients
-    "resolution": ("steps.",),  # SpiralFormer scorers A^(t) and allocators B^(t)
-}
-
-
-def check_train_only(parts: Any, steps: int, max_steps: int) -> None:
-    """One sentence for a bad ``train.train_only`` / ``train.train_only_steps`` pair."""
-    if steps < 0:
-        raise ConfigError(f"train.train_only_steps must be >= 0, not {steps}.")
-    if parts is None:
-        if steps:
-            raise ConfigError(
-                f"train.train_only_steps is {steps} but train.train_only names no parts; list the parts to "
-                f"train first, e.g. train.train_only: [topology, core] (parts: {', '.join(PARTS)})."
-            )
-        return
-    if not isinstance(parts, list | tuple) or not parts or not all(isinstance(p, str) for p in parts):
-        raise ConfigError(
-            f"train.train_only must be a non-empty list of parts such as [topology, core], not {parts!r}."
-        )
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown:
-        raise ConfigError(f"train.train_only part '{unknown[0]}' is unknown; choose from {', '.join(PARTS)}.")
-    if steps < 1:
-        raise ConfigError(
-            "train.train_only is set but train.train_only_steps is 0; give the number of steps to train "
-            "only those parts (e.g. --train.train_only_steps 100)."
-        )
-    if steps > max_steps:
-        raise ConfigError(
-            f"train.train_only_steps {steps} exceeds train.max_steps {max_steps}; lower it or raise "
-            "train.max_steps."
-        )
 
 
 def _clean(name: str) -> str:

@@ -312,7 +312,7 @@ def train(
     module.mlflow_run_id = run_id
     extra_cbs = []
     if cfg.train.init_from:  # the record rides in every checkpoint; a resume restores it from there
-        record = uptrain.initialise(module.model, source, cfg.train.init_strategy) if source else None
+        record = uptrain.initialise_from(module.model, source, cfg.train.init_strategy) if source else None
         if record is not None:
             uptrain.log_record(tracking_uri, run_id, record)
         extra_cbs.append(uptrain.Record(record))

@@ -30,7 +30,7 @@ Which fast-weight state a block application starts from [reading, ``memory_carry
   state the chunk started from (M_0 or the previous chunk's), as HRM's one-step gradient [reading]. At the
   paper's 4K (2 chunks, the HMM read at chunk 0 only) this gives eta its gradient: the momentum S entering
   the last cycle is the earlier cycles' (with ``none`` it is S_0 = 0 and eta gets none).
-* ``none``: every application (H * (L * l_layers + h_layers) per forward) scans the chunks from its block's
+* ``none``: every application (H * (L * l_layers + h_layers) per forward) stores its memories from its block's
   learned M_0, as HRM/TRM restart nothing but their l and h states.
 
 ``forward`` takes and returns the states (``memory_slots``: per block or per application) so that decoding
@@ -214,7 +214,7 @@ class HierarchicalMemory(nn.Module):
                 b.memory.initial_state(x.shape[0]) if s is None and b.memory is not None else s
                 for s, b in zip(states, blocks)
             ]
-        # Chunk by chunk, from the patchify on: the HMM's attention is local to a chunk and its memory scans
+        # Chunk by chunk, from the patchify on: the HMM's attention is local to a chunk and its memory stores
         # the chunks in order, so this is the all-chunks pass, computed with the very operations (shapes
         # included) that decoding runs when a chunk completes. Newton-Schulz lifts rounding differences in an
         # update's near-null directions ~500x a step, so any other order makes cached decoding drift from the

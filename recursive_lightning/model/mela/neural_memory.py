@@ -34,7 +34,6 @@ Newton-Schulz applies to every memory tensor.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -42,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+
+from recursive_lightning.model.precision import no_autocast
 
 # Muon's quintic coefficients (Jordan et al. 2024), Newton-Schulz-5 in Eq. 10
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -67,12 +68,6 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _no_autocast(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    if t.device.type in ("cpu", "cuda"):  # the meta device (describe) has no autocast
-        return torch.autocast(t.device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
 class _NewtonSchulz(torch.autograd.Function):
     """Backward of the k iterations in closed form (A and B = bA + cA^2 are symmetric):
 
@@ -85,7 +80,7 @@ class _NewtonSchulz(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
-        with _no_autocast(g):  # in the update's own dtype, forward and backward
+        with no_autocast(g):  # in the update's own dtype, forward and backward
             return _NewtonSchulz._forward(ctx, g, steps, eps)
 
     @staticmethod
@@ -106,7 +101,7 @@ class _NewtonSchulz(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         saved = ctx.saved_tensors  # read once: activation checkpointing unpacks each saved tensor once
-        with _no_autocast(saved[0]):
+        with no_autocast(saved[0]):
             return _NewtonSchulz._backward(ctx, grad.to(saved[0].dtype), saved)
 
     @staticmethod
@@ -227,37 +222,62 @@ class NeuralMemory(nn.Module):
         # as O(1) updates (README: Numerics); the projections above stay in the autocast dtype
         q, k, v, theta = (_wide(t) for t in (q, k, v, theta))
         eta, alpha = (None if t is None else _wide(t) for t in (eta, alpha))
-        with _no_autocast(x):
-            ys, state = self._scan(q, k, v, theta, eta, alpha, state)
+        with no_autocast(x):
+            ys, state = self._store_and_retrieve(q, k, v, theta, eta, alpha, state)
         y = rearrange(torch.cat(ys, dim=2), "b h n d -> b n (h d)").to(x.dtype)
         return self.out(y), state
 
-    def _scan(self, q, k, v, theta, eta, alpha, state: MemoryState) -> tuple[list[torch.Tensor], MemoryState]:
-        """The chunk loop of Eqs. 9-11 over (b, h, n, d) float32 inputs."""
+    def _store_and_retrieve(
+        self, q, k, v, theta, eta, alpha, state: MemoryState
+    ) -> tuple[list[torch.Tensor], MemoryState]:
+        """The chunk loop of Eqs. 9-11 over (b, h, n, d) float32 inputs: each chunk's memories are stored
+        (Eqs. 8, 10, 11) and its queries retrieve from the memory before or after that (``read``, Eq. 9)."""
         C = self.chunk_size
         n = q.shape[2]
         weights = [_wide(w) for w in state.weights]
         momentum = state.momentum and [_wide(m) for m in state.momentum]
+        state = MemoryState(weights, momentum)
         ys = []
         for t in range(n // C):
             s = slice(t * C, (t + 1) * C)
             if self.read == "before":
-                ys.append(mlp_forward(q[:, :, s], weights)[0])  # Eq. 9: M_{t-1}
-            grads = surprise(k[:, :, s], v[:, :, s], theta[:, :, s], weights)
-            if momentum is not None:  # Eqs. 3, 5, 11: S_t = eta_t S_{t-1} - theta grad
-                momentum = [eta[:, :, t, None, None] * m - g for m, g in zip(momentum, grads)]
-                steps = momentum
-            else:  # Eq. 1
-                steps = [-g for g in grads]
-            if self.update == "newton_schulz":
-                steps = [newton_schulz(u, self.ns_steps) for u in steps]
-            if self.record is not None:
-                self._record(t, grads, steps, theta[:, :, s], eta, alpha)
-            decay = alpha[:, :, t, None, None] if alpha is not None else 1.0
-            weights = [decay * w + u for w, u in zip(weights, steps)]  # Eqs. 2, 4, 10
+                ys.append(self.retrieve_memories(q[:, :, s], state))  # Eq. 9: M_{t-1}
+            state = self.store_memories(t, k[:, :, s], v[:, :, s], theta[:, :, s], eta, alpha, state)
             if self.read == "after":
-                ys.append(mlp_forward(q[:, :, s], weights)[0])  # M_t: the state after this chunk
-        return ys, MemoryState(weights, momentum)
+                ys.append(self.retrieve_memories(q[:, :, s], state))  # M_t: the state after this chunk
+        return ys, state
+
+    @staticmethod
+    def retrieve_memories(q: torch.Tensor, state: MemoryState) -> torch.Tensor:
+        """y = N(q; M) (Eq. 9) for one chunk's queries q (b, h, C, d)."""
+        return mlp_forward(q, state.weights)[0]
+
+    def store_memories(
+        self,
+        t: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        theta: torch.Tensor,
+        eta: torch.Tensor | None,
+        alpha: torch.Tensor | None,
+        state: MemoryState,
+    ) -> MemoryState:
+        """The test-time update of chunk ``t`` (k, v (b, h, C, d), theta (b, h, C); eta, alpha (b, h, chunks)):
+        the chunk's surprise against M_{t-1} (Eq. 8) into S_t (Eq. 11) and M_t (Eq. 10)."""
+        weights, momentum = state.weights, state.momentum
+        grads = surprise(k, v, theta, weights)
+        if momentum is not None:  # Eqs. 3, 5, 11: S_t = eta_t S_{t-1} - theta grad
+            momentum = [eta[:, :, t, None, None] * m - g for m, g in zip(momentum, grads)]
+            steps = momentum
+        else:  # Eq. 1
+            steps = [-g for g in grads]
+        if self.update == "newton_schulz":
+            steps = [newton_schulz(u, self.ns_steps) for u in steps]
+        if self.record is not None:
+            self._record(t, grads, steps, theta, eta, alpha)
+        decay = alpha[:, :, t, None, None] if alpha is not None else 1.0
+        weights = [decay * w + u for w, u in zip(weights, steps)]  # Eqs. 2, 4, 10
+        return MemoryState(weights, momentum)
 
     def _record(self, t, grads, steps, theta, eta, alpha) -> None:
         for i, (grad, step) in enumerate(zip(grads, steps)):

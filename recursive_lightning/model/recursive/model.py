@@ -20,12 +20,27 @@ import torch
 from torch import nn
 
 from recursive_lightning.model.block import Block, Stack, make_norm
-from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.config import TOPOLOGY_TERMS, ModelConfig
 from recursive_lightning.model.decoding import DecodeCache, Generates
 from recursive_lightning.model.loss import cross_entropy
+from recursive_lightning.model.recursive.mesh import MeSH
 from recursive_lightning.model.recursive.resolution import ResolutionStep
-from recursive_lightning.model.recursive.topology import Combination, MeSH, build_topology
+from recursive_lightning.model.recursive.topology import Additive, Combination, Topology
 from recursive_lightning.model.shared_grad import accumulate_weight_grads
+
+
+def build_topology(cfg: ModelConfig, n_steps: int) -> Topology:
+    """The recurrence topology named by ``cfg.topology`` for ``n_steps`` loop steps."""
+    name = cfg.topology
+    if name == "base":
+        return Topology()
+    if name == "mesh":
+        return MeSH(cfg, n_steps)
+    if name in ("static", "dynamic"):
+        return Combination(cfg, n_steps, dynamic=name == "dynamic")
+    terms = tuple(name.split("+"))
+    assert all(t in TOPOLOGY_TERMS for t in terms), name  # validated by ModelConfig
+    return Additive(terms)
 
 
 @dataclass

@@ -18,7 +18,6 @@ reshape, weighted sum) are the reference they are tested against and what ``torc
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.precision import no_autocast
 
 
 def chunk_maps(length: int, g: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,7 +348,7 @@ class _SelfAggregation(torch.autograd.Function):
     def forward(ctx, x, score, end, g, offset, n):
         segs = _segments(0, end, g, offset)
         alphas = [_views(score, seg).softmax(-1) for seg in segs]  # float32, (b, c, k) per run
-        with _no_autocast(x):  # (1 x k) @ (k x d) per chunk of each run, as _sum; the runs cover every chunk
+        with no_autocast(x):  # (1 x k) @ (k x d) per chunk of each run, as _sum; the runs cover every chunk
             parts = [
                 (a.to(x.dtype).unsqueeze(-2) @ _views(x, seg)).squeeze(-2) for seg, a in zip(segs, alphas)
             ]
@@ -363,7 +363,7 @@ class _SelfAggregation(torch.autograd.Function):
         x, *alphas = ctx.saved_tensors
         segs, end, score_shape, score_dtype = ctx.meta
         grad_x = grad_score = None
-        with _no_autocast(grad):
+        with no_autocast(grad):
             if ctx.needs_input_grad[0]:
                 grad_x = x.new_empty(x.shape)
                 if end < x.shape[1]:
@@ -386,16 +386,6 @@ class _SelfAggregation(torch.autograd.Function):
         return grad_x, grad_score, None, None, None, None
 
 
-def _no_autocast(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Run in the states' dtype (autocast would turn the GEMMs of ``_sum`` to half precision)."""
-    device = t.device.type
-    return (
-        torch.autocast(device, enabled=False)
-        if torch.amp.is_autocast_available(device)
-        else contextlib.nullcontext()
-    )
-
-
 class _ChunkMap(torch.autograd.Function):
     """S_down's weighted sum over chunks (Eqs. 16/18) or, with ``spread``, S_up's weighted broadcast with the
     shift (Eqs. 19/20, 22). The two are adjoint, so the backward of each is the other (one pass, no
@@ -409,7 +399,7 @@ class _ChunkMap(torch.autograd.Function):
         ctx.save_for_backward(x if a is not None and a.requires_grad else None, a)
         ctx.meta = scale, segs, start, end, x.shape[1], spread, (g, offset) if chunked else None
         lay = {"chunked": chunked, "offset": offset}
-        with _no_autocast(x):
+        with no_autocast(x):
             if spread:
                 return _spread(x, a, scale, segs, start, end, size, **lay)
             return _sum(x, a, scale, segs, size, **lay)
@@ -421,7 +411,7 @@ class _ChunkMap(torch.autograd.Function):
         scale, segs, start, end, size, spread, chunked = ctx.meta  # size: the input's chunks or positions
         lay = {"chunked": chunked is not None, "offset": chunked[1] if chunked else 0}
         grad_x = grad_a = None
-        with _no_autocast(grad):
+        with no_autocast(grad):
             if ctx.needs_input_grad[0]:
                 grad_x = (
                     _sum(grad, a, scale, segs, size, **lay)
