@@ -142,6 +142,9 @@ def test_windows_score_every_token_once_like_lm_eval(n, L, stride):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_loglikelihood_equals_model_logprobs(family, ckpts, tokenizer):
     loaded = load_checkpoint(ckpts[family])
+    # float64: the bookkeeping (truncation, batching, packing) is under test, not float32 reassociation, which
+    # Mela's test-time memory amplifies past 1e-3 between a batched and an unbatched forward (seen in a full run)
+    loaded.model.double()
     lm = RecursiveLightningLM.from_loaded(loaded, batch_size=3)
     long_ctx = " ".join(_texts()[0].split()[:120])  # far more than MAX_LEN tokens: left-truncated
     reqs = [
@@ -170,7 +173,7 @@ def test_loglikelihood_equals_model_logprobs(family, ckpts, tokenizer):
     assert len(tokenizer.encode(long_ctx).ids) > 2 * MAX_LEN
     for (ctx, cont), (ll, greedy) in zip(reqs, got):
         ref, ref_greedy = _direct_loglikelihood(loaded.model, tokenizer, lm.eot_token_id, ctx, cont, MAX_LEN)
-        assert ll == pytest.approx(ref, abs=1e-3, rel=1e-5), (family, ctx[:20], cont)
+        assert ll == pytest.approx(ref, abs=1e-5, rel=0), (family, ctx[:20], cont)
         assert greedy == ref_greedy
     # batch composition does not matter (right padding)
     single = RecursiveLightningLM.from_loaded(loaded, batch_size=1)
