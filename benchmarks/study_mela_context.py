@@ -157,7 +157,7 @@ def figure(panels: dict[str, dict], train_len: int, path: Path) -> None:
     from matplotlib.figure import Figure
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    from recursive_lightning.tracking.runs import atomic_write_figure
+    from recursive_lightning.files import atomic_write_figure
 
     fig = Figure(figsize=(11, 4.2))
     FigureCanvasAgg(fig)

@@ -14,9 +14,10 @@ import yaml
 from conftest import tiny_config
 from mlflow.tracking import MlflowClient
 
-from recursive_lightning import cli, tracking
+from recursive_lightning import cli, files
 from recursive_lightning.config import RunConfig, load_run_config
 from recursive_lightning.errors import ConfigError, Terminated, UserError
+from recursive_lightning.tracking import runs
 from recursive_lightning.tracking.runs import default_tracking_uri, portable_uri
 from recursive_lightning.training.run import train
 
@@ -124,7 +125,7 @@ def test_tracking_uris_are_kept_relative_where_they_point_inside(tmp_path):
     (sweep / "sweep.json").write_text("{}")
     trial = sweep / "trials" / "k"
     assert portable_uri(f"sqlite:///{sweep / 'mlflow.db'}", trial) == "sqlite:///../../mlflow.db"
-    tracking.record_tracking_uri(trial, f"sqlite:///{sweep / 'mlflow.db'}")
+    runs.record_tracking_uri(trial, f"sqlite:///{sweep / 'mlflow.db'}")
     moved = tmp_path / "elsewhere"
     sweep.rename(moved)
     assert default_tracking_uri(moved / "trials" / "k") == f"sqlite:///{moved.resolve() / 'mlflow.db'}"
@@ -140,7 +141,7 @@ def test_tracking_uris_are_kept_relative_where_they_point_inside(tmp_path):
     cwd = Path.cwd()
     os.chdir(tmp_path)
     try:
-        assert tracking.absolute_uri("sqlite:///x.db") == f"sqlite:///{tmp_path / 'x.db'}"
+        assert runs.absolute_uri("sqlite:///x.db") == f"sqlite:///{tmp_path / 'x.db'}"
     finally:
         os.chdir(cwd)
 
@@ -148,12 +149,12 @@ def test_tracking_uris_are_kept_relative_where_they_point_inside(tmp_path):
 def test_artifact_roots_follow_a_moved_store(tmp_path):
     d = tmp_path / "a"
     uri = f"sqlite:///{d / 'mlflow.db'}"
-    exp = tracking.ensure_experiment(uri, "x", d / "mlartifacts")
-    run_id = tracking.create_run(uri, exp, "r")
+    exp = runs.ensure_experiment(uri, "x", d / "mlartifacts")
+    run_id = runs.create_run(uri, exp, "r")
     moved = tmp_path / "b"
     d.rename(moved)
     new_uri = f"sqlite:///{moved / 'mlflow.db'}"
-    tracking.log_artifact_text(new_uri, run_id, "note.txt", "hi")
+    runs.log_artifact_text(new_uri, run_id, "note.txt", "hi")
     assert (moved / "mlartifacts").is_dir() and list((moved / "mlartifacts").rglob("note.txt"))
     assert not d.exists()
     with sqlite3.connect(moved / "mlflow.db") as con:
@@ -164,14 +165,14 @@ def test_artifact_roots_follow_a_moved_store(tmp_path):
 # ------------------------------------------------------------------------------------ item 6
 def _read_only(monkeypatch, *dirs: Path) -> None:
     """Make ``dirs`` read-only for the write check (chmod does not stop root, who runs CI here)."""
-    real = tracking._can_write
+    real = files._can_write
     roots = [d.resolve() for d in dirs]
 
     def can_write(d: Path) -> bool:
         d = Path(d).resolve()
         return not any(d == r or r in d.parents for r in roots) and real(d)
 
-    monkeypatch.setattr(tracking, "_can_write", can_write)
+    monkeypatch.setattr(files, "_can_write", can_write)
 
 
 def test_eval_checks_where_results_go_before_computing(finished, tmp_path, text_file, monkeypatch):

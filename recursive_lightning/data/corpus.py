@@ -27,7 +27,7 @@ import sysconfig
 import types
 from pathlib import Path
 
-from recursive_lightning.tracking.runs import atomic_write_text
+from recursive_lightning.files import atomic_write_text
 
 __all__ = [
     "MIN_DOCSTRING_CHARS",

@@ -192,7 +192,7 @@ def embedded_task_items(
     built from the embedded corpus and cached (atomically) under ``<cache_dir>/tasks/``."""
     from recursive_lightning.data.corpus import embedded_corpus_fingerprint
     from recursive_lightning.errors import UserError
-    from recursive_lightning.tracking.runs import atomic_write_text
+    from recursive_lightning.files import atomic_write_text
 
     fingerprint = embedded_corpus_fingerprint()
     key = _cache_key(fingerprint, HELDOUT_FRACTION, seed, test_items, fewshot_items)

@@ -771,7 +771,7 @@ def log_to_mlflow(
 
 
 def write_json(path: Path, data: dict[str, Any]) -> Path:
-    from recursive_lightning.tracking.runs import atomic_write_text
+    from recursive_lightning.files import atomic_write_text
 
     atomic_write_text(path, json.dumps(_clean(data), indent=1, allow_nan=False) + "\n")
     return path

@@ -39,12 +39,12 @@ from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning.errors import ConfigError
+from recursive_lightning.files import atomic_write_text, read_json, writable_dir_problem
 from recursive_lightning.processes import parent_death_signal
 from recursive_lightning.sweep.devices import CPU, device_pool, devices_needed, hold_devices
 from recursive_lightning.sweep.servers import check_stores, database_lock, recorded_study
 from recursive_lightning.sweep.spec import SweepSpec, load_sweep, point_key
 from recursive_lightning.tracking.runs import (
-    atomic_write_text,
     client,
     create_run,
     default_tracking_uri,
@@ -52,10 +52,8 @@ from recursive_lightning.tracking.runs import (
     log_artifact,
     log_params,
     portable_uri,
-    read_json,
     set_tags,
     set_terminated,
-    writable_dir_problem,
 )
 from recursive_lightning.tracking.view import ui_hint
 from recursive_lightning.uris import mask_url

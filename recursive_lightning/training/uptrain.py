@@ -465,7 +465,7 @@ def keep_tokenizer(cfg: RunConfig, source: Source, run_dir: Path) -> None:
             f"data.tokenizer is 'init' but the source '{source.name}' carries no tokenizer (no tokenizer.json); "
             "save the tokenizer beside the model or set data.tokenizer to its tokenizer.json."
         )
-    from recursive_lightning.tracking.runs import atomic_write_text
+    from recursive_lightning.files import atomic_write_text
 
     atomic_write_text(Path(run_dir) / TOKENIZER_FILE, source.tokenizer.to_str())
 
@@ -565,11 +565,11 @@ def cli_overrides(init_from: str, config: str | None, overrides: list[str]) -> l
 def log_record(tracking_uri: str, run_id: str, record: dict) -> None:
     """MLflow: params init.source / kind / fingerprint / tokenizer_fingerprint / strategy / start, tag
     init.layer_map, artifact init_from.json."""
-    from recursive_lightning.tracking.runs import client, log_artifact_text, log_params
+    from recursive_lightning.tracking.runs import log_artifact_text, log_params, set_tags
 
     keys = ("source", "kind", "fingerprint", "tokenizer_fingerprint", "strategy", "source_layers", "start")
     log_params(tracking_uri, run_id, {f"init.{k}": record[k] for k in keys})
-    client(tracking_uri).set_tag(run_id, "init.layer_map", json.dumps(record["layer_map"]))
+    set_tags(tracking_uri, run_id, {"init.layer_map": json.dumps(record["layer_map"])})
     log_artifact_text(tracking_uri, run_id, "init_from.json", json.dumps(record, indent=2))
 
 
