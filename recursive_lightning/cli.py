@@ -137,7 +137,7 @@ COMMANDS = {
     "train": ("recursive_lightning.training.run", "main"),
     "sweep": ("recursive_lightning.sweep.runner", "main"),
     "report": ("recursive_lightning.sweep.report", "main"),
-    "eval": ("recursive_lightning.evaluation.run", "main"),
+    "eval": ("recursive_lightning.evaluation.cli", "main"),
     "probe": ("recursive_lightning.probes.run", "main"),
     "ui": ("recursive_lightning.tracking.ui", "main"),
 }

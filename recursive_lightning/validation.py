@@ -113,7 +113,7 @@ def check_evaluate_block(evaluate: dict, here: Path, where: str) -> None:
         raise ConfigError(
             f"{where}: evaluate.include_path '{include}' is not a folder (relative to the sweep file's folder)."
         )
-    from recursive_lightning.evaluation.run import check_tasks, expand_tasks, task_manager
+    from recursive_lightning.evaluation.downstream import check_tasks, expand_tasks, task_manager
 
     tasks, _ = expand_tasks(evaluate.get("tasks") or [])
     if tasks:
@@ -131,7 +131,8 @@ def check_evaluate_block(evaluate: dict, here: Path, where: str) -> None:
 def trial_metrics(evaluate: dict) -> list[str]:
     """The metric names a sweep's trial produces (``val/heldout/*`` and what its ``evaluate:`` block adds, as
     ``evaluation.run.flat_metrics`` names them); ``eval/<task>/<k>shot/`` prefixes end in ``/``."""
-    from recursive_lightning.evaluation.run import _safe, expand_tasks
+    from recursive_lightning.evaluation.downstream import expand_tasks
+    from recursive_lightning.evaluation.run import _safe
 
     names = ["val/heldout/loss", "val/heldout/ppl"]
     for name in (evaluate.get("ppl") or {}) if isinstance(evaluate.get("ppl"), dict) else {}:

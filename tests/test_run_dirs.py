@@ -85,6 +85,7 @@ def test_resume_with_a_larger_max_steps_extends_a_finished_run(finished, tmp_pat
 
 # ------------------------------------------------------------------------------------ item 5
 def test_a_moved_run_directory_resumes_and_evaluates_in_place(finished, tmp_path, text_file):
+    from recursive_lightning.evaluation.options import EvalOptions
     from recursive_lightning.evaluation.run import evaluate_checkpoint
 
     old = _copy(finished[0], tmp_path / "a" / "run")
@@ -96,7 +97,7 @@ def test_a_moved_run_directory_resumes_and_evaluates_in_place(finished, tmp_path
     cfg = RunConfig.from_dict(finished[1])
     cfg.train.max_steps = 13
     train(cfg, new, resume=True)  # was: "Run ... not found" (the old absolute store)
-    res = evaluate_checkpoint(new, ppl_sets={"t": str(text_file)}, tasks=[])
+    res = evaluate_checkpoint(new, EvalOptions(ppl_sets={"t": str(text_file)}, tasks=[]))
     assert res["mlflow"]["tracking_uri"] == default_tracking_uri(new) and not res["mlflow"]["created"]
     assert not (tmp_path / "a" / "run").exists()  # no stray database at the old path
     run = _run_of(new)
@@ -105,11 +106,12 @@ def test_a_moved_run_directory_resumes_and_evaluates_in_place(finished, tmp_path
 
 
 def test_a_copied_run_directory_logs_into_its_own_store(finished, tmp_path, text_file):
+    from recursive_lightning.evaluation.options import EvalOptions
     from recursive_lightning.evaluation.run import evaluate_checkpoint
 
     original = _copy(finished[0], tmp_path / "original")
     copy = _copy(original, tmp_path / "copy")
-    evaluate_checkpoint(copy, ppl_sets={"t": str(text_file)}, tasks=[])
+    evaluate_checkpoint(copy, EvalOptions(ppl_sets={"t": str(text_file)}, tasks=[]))
     assert "eval/ppl/t" in _run_of(copy).data.metrics
     assert "eval/ppl/t" not in _run_of(original).data.metrics  # the original's store is left alone
     assert _run_of(copy).info.artifact_uri.startswith((copy / "mlartifacts").resolve().as_uri())
@@ -177,6 +179,7 @@ def _read_only(monkeypatch, *dirs: Path) -> None:
 
 def test_eval_checks_where_results_go_before_computing(finished, tmp_path, text_file, monkeypatch):
     from recursive_lightning.evaluation import perplexity as ppl_mod
+    from recursive_lightning.evaluation.options import EvalOptions
     from recursive_lightning.evaluation.run import evaluate_checkpoint
 
     run_dir = _copy(finished[0], tmp_path / "run")
@@ -185,19 +188,23 @@ def test_eval_checks_where_results_go_before_computing(finished, tmp_path, text_
     real = ppl_mod.perplexity
     monkeypatch.setattr(ppl_mod, "perplexity", lambda *a, **k: calls.append(1) or real(*a, **k))
     with pytest.raises(UserError) as e:
-        evaluate_checkpoint(run_dir, ppl_sets={"t": str(text_file)}, tasks=[])
+        evaluate_checkpoint(run_dir, EvalOptions(ppl_sets={"t": str(text_file)}, tasks=[]))
     assert "read-only" in str(e.value) and "--out" in str(e.value) and not calls
     with pytest.raises(UserError, match="MLflow store"):  # the store is in the read-only directory too
-        evaluate_checkpoint(run_dir, ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "out")
+        evaluate_checkpoint(
+            run_dir, EvalOptions(ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "out")
+        )
     assert not calls
     res = evaluate_checkpoint(
-        run_dir, ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "out", mlflow=False
+        run_dir, EvalOptions(ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "out", mlflow=False)
     )
     assert Path(res["json_path"]).parent == tmp_path / "out" and calls
     assert not (run_dir / "eval").exists()
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is a file"):
-        evaluate_checkpoint(run_dir, ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "file")
+        evaluate_checkpoint(
+            run_dir, EvalOptions(ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "file")
+        )
 
 
 def test_probe_checks_where_results_go_before_probing(finished, tmp_path, monkeypatch):

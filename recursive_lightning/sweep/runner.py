@@ -707,28 +707,13 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
         faults.point("after_result_write")
         metrics = dict(result.metrics)
         if spec.evaluate:  # perplexity sets and (optionally) lm-eval tasks on the finished trial
+            from recursive_lightning.evaluation.options import EvalOptions
             from recursive_lightning.evaluation.run import evaluate_checkpoint, flat_metrics
 
-            ev = spec.evaluate
+            # evaluate: paths are relative to the sweep file
             here = spec.path.parent if spec.path is not None else Path.cwd()
-            ppl = {  # paths relative to the sweep file; embedded:heldout as it is
-                k: v if ":" in str(v) and not Path(str(v)).exists() else str((here / v).resolve())
-                for k, v in (ev.get("ppl") or {}).items()
-            }
-            include = ev.get("include_path")
             out = evaluate_checkpoint(
-                result.last_checkpoint,
-                ppl_sets=ppl or None,
-                tasks=ev.get("tasks") or [],
-                shots=ev.get("shots", [0]),
-                limit=ev.get("limit"),
-                tracking_uri=tracking_uri,
-                include_path=str((here / include).resolve()) if include else None,
-                context_lengths=ev.get("context_lengths"),
-                ctx_set=ev.get("ctx_set"),
-                ctx_max_tokens=ev.get("ctx_max_tokens"),
-                ctx_block=ev.get("ctx_block", 128),
-                ctx_mode=ev.get("ctx_mode", "stream"),
+                result.last_checkpoint, EvalOptions.from_sweep(spec.evaluate, here, tracking_uri)
             )
             metrics.update(flat_metrics(out))
         record = {
