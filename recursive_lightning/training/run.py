@@ -202,7 +202,7 @@ def _summarise(
     """The run's result: final metrics logged (a finished run resumed without training keeps the ones it
     recorded), the run FINISHED and ``result.json`` written (rank zero)."""
     from recursive_lightning.training import mlflow_run  # heavy
-    from recursive_lightning.training import resume as run_dir_state
+    from recursive_lightning.training import resume as run_dir_state  # heavy
     from recursive_lightning.training.trainer import best_checkpoint, val_metrics  # heavy
 
     metrics = val_metrics(trainer) or run_dir_state.previous_metrics(run_dir, trainer.global_step)
