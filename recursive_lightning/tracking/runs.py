@@ -191,6 +191,10 @@ def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | os.Path
         return exp.experiment_id
 
 
+def set_experiment_tag(tracking_uri: str, experiment_id: str, key: str, value: str) -> None:
+    client(tracking_uri).set_experiment_tag(experiment_id, key, value)
+
+
 def create_run(
     tracking_uri: str,
     experiment_id: str,

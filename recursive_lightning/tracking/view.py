@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import quote
 
-from recursive_lightning.tracking.runs import client, ui_command
+from recursive_lightning.tracking.runs import client, set_experiment_tag, ui_command
 
 SHARED_VIEW_TAG = "mlflow.sharedViewState."  # MLflow's experiment tag prefix of a shared runs-table view
 VIEW_KEY = "ranked"  # our share key: the runs table ranked by the report's metric
@@ -154,7 +154,7 @@ def publish_views(tracking_uri: str, experiment_ids: Iterable[str] | None = None
             continue
         text = json.dumps(view, sort_keys=True)
         if c.get_experiment(exp_id).tags.get(SHARED_VIEW_TAG + VIEW_KEY) != text:
-            c.set_experiment_tag(exp_id, SHARED_VIEW_TAG + VIEW_KEY, text)
+            set_experiment_tag(tracking_uri, exp_id, SHARED_VIEW_TAG + VIEW_KEY, text)
         out[exp_id] = VIEW_KEY
     return out
 

@@ -11,6 +11,10 @@ Run directory layout::
                                    the sweep around it) is kept relative, so the directory can be moved or copied
     <run-dir>/result.json          final metrics, written (atomically) when training finishes; a --resume of a
                                    finished run validates its last checkpoint again and rewrites the same metrics
+
+``train`` runs in phases: the run directory and the checkpoint it resumes from (training/resume.py), the data,
+the MLflow run (training/mlflow_run.py), the model, the trainer and fit (training/trainer.py), the summary
+(final metrics, result.json).
 """
 
 from __future__ import annotations
