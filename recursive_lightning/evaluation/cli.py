@@ -243,7 +243,7 @@ def options_from_args(args: argparse.Namespace) -> EvalOptions:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    print_report(evaluate_checkpoint(args.checkpoint, options_from_args(args)))
+    print_report(evaluate_checkpoint(args.checkpoint, options_from_args(args), show=True))
     return 0
 
 
