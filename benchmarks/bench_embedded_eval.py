@@ -40,6 +40,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from recursive_lightning.data.embedded_tasks import embedded_task_items
+    from recursive_lightning.evaluation.options import EvalOptions
     from recursive_lightning.evaluation.run import evaluate_checkpoint
     from recursive_lightning.sweep.spec import load_sweep
     from recursive_lightning.training.checkpoint import load_checkpoint
@@ -56,12 +57,14 @@ def main() -> None:
             t0, c0 = time.perf_counter(), time.process_time()
             r = evaluate_checkpoint(
                 args.checkpoint,
-                tasks=ev.get("tasks") or [],
-                shots=ev.get("shots", [0]),
-                limit=ev.get("limit"),
+                EvalOptions(
+                    tasks=ev.get("tasks") or [],
+                    shots=ev.get("shots", [0]),
+                    limit=ev.get("limit"),
+                    mlflow=False,
+                    out_dir=tmp,
+                ),
                 loaded=loaded,
-                mlflow=False,
-                out_dir=tmp,
             )
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             heads = {t: f"{h['metric']}={h['value']:.3f}" for t, h in r["headline"].get("0", {}).items()}

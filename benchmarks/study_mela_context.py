@@ -105,17 +105,20 @@ def ctx_ppl(metrics: dict, lengths: list[int]) -> dict[int, float]:
 
 
 def long_text_ppl(t: dict, text: Path, lengths: list[int], max_tokens: int) -> dict[int, float]:
+    from recursive_lightning.evaluation.options import EvalOptions
     from recursive_lightning.evaluation.run import evaluate_checkpoint
 
     res = evaluate_checkpoint(
         t["dir"] / "checkpoints" / Path(t["checkpoint"]).name,
-        ppl_sets={"long": str(text)},
-        tasks=[],
-        context_lengths=lengths,
-        ctx_set="long",
-        ctx_max_tokens=max_tokens,
-        out_dir=t["dir"] / "eval-long-document",
-        mlflow=False,  # its eval/ppl_ctx/<L> would overwrite the held-out ones in the trial's run
+        EvalOptions(
+            ppl_sets={"long": str(text)},
+            tasks=[],
+            context_lengths=lengths,
+            ctx_set="long",
+            ctx_max_tokens=max_tokens,
+            out_dir=t["dir"] / "eval-long-document",
+            mlflow=False,  # its eval/ppl_ctx/<L> would overwrite the held-out ones in the trial's run
+        ),
     )
     return {int(L): r["ppl"] for L, r in res["ppl_ctx"]["lengths"].items() if "ppl" in r}
 
@@ -157,7 +160,7 @@ def figure(panels: dict[str, dict], train_len: int, path: Path) -> None:
     from matplotlib.figure import Figure
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    from recursive_lightning.tracking.runs import atomic_write_figure
+    from recursive_lightning.files import atomic_write_figure
 
     fig = Figure(figsize=(11, 4.2))
     FigureCanvasAgg(fig)

@@ -32,7 +32,8 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 from recursive_lightning.config import RunConfig  # noqa: E402
-from recursive_lightning.tracking.runs import atomic_write_text, client  # noqa: E402
+from recursive_lightning.files import atomic_write_text  # noqa: E402
+from recursive_lightning.tracking.runs import client  # noqa: E402
 from recursive_lightning.training.run import train  # noqa: E402
 
 

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
+import time
 
+from recursive_lightning import threads as thread_policy
+from recursive_lightning.config import apply_overrides, check_model_types, load_yaml
 from recursive_lightning.errors import Terminated, UserError
+from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.uris import mask_url
+from recursive_lightning.validation import check_device
 
 
 def _describe(argv: list[str]) -> int:
-    from recursive_lightning.model.config import ModelConfig
-    from recursive_lightning.model.describe import describe, format_description
+    from recursive_lightning.model.describe import describe, format_description  # heavy
 
     p = argparse.ArgumentParser(
         prog="recursive_lightning describe",
@@ -34,8 +40,6 @@ def _describe(argv: list[str]) -> int:
     args, rest = p.parse_known_args(argv)
     data: dict = {}
     if args.config:
-        from recursive_lightning.config import load_yaml
-
         raw = load_yaml(args.config)
         section = raw.get("model", raw)
         if not isinstance(section, dict):
@@ -46,11 +50,7 @@ def _describe(argv: list[str]) -> int:
     for key in ("preset", "layout", "topology", "buffer"):
         if getattr(args, key) is not None:
             data[key] = getattr(args, key)
-    from recursive_lightning.config import apply_overrides
-
     data = apply_overrides({"model": data}, rest, sections=("model",))["model"]
-    from recursive_lightning.config import check_model_types
-
     cfg = ModelConfig.from_dict(check_model_types(data))  # `--model.memstack maybe` is refused, as in train
     d = describe(cfg, seq_len=args.seq_len, batch_size=args.batch_size)
     print(json.dumps(d) if args.json else format_description(d))
@@ -58,13 +58,11 @@ def _describe(argv: list[str]) -> int:
 
 
 def _generate(argv: list[str]) -> int:
-    import time
+    import torch  # heavy
 
-    import torch
-
-    from recursive_lightning.evaluation.perplexity import EOS_TOKEN
-    from recursive_lightning.model.decoding import decode
-    from recursive_lightning.training.checkpoint import load_checkpoint
+    from recursive_lightning.evaluation.perplexity import EOS_TOKEN  # heavy
+    from recursive_lightning.model.decoding import decode  # heavy
+    from recursive_lightning.training.checkpoint import load_checkpoint  # heavy
 
     p = argparse.ArgumentParser(
         prog="recursive_lightning generate",
@@ -86,8 +84,6 @@ def _generate(argv: list[str]) -> int:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), not {args.temperature}.")
     if args.top_k is not None and args.top_k < 1:
         raise UserError(f"--top-k must be >= 1, not {args.top_k}.")
-    from recursive_lightning.validation import check_device
-
     check_device(args.device)
     loaded = load_checkpoint(args.checkpoint, device=args.device)
     if loaded.tokenizer is None:
@@ -137,7 +133,7 @@ COMMANDS = {
     "train": ("recursive_lightning.training.run", "main"),
     "sweep": ("recursive_lightning.sweep.runner", "main"),
     "report": ("recursive_lightning.sweep.report", "main"),
-    "eval": ("recursive_lightning.evaluation.run", "main"),
+    "eval": ("recursive_lightning.evaluation.cli", "main"),
     "probe": ("recursive_lightning.probes.run", "main"),
     "ui": ("recursive_lightning.tracking.ui", "main"),
 }
@@ -208,19 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
     module_name, func = COMMANDS[command]
-    from recursive_lightning import threads as thread_policy
-
     try:
-        import importlib
-
         with thread_policy.for_command(threads):
             module = (
                 sys.modules[__name__] if module_name == __name__ else importlib.import_module(module_name)
             )
             return int(getattr(module, func)(rest) or 0)
     except UserError as e:
-        from recursive_lightning.uris import mask_url
-
         print(f"error: {mask_url(str(e))}", file=sys.stderr)  # a database URL in it: its password masked
         return 2
     except Terminated as e:  # SIGTERM (pre-emption): resumable, and not a finished run

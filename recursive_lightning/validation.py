@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning.errors import ConfigError, UserError
-from recursive_lightning.evaluation.run import _safe, check_tasks, expand_tasks, task_manager
+from recursive_lightning.evaluation.downstream import check_tasks, expand_tasks, task_manager
+from recursive_lightning.evaluation.run import _safe
 
 
 @contextlib.contextmanager

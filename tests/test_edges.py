@@ -165,7 +165,7 @@ def test_probe_uses_the_runs_own_data_unless_told(trained_run, tmp_path, capsys)
 def test_embedded_tasks_warn_naming_both_tokenizers():
     from types import SimpleNamespace
 
-    from recursive_lightning.evaluation.run import _embedded_metadata
+    from recursive_lightning.evaluation.downstream import embedded_metadata as _embedded_metadata
 
     for data, names in (
         (SimpleNamespace(tokenizer="init", path=None, val_fraction=0.05, cache_dir=None), "'init'"),
@@ -207,12 +207,15 @@ def test_one_format_per_quantity_in_describe_and_the_summaries(capsys):
 def test_lm_eval_records_the_commit_quietly_outside_a_git_checkout(trained_run, tmp_path, monkeypatch, capfd):
     """An embedded task evaluated from a folder outside any git checkout prints no `fatal: not a git repository`
     (lm-eval asked git and let it speak, once per trial of a sweep)."""
-    from recursive_lightning.evaluation.run import evaluate_checkpoint, quiet_git_commit
+    from recursive_lightning.evaluation.downstream import quiet_git_commit
+    from recursive_lightning.evaluation.options import EvalOptions
+    from recursive_lightning.evaluation.run import evaluate_checkpoint
 
     monkeypatch.chdir(tmp_path)
     assert quiet_git_commit() is None
     evaluate_checkpoint(
-        trained_run, tasks=["embedded_lastword"], shots=[0], limit=2, mlflow=False, out_dir=tmp_path / "ev"
+        trained_run,
+        EvalOptions(tasks=["embedded_lastword"], shots=[0], limit=2, mlflow=False, out_dir=tmp_path / "ev"),
     )
     assert "fatal" not in capfd.readouterr().err
 

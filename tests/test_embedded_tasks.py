@@ -15,7 +15,9 @@ import torch
 
 from recursive_lightning.config import DataConfig, RunConfig
 from recursive_lightning.data import embedded_tasks as et
-from recursive_lightning.evaluation import run as ev
+from recursive_lightning.evaluation import downstream as ev
+from recursive_lightning.evaluation.options import EvalOptions
+from recursive_lightning.evaluation.run import evaluate_checkpoint
 from recursive_lightning.model.build import build_model
 from recursive_lightning.training.checkpoint import save_model_checkpoint
 
@@ -152,8 +154,9 @@ def test_eval_ppl_offline_skips_default_tasks(run_dir, capsys, monkeypatch):
     assert "eval/ppl/doc" in metrics and "eval/embedded_lastword/0shot/acc" in metrics
 
     # the same through the Python API with the task list a sweep's `evaluate: {tasks: default}` passes
-    res = ev.evaluate_checkpoint(
-        run_dir, tasks="default", shots=[0], limit=2, mlflow=False, out_dir=run_dir.parent / "api"
+    res = evaluate_checkpoint(
+        run_dir,
+        EvalOptions(tasks="default", shots=[0], limit=2, mlflow=False, out_dir=run_dir.parent / "api"),
     )
     assert set(res["skipped_tasks"]) == set(ev.PAPER_TASKS) and set(res["tasks"]["0"]) == set(
         et.EMBEDDED_TASKS

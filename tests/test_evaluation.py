@@ -502,3 +502,33 @@ def test_chunk_local_model_scores_long_inputs_chunk_by_chunk(ckpts, tokenizer, m
         logp = F.log_softmax(model(torch.tensor([ids[:-1]]))[0].double(), -1)
     want = logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
     torch.testing.assert_close(streamed.token_logprobs, want, rtol=1e-6, atol=1e-6)  # float32 log-softmax
+
+
+def test_eval_options_check_their_fields_and_read_a_sweep_block(tmp_path):
+    """EvalOptions refuses a bad field in one sentence; a sweep's evaluate: block gives the same options with
+    its paths relative to the sweep file (embedded:heldout as it is), no tasks and 0-shot by default."""
+    from recursive_lightning.errors import UserError
+    from recursive_lightning.evaluation.options import SWEEP_FIELDS, EvalOptions
+
+    for bad, match in (
+        ({"batch_size": 0}, "--batch-size must be >= 1"),
+        ({"context_lengths": [256, 0]}, "--context-lengths must be positive"),
+        ({"context_lengths": []}, "--context-lengths is empty"),
+        ({"shots": [0, -1]}, "shots must be >= 0"),
+        ({"ctx_mode": "windows"}, "--ctx-mode must be stream or documents"),
+    ):
+        with pytest.raises(UserError, match=match):
+            EvalOptions(**bad)
+    assert EvalOptions(ppl_sets=["a=x.txt", "y.jsonl"]).ppl_paths() == {"a": "x.txt", "y": "y.jsonl"}
+    with pytest.raises(UserError, match="NAME=PATH"):
+        EvalOptions(ppl_sets=["=x.txt"]).ppl_paths()
+    (tmp_path / "tasks").mkdir()
+    o = EvalOptions.from_sweep(
+        {"ppl": {"t": "t.txt", "h": "embedded:heldout"}, "include_path": "tasks", "ctx_block": 64},
+        tmp_path,
+        "sqlite:///x.db",
+    )
+    assert o.ppl_sets == {"t": str(tmp_path / "t.txt"), "h": "embedded:heldout"}
+    assert o.include_path == str(tmp_path / "tasks") and o.tasks == [] and o.shots == [0]
+    assert (o.ctx_block, o.ctx_mode, o.tracking_uri, o.mlflow) == (64, "stream", "sqlite:///x.db", True)
+    assert set(SWEEP_FIELDS.values()) <= set(EvalOptions.__dataclass_fields__)

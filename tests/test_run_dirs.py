@@ -14,9 +14,10 @@ import yaml
 from conftest import tiny_config
 from mlflow.tracking import MlflowClient
 
-from recursive_lightning import cli, tracking
+from recursive_lightning import cli, files
 from recursive_lightning.config import RunConfig, load_run_config
 from recursive_lightning.errors import ConfigError, Terminated, UserError
+from recursive_lightning.tracking import runs
 from recursive_lightning.tracking.runs import default_tracking_uri, portable_uri
 from recursive_lightning.training.run import train
 
@@ -84,6 +85,7 @@ def test_resume_with_a_larger_max_steps_extends_a_finished_run(finished, tmp_pat
 
 # ------------------------------------------------------------------------------------ item 5
 def test_a_moved_run_directory_resumes_and_evaluates_in_place(finished, tmp_path, text_file):
+    from recursive_lightning.evaluation.options import EvalOptions
     from recursive_lightning.evaluation.run import evaluate_checkpoint
 
     old = _copy(finished[0], tmp_path / "a" / "run")
@@ -95,7 +97,7 @@ def test_a_moved_run_directory_resumes_and_evaluates_in_place(finished, tmp_path
     cfg = RunConfig.from_dict(finished[1])
     cfg.train.max_steps = 13
     train(cfg, new, resume=True)  # was: "Run ... not found" (the old absolute store)
-    res = evaluate_checkpoint(new, ppl_sets={"t": str(text_file)}, tasks=[])
+    res = evaluate_checkpoint(new, EvalOptions(ppl_sets={"t": str(text_file)}, tasks=[]))
     assert res["mlflow"]["tracking_uri"] == default_tracking_uri(new) and not res["mlflow"]["created"]
     assert not (tmp_path / "a" / "run").exists()  # no stray database at the old path
     run = _run_of(new)
@@ -104,11 +106,12 @@ def test_a_moved_run_directory_resumes_and_evaluates_in_place(finished, tmp_path
 
 
 def test_a_copied_run_directory_logs_into_its_own_store(finished, tmp_path, text_file):
+    from recursive_lightning.evaluation.options import EvalOptions
     from recursive_lightning.evaluation.run import evaluate_checkpoint
 
     original = _copy(finished[0], tmp_path / "original")
     copy = _copy(original, tmp_path / "copy")
-    evaluate_checkpoint(copy, ppl_sets={"t": str(text_file)}, tasks=[])
+    evaluate_checkpoint(copy, EvalOptions(ppl_sets={"t": str(text_file)}, tasks=[]))
     assert "eval/ppl/t" in _run_of(copy).data.metrics
     assert "eval/ppl/t" not in _run_of(original).data.metrics  # the original's store is left alone
     assert _run_of(copy).info.artifact_uri.startswith((copy / "mlartifacts").resolve().as_uri())
@@ -124,7 +127,7 @@ def test_tracking_uris_are_kept_relative_where_they_point_inside(tmp_path):
     (sweep / "sweep.json").write_text("{}")
     trial = sweep / "trials" / "k"
     assert portable_uri(f"sqlite:///{sweep / 'mlflow.db'}", trial) == "sqlite:///../../mlflow.db"
-    tracking.record_tracking_uri(trial, f"sqlite:///{sweep / 'mlflow.db'}")
+    runs.record_tracking_uri(trial, f"sqlite:///{sweep / 'mlflow.db'}")
     moved = tmp_path / "elsewhere"
     sweep.rename(moved)
     assert default_tracking_uri(moved / "trials" / "k") == f"sqlite:///{moved.resolve() / 'mlflow.db'}"
@@ -140,7 +143,7 @@ def test_tracking_uris_are_kept_relative_where_they_point_inside(tmp_path):
     cwd = Path.cwd()
     os.chdir(tmp_path)
     try:
-        assert tracking.absolute_uri("sqlite:///x.db") == f"sqlite:///{tmp_path / 'x.db'}"
+        assert runs.absolute_uri("sqlite:///x.db") == f"sqlite:///{tmp_path / 'x.db'}"
     finally:
         os.chdir(cwd)
 
@@ -148,12 +151,12 @@ def test_tracking_uris_are_kept_relative_where_they_point_inside(tmp_path):
 def test_artifact_roots_follow_a_moved_store(tmp_path):
     d = tmp_path / "a"
     uri = f"sqlite:///{d / 'mlflow.db'}"
-    exp = tracking.ensure_experiment(uri, "x", d / "mlartifacts")
-    run_id = tracking.create_run(uri, exp, "r")
+    exp = runs.ensure_experiment(uri, "x", d / "mlartifacts")
+    run_id = runs.create_run(uri, exp, "r")
     moved = tmp_path / "b"
     d.rename(moved)
     new_uri = f"sqlite:///{moved / 'mlflow.db'}"
-    tracking.log_artifact_text(new_uri, run_id, "note.txt", "hi")
+    runs.log_artifact_text(new_uri, run_id, "note.txt", "hi")
     assert (moved / "mlartifacts").is_dir() and list((moved / "mlartifacts").rglob("note.txt"))
     assert not d.exists()
     with sqlite3.connect(moved / "mlflow.db") as con:
@@ -164,18 +167,19 @@ def test_artifact_roots_follow_a_moved_store(tmp_path):
 # ------------------------------------------------------------------------------------ item 6
 def _read_only(monkeypatch, *dirs: Path) -> None:
     """Make ``dirs`` read-only for the write check (chmod does not stop root, who runs CI here)."""
-    real = tracking._can_write
+    real = files._can_write
     roots = [d.resolve() for d in dirs]
 
     def can_write(d: Path) -> bool:
         d = Path(d).resolve()
         return not any(d == r or r in d.parents for r in roots) and real(d)
 
-    monkeypatch.setattr(tracking, "_can_write", can_write)
+    monkeypatch.setattr(files, "_can_write", can_write)
 
 
 def test_eval_checks_where_results_go_before_computing(finished, tmp_path, text_file, monkeypatch):
     from recursive_lightning.evaluation import perplexity as ppl_mod
+    from recursive_lightning.evaluation.options import EvalOptions
     from recursive_lightning.evaluation.run import evaluate_checkpoint
 
     run_dir = _copy(finished[0], tmp_path / "run")
@@ -184,19 +188,23 @@ def test_eval_checks_where_results_go_before_computing(finished, tmp_path, text_
     real = ppl_mod.perplexity
     monkeypatch.setattr(ppl_mod, "perplexity", lambda *a, **k: calls.append(1) or real(*a, **k))
     with pytest.raises(UserError) as e:
-        evaluate_checkpoint(run_dir, ppl_sets={"t": str(text_file)}, tasks=[])
+        evaluate_checkpoint(run_dir, EvalOptions(ppl_sets={"t": str(text_file)}, tasks=[]))
     assert "read-only" in str(e.value) and "--out" in str(e.value) and not calls
     with pytest.raises(UserError, match="MLflow store"):  # the store is in the read-only directory too
-        evaluate_checkpoint(run_dir, ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "out")
+        evaluate_checkpoint(
+            run_dir, EvalOptions(ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "out")
+        )
     assert not calls
     res = evaluate_checkpoint(
-        run_dir, ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "out", mlflow=False
+        run_dir, EvalOptions(ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "out", mlflow=False)
     )
     assert Path(res["json_path"]).parent == tmp_path / "out" and calls
     assert not (run_dir / "eval").exists()
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is a file"):
-        evaluate_checkpoint(run_dir, ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "file")
+        evaluate_checkpoint(
+            run_dir, EvalOptions(ppl_sets={"t": str(text_file)}, tasks=[], out_dir=tmp_path / "file")
+        )
 
 
 def test_probe_checks_where_results_go_before_probing(finished, tmp_path, monkeypatch):

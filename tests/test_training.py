@@ -239,3 +239,22 @@ def test_activation_checkpointing_keeps_loss_and_gradients(tiny_run):
     g0 = plain.model.cores[0].layers[0].attn.qkv.weight.grad
     g1 = dict(ac.model.named_parameters())["cores.0.layers.0._checkpoint_wrapped_module.attn.qkv.weight"].grad
     torch.testing.assert_close(g0, g1, atol=1e-6, rtol=1e-5)
+
+
+def test_build_trainer_trains_into_the_run_dir_or_validates_on_one_device(tmp_path, tiny_run):
+    """One builder for train's Trainer (checkpoints in <run_dir>/checkpoints, validation every val_every steps)
+    and a validate-only one (one device, no logger, checkpoints or progress bar)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from recursive_lightning.training.trainer import build_trainer
+
+    cfg = RunConfig.from_dict(tiny_run())
+    fit = build_trainer(cfg, tmp_path)
+    dirs = {Path(cb.dirpath) for cb in fit.callbacks if isinstance(cb, ModelCheckpoint)}
+    assert dirs == {tmp_path / "checkpoints"} and fit.max_steps == cfg.train.max_steps
+    assert fit.val_check_interval == cfg.train.val_every and fit.limit_val_batches == cfg.data.val_batches
+    check = build_trainer(cfg, validate_only=True)
+    assert check.num_devices == 1 and check.logger is None and not check.checkpoint_callbacks
+    assert check.limit_val_batches == cfg.data.val_batches
+    with pytest.raises(ValueError, match="run_dir"):
+        build_trainer(cfg)

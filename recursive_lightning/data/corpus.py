@@ -28,7 +28,7 @@ import types
 from pathlib import Path
 from pydoc_data.topics import topics
 
-from recursive_lightning.tracking.runs import atomic_write_text
+from recursive_lightning.files import atomic_write_text
 
 __all__ = [
     "MIN_DOCSTRING_CHARS",

@@ -36,7 +36,7 @@ from typing import Any
 
 from recursive_lightning.data.corpus import embedded_corpus_documents, embedded_corpus_fingerprint
 from recursive_lightning.errors import UserError
-from recursive_lightning.tracking.runs import atomic_write_text
+from recursive_lightning.files import atomic_write_text
 
 __all__ = [
     "EMBEDDED_TASKS",

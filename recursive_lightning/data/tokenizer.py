@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from recursive_lightning.data.sources import DataError, short_reason
-from recursive_lightning.tracking.runs import atomic_path
+from recursive_lightning.files import atomic_path
 
 __all__ = [
     "EOS_TOKEN",

@@ -15,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
-from recursive_lightning.tracking.runs import atomic_write_figure
+from recursive_lightning.files import atomic_write_figure
 
 
 def plot_ppl_by_context(

@@ -59,13 +59,13 @@ def install_excepthook() -> None:
 def register_models() -> list[str]:
     """Register entry-point models (and ours) as lazy placeholders in lm-eval's model registry, and show
     our errors as one sentence (``install_excepthook``)."""
-    from lm_eval.api.registry import model_registry
+    from lm_eval.api.registry import model_registry  # heavy
 
     install_excepthook()
 
     found = dict(OURS)
     try:
-        from importlib.metadata import entry_points
+        from importlib.metadata import entry_points  # heavy
 
         for ep in entry_points(group=GROUP):
             found.setdefault(ep.name, ep.value)
@@ -136,13 +136,13 @@ def deactivate() -> None:
 
 
 def site_packages() -> str:
-    import sysconfig
+    import sysconfig  # heavy
 
     return sysconfig.get_paths()["purelib"]
 
 
 def pth_path(site_dir: str | None = None):
-    from pathlib import Path
+    from pathlib import Path  # heavy
 
     return Path(site_dir or site_packages()) / PTH_NAME
 

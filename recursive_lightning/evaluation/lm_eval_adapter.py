@@ -106,7 +106,7 @@ class RecursiveLightningLM(TemplateLM):
                 raise UserError(
                     "the recursive_lightning model needs checkpoint=PATH (a .ckpt file or a run directory)."
                 )
-            from recursive_lightning.training.checkpoint import load_checkpoint
+            from recursive_lightning.training.checkpoint import load_checkpoint  # heavy
 
             loaded = load_checkpoint(checkpoint, device="cpu")
         if loaded.tokenizer is None:

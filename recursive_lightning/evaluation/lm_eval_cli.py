@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import sys
 
+from recursive_lightning.errors import UserError
+from recursive_lightning.evaluation.harness_hook import register_models
+
 
 def main(argv: list[str] | None = None) -> int:
-    import lm_eval.models  # noqa: F401  (lm-eval's own placeholders first)
-
-    from recursive_lightning.evaluation.harness_hook import register_models
+    # lm-eval's own placeholders first, then ours
+    import lm_eval.models  # noqa: F401  # heavy
 
     register_models()
-    from lm_eval.__main__ import cli_evaluate
-
-    from recursive_lightning.errors import UserError
+    from lm_eval.__main__ import cli_evaluate  # heavy
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from recursive_lightning.files import atomic_write_text
 from recursive_lightning.tracking.runs import (
     RUN_ID_FILE,
-    atomic_write_text,
     client,
     create_run,
     default_tracking_uri,

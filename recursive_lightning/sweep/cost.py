@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning.files import atomic_write_figure
 from recursive_lightning.sweep.tables import Row, mean_std, trial_value
-from recursive_lightning.tracking.runs import atomic_write_figure
 
 BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 forwards
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from recursive_lightning.tracking.runs import atomic_write_figure
+from recursive_lightning.files import atomic_write_figure
 
 VAL_PPL = re.compile(r"^val/([^/]+)/ppl$")
 

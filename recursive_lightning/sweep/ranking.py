@@ -101,20 +101,6 @@ def runs_section(ranking: Sequence[Ranked], metric: str) -> list[str]:
     return [*lines, ""]
 
 
-def _log(client: Any, run_id: str, metrics: dict[str, float], tags: dict[str, str]) -> None:
-    """Metrics and tags of one run in one request (one transaction; one round trip to a tracking server)."""
-    import time
-
-    from mlflow.entities import Metric, RunTag
-
-    now = int(time.time() * 1000)
-    client.log_batch(
-        run_id,
-        metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
-        tags=[RunTag(k, str(v)) for k, v in tags.items()],
-    )
-
-
 def log_ranking(
     tracking_uri: str,
     parent: str,
@@ -127,7 +113,7 @@ def log_ranking(
     metric ``best/<metric>`` (the best row's mean) and description (``tracking_view.parent_note``); and the
     experiment's ranked view of its runs table."""
     from recursive_lightning.tracking import view as tracking_view
-    from recursive_lightning.tracking.runs import client
+    from recursive_lightning.tracking.runs import client, log_batch
 
     c = client(tracking_uri)
     exp_id = c.get_run(parent).info.experiment_id
@@ -144,8 +130,8 @@ def log_ranking(
                 note = tracking_view.trial_note(
                     exp_id, parent, r.name, t["params"].get(SEED_AXIS), place, metric, value, r.mean
                 )
-                _log(
-                    c,
+                log_batch(
+                    tracking_uri,
                     t["mlflow_run_id"],
                     {tracking_view.ROW_PREFIX + metric: r.mean, tracking_view.RANK: place},
                     {tracking_view.NOTE_TAG: note},
@@ -167,5 +153,5 @@ def log_ranking(
         table,
         [(run_name(t), t.get("mlflow_run_id")) for r in ranking for t in r.trials],
     )
-    _log(c, parent, metrics, tags)
+    log_batch(tracking_uri, parent, metrics, tags)
     tracking_view.publish_views(tracking_uri, [exp_id])

@@ -28,15 +28,10 @@ from typing import Any
 from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
 from recursive_lightning.errors import ConfigError
+from recursive_lightning.files import atomic_write_figure, atomic_write_text
 from recursive_lightning.sweep.spec import SEED_AXIS
 from recursive_lightning.sweep.tables import mean_std
-from recursive_lightning.tracking.runs import (
-    absolute_uri,
-    atomic_write_figure,
-    atomic_write_text,
-    check_outputs,
-    log_artifact,
-)
+from recursive_lightning.tracking.runs import absolute_uri, check_outputs, log_artifact
 
 # MLflow's artifact viewer prints a markdown image as text; report.html shows the figures there
 VIEWER_HINT = " In MLflow's artifact viewer, open `report.html` to see the figures."

@@ -39,12 +39,12 @@ from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning.errors import ConfigError
+from recursive_lightning.files import atomic_write_text, read_json, writable_dir_problem
 from recursive_lightning.processes import parent_death_signal
 from recursive_lightning.sweep.devices import CPU, device_pool, devices_needed, hold_devices
 from recursive_lightning.sweep.servers import check_stores, database_lock, recorded_study
 from recursive_lightning.sweep.spec import SweepSpec, load_sweep, point_key
 from recursive_lightning.tracking.runs import (
-    atomic_write_text,
     client,
     create_run,
     default_tracking_uri,
@@ -52,10 +52,8 @@ from recursive_lightning.tracking.runs import (
     log_artifact,
     log_params,
     portable_uri,
-    read_json,
     set_tags,
     set_terminated,
-    writable_dir_problem,
 )
 from recursive_lightning.tracking.view import ui_hint
 from recursive_lightning.uris import mask_url
@@ -709,28 +707,13 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
         faults.point("after_result_write")
         metrics = dict(result.metrics)
         if spec.evaluate:  # perplexity sets and (optionally) lm-eval tasks on the finished trial
+            from recursive_lightning.evaluation.options import EvalOptions
             from recursive_lightning.evaluation.run import evaluate_checkpoint, flat_metrics
 
-            ev = spec.evaluate
+            # evaluate: paths are relative to the sweep file
             here = spec.path.parent if spec.path is not None else Path.cwd()
-            ppl = {  # paths relative to the sweep file; embedded:heldout as it is
-                k: v if ":" in str(v) and not Path(str(v)).exists() else str((here / v).resolve())
-                for k, v in (ev.get("ppl") or {}).items()
-            }
-            include = ev.get("include_path")
             out = evaluate_checkpoint(
-                result.last_checkpoint,
-                ppl_sets=ppl or None,
-                tasks=ev.get("tasks") or [],
-                shots=ev.get("shots", [0]),
-                limit=ev.get("limit"),
-                tracking_uri=tracking_uri,
-                include_path=str((here / include).resolve()) if include else None,
-                context_lengths=ev.get("context_lengths"),
-                ctx_set=ev.get("ctx_set"),
-                ctx_max_tokens=ev.get("ctx_max_tokens"),
-                ctx_block=ev.get("ctx_block", 128),
-                ctx_mode=ev.get("ctx_mode", "stream"),
+                result.last_checkpoint, EvalOptions.from_sweep(spec.evaluate, here, tracking_uri)
             )
             metrics.update(flat_metrics(out))
         record = {

@@ -37,6 +37,7 @@ from typing import Any
 
 from recursive_lightning.config import RunConfig, check_model_types, load_yaml, set_dotted
 from recursive_lightning.errors import ConfigError
+from recursive_lightning.evaluation.options import SWEEP_FIELDS
 
 TOP_KEYS = {
     "name",
@@ -55,19 +56,8 @@ TOP_KEYS = {
 }
 SCALAR = (str, int, float, bool, type(None))
 SEED_AXIS = "train.seed"
-# evaluate: of a sweep file -> evaluate_checkpoint arguments (evaluation/run.py)
-EVALUATE_KEYS = {
-    "ppl",
-    "tasks",
-    "limit",
-    "shots",
-    "include_path",
-    "context_lengths",
-    "ctx_set",
-    "ctx_max_tokens",
-    "ctx_block",
-    "ctx_mode",
-}
+# evaluate: of a sweep file -> EvalOptions fields (evaluation/options.py)
+EVALUATE_KEYS = set(SWEEP_FIELDS)
 
 
 @dataclass

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning.files import read_json
 from recursive_lightning.sweep.spec import SEED_AXIS, row_name
-from recursive_lightning.tracking.runs import read_json
 
 SWEEP_RESULT = "sweep_result.json"
 TASK_METRIC = re.compile(r"^eval/(?P<task>[^/]+)/(?P<shots>\d+)shot/(?P<metric>[^/]+)$")
@@ -146,7 +146,7 @@ def is_accuracy(key: str) -> bool:
 def headline_metrics(trials: Sequence[dict[str, Any]]) -> dict[tuple[str, str], str]:
     """(task, shots) -> the metric key the papers report for it (``evaluation.run.headline``: acc_norm for
     PIQA, HellaSwag, ARC, SciQ; acc for LAMBADA, WinoGrande, cMMLU; else acc, acc_norm, exact_match)."""
-    from recursive_lightning.evaluation.run import headline
+    from recursive_lightning.evaluation.downstream import headline
 
     names: dict[tuple[str, str], dict[str, float]] = {}
     for t in trials:

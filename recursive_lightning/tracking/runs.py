@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import sqlite3
 import tempfile
-from collections.abc import Iterator
+import time
 from pathlib import Path
 from typing import Any
+
+from recursive_lightning.errors import UserError
+from recursive_lightning.files import atomic_write_text, writable_dir_problem
+from recursive_lightning.uris import mask_url
 
 RUN_ID_FILE = "mlflow_run_id"
 TRACKING_URI_FILE = "mlflow_tracking_uri"  # where that run lives (a sweep's trials log to the sweep's store)
@@ -89,49 +93,8 @@ def ui_command(run_dir: str | os.PathLike, tracking_uri: str) -> str:
     return f"python -m recursive_lightning ui {shown}"
 
 
-def read_json(path: str | os.PathLike) -> dict[str, Any] | None:
-    """A JSON object from ``path``; None when it is missing, unreadable, damaged or not an object."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[str]:
-    """A private temporary file beside ``path`` to write into; renamed over ``path`` when the block ends, removed
-    if it raises. Readers (and a kill at any instant) see the old file or the new one, never half of one, and
-    two processes writing the same file at once never share the temporary."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        yield tmp
-        os.chmod(tmp, 0o644)  # mkstemp creates it private
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline="\n") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 # MLflow 3 opens an experiment without this tag on its GenAI overview (traces, prompts): ours are model training
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
-
-
-def atomic_write_figure(fig, path: str | os.PathLike, **savefig: Any) -> Path:
-    """Save a matplotlib figure as PNG atomically (``atomic_path``)."""
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", **savefig)
-    return Path(path)
 
 
 ARTIFACT_ROOT_TAG = "recursive_lightning.artifact_root"  # artifact root relative to the SQLite file's folder
@@ -155,8 +118,6 @@ def relocate_artifacts(tracking_uri: str, root: str | os.PathLike | None = None)
     db = Path(parts[0])
     if not db.is_file():
         return
-    import sqlite3
-
     try:
         con = sqlite3.connect(db, timeout=60)
         try:
@@ -184,37 +145,6 @@ def relocate_artifacts(tracking_uri: str, root: str | os.PathLike | None = None)
         pass
 
 
-def _can_write(directory: Path) -> bool:
-    """Whether a file can be created in ``directory`` (tried, not guessed from permission bits)."""
-    try:
-        with tempfile.TemporaryFile(dir=directory, prefix=".write-check-"):
-            return True
-    except OSError:
-        return False
-
-
-def _nearest_existing(path: Path) -> Path:
-    path = Path(os.path.abspath(path))
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path
-
-
-def writable_dir_problem(path: str | os.PathLike) -> str | None:
-    """Why results cannot be written into the folder ``path`` (created if missing), or None if they can."""
-    path = Path(path)
-    base = _nearest_existing(path)
-    if not base.is_dir():
-        return f"'{base}' is a file, not a folder"
-    if not _can_write(base):
-        return (
-            f"'{base}' is read-only"
-            if base == Path(os.path.abspath(path))
-            else (f"'{path}' cannot be created ('{base}' is read-only)")
-        )
-    return None
-
-
 def tracking_store_problem(tracking_uri: str) -> str | None:
     """Why a SQLite tracking store (and the artifacts beside it) cannot be written, or None."""
     parts = _sqlite_parts(absolute_uri(tracking_uri))
@@ -229,8 +159,8 @@ def tracking_store_problem(tracking_uri: str) -> str | None:
 
 def client(tracking_uri: str):
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    import mlflow
-    from mlflow.tracking import MlflowClient
+    import mlflow  # heavy
+    from mlflow.tracking import MlflowClient  # heavy
 
     relocate_artifacts(tracking_uri)
     mlflow.set_tracking_uri(tracking_uri)
@@ -261,6 +191,10 @@ def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | os.Path
         return exp.experiment_id
 
 
+def set_experiment_tag(tracking_uri: str, experiment_id: str, key: str, value: str) -> None:
+    client(tracking_uri).set_experiment_tag(experiment_id, key, value)
+
+
 def create_run(
     tracking_uri: str,
     experiment_id: str,
@@ -279,13 +213,11 @@ def create_run(
 def param_value(value: Any) -> str:
     """A value as MLflow stores it as a param (text, at most 6,000 characters; a database URL's password
     masked)."""
-    from recursive_lightning.uris import mask_url
-
     return mask_url(str(value))[:6000]
 
 
 def log_params(tracking_uri: str, run_id: str, params: dict[str, Any]) -> None:
-    from mlflow.entities import Param
+    from mlflow.entities import Param  # heavy
 
     c = client(tracking_uri)
     existing = c.get_run(run_id).data.params
@@ -296,9 +228,7 @@ def log_params(tracking_uri: str, run_id: str, params: dict[str, Any]) -> None:
 
 def set_tags(tracking_uri: str, run_id: str, tags: dict[str, Any]) -> None:
     """Several tags in one request (one round trip to a tracking server, one transaction)."""
-    from mlflow.entities import RunTag
-
-    from recursive_lightning.uris import mask_url
+    from mlflow.entities import RunTag  # heavy
 
     items = [RunTag(k, mask_url(str(v))) for k, v in tags.items()]
     for i in range(0, len(items), 100):
@@ -306,9 +236,7 @@ def set_tags(tracking_uri: str, run_id: str, tags: dict[str, Any]) -> None:
 
 
 def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
-    import time
-
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric  # heavy
 
     c = client(tracking_uri)
     now = int(time.time() * 1000)
@@ -317,11 +245,29 @@ def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step:
         c.log_batch(run_id, metrics=items[i : i + 500])
 
 
+def log_batch(
+    tracking_uri: str,
+    run_id: str,
+    metrics: dict[str, float] | None = None,
+    tags: dict[str, Any] | None = None,
+) -> None:
+    """Metrics (at step 0) and tags of one run in one request (one transaction; one round trip to a tracking
+    server)."""
+    from mlflow.entities import Metric, RunTag  # heavy
+
+    now = int(time.time() * 1000)
+    client(tracking_uri).log_batch(
+        run_id,
+        metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()],
+        tags=[RunTag(k, mask_url(str(v))) for k, v in (tags or {}).items()],
+    )
+
+
 def log_corpus(tracking_uri: str, run_id: str, corpus: dict[str, Any]) -> None:
     """The corpus as the run's dataset inputs (MLflow's Datasets column and the run's "Datasets used"): one per
     split (context ``training`` / ``validation``), digest = corpus and tokenizer fingerprints, profile = its
     documents and tokens. ``corpus`` is ``TextDataModule.corpus_summary()``."""
-    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.entities import Dataset, DatasetInput, InputTag  # heavy
 
     if corpus["kind"] == "hf":
         source_type, source = "hugging_face", {"path": corpus["location"]}
@@ -344,7 +290,7 @@ def log_corpus(tracking_uri: str, run_id: str, corpus: dict[str, Any]) -> None:
             profile=json.dumps(profile),
         )
         inputs.append(DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)]))
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # heavy
 
     try:
         client(tracking_uri).log_inputs(run_id, datasets=inputs)
@@ -360,7 +306,7 @@ def _forget_artifact_repo(run_id: str) -> None:
     """MLflow caches a run's artifact location by run id alone, across stores: a copied directory's run (the
     same id in another store) would write into the original's artifacts within one process."""
     try:
-        from mlflow.tracking._tracking_service import utils
+        from mlflow.tracking._tracking_service import utils  # optional
 
         utils._artifact_repos_cache.pop(run_id, None)
     except (ImportError, AttributeError):
@@ -405,8 +351,6 @@ def check_outputs(
     """Refuse in one sentence, before any work, when ``command`` could not write its results to ``out``
     (``--out``, or its default inside the run directory) or its MLflow run to ``tracking_uri`` (None: no
     tracking)."""
-    from recursive_lightning.errors import UserError
-
     problem = writable_dir_problem(out)
     if problem is not None:
         if out_given:

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import quote
 
+from recursive_lightning.tracking.runs import client, set_experiment_tag, ui_command
+
 SHARED_VIEW_TAG = "mlflow.sharedViewState."  # MLflow's experiment tag prefix of a shared runs-table view
 VIEW_KEY = "ranked"  # our share key: the runs table ranked by the report's metric
 ML_VIEW = "workflowType=machine_learning"
@@ -138,8 +140,6 @@ def runs_view(runs: Sequence[Any]) -> dict[str, Any] | None:
 def publish_views(tracking_uri: str, experiment_ids: Iterable[str] | None = None) -> dict[str, str]:
     """Write the ranked view (``runs_view``) of each experiment (default: all) as its shared view; returns
     {experiment id: share key} of those that have runs."""
-    from recursive_lightning.tracking.runs import client
-
     c = client(tracking_uri)
     ids = (
         list(experiment_ids)
@@ -154,7 +154,7 @@ def publish_views(tracking_uri: str, experiment_ids: Iterable[str] | None = None
             continue
         text = json.dumps(view, sort_keys=True)
         if c.get_experiment(exp_id).tags.get(SHARED_VIEW_TAG + VIEW_KEY) != text:
-            c.set_experiment_tag(exp_id, SHARED_VIEW_TAG + VIEW_KEY, text)
+            set_experiment_tag(tracking_uri, exp_id, SHARED_VIEW_TAG + VIEW_KEY, text)
         out[exp_id] = VIEW_KEY
     return out
 
@@ -162,8 +162,6 @@ def publish_views(tracking_uri: str, experiment_ids: Iterable[str] | None = None
 def experiment_links(tracking_uri: str, base_url: str) -> list[str]:
     """The lines ``ui`` prints: each experiment's ranked runs table and, for a sweep, its parent run (the page
     that leads to the report); views published first (``publish_views``)."""
-    from recursive_lightning.tracking.runs import client
-
     c = client(tracking_uri)
     try:
         keys: dict[str, str | None] = dict(publish_views(tracking_uri))
@@ -260,8 +258,6 @@ def server_links(tracking_uri: str) -> list[str]:
 def ui_hint(run_dir: str, tracking_uri: str) -> str:
     """What the sweep prints at its end: the ``ui`` command of its directory, or, on a tracking server, the
     ranked links themselves."""
-    from recursive_lightning.tracking.runs import ui_command
-
     if tracking_uri.startswith(("http://", "https://")):
         try:
             return "open the runs in the MLflow UI:\n" + "\n".join(server_links(tracking_uri))

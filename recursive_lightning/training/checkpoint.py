@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from tokenizers import Tokenizer
 
 from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig
@@ -101,9 +103,7 @@ def _readable(p: Path) -> bool:
 
 
 def _read_distributed(path: Path) -> dict[str, Any]:
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # heavy
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "full.ckpt"
@@ -171,8 +171,6 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     thread_policy.apply_for(model)
     tokenizer = None
     if extra.get("tokenizer_json"):
-        from tokenizers import Tokenizer
-
         tokenizer = Tokenizer.from_str(extra["tokenizer_json"])
     return Loaded(model, run, tokenizer, extra.get("mlflow_run_id"), path, int(ckpt.get("global_step", 0)))
 

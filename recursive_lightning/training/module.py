@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics.text import Perplexity
 
 from recursive_lightning.config import RunConfig
@@ -182,8 +183,6 @@ class RecursiveLMModule(L.LightningModule):
         logger = self.logger
         if not restored or not self.trainer.is_global_zero or logger is None:
             return
-        from lightning.pytorch.loggers import MLFlowLogger
-
         if isinstance(logger, MLFlowLogger):
             history = logger.experiment.get_metric_history(logger.run_id, "train/loss")
             if any(m.step == restored["step"] for m in history):

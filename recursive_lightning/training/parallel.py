@@ -13,7 +13,7 @@ from recursive_lightning.errors import ConfigError
 
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # heavy
 
     model.shared_grads_in_place = False  # recomputation replays forward uses (model/shared_grad.py)
     for layers in model.layer_lists():
@@ -22,7 +22,7 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def apply_fsdp(model: torch.nn.Module, device_mesh, mixed_precision: str | None = None) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # heavy
 
     mp = None
     if mixed_precision == "bf16":
@@ -94,7 +94,7 @@ def resolve_precision(cfg: TrainConfig, accelerator: str) -> str:
 def resolve_strategy(cfg: TrainConfig):
     """Lightning strategy for ``train.strategy``: auto / ddp / fsdp (FSDP2 via ModelParallelStrategy)."""
     if cfg.strategy == "fsdp":
-        from lightning.pytorch.strategies import ModelParallelStrategy
+        from lightning.pytorch.strategies import ModelParallelStrategy  # heavy
 
         devices = cfg.devices if isinstance(cfg.devices, int) else None
         world = (devices or 1) * cfg.num_nodes

@@ -11,6 +11,10 @@ Run directory layout::
                                    the sweep around it) is kept relative, so the directory can be moved or copied
     <run-dir>/result.json          final metrics, written (atomically) when training finishes; a --resume of a
                                    finished run validates its last checkpoint again and rewrites the same metrics
+
+``train`` runs in phases: the run directory and the checkpoint it resumes from (training/resume.py), the data,
+the MLflow run (training/mlflow_run.py), the model, the trainer and fit (training/trainer.py), the summary
+(final metrics, result.json).
 """
 
 from __future__ import annotations
@@ -24,28 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning import formatting as fmt
 from recursive_lightning import threads as thread_policy
-from recursive_lightning.config import RunConfig, load_run_config, load_yaml
-from recursive_lightning.errors import ConfigError, Terminated
-from recursive_lightning.tracking.runs import (
-    RUN_ID_FILE,
-    absolute_uri,
-    atomic_write_text,
-    client,
-    create_run,
-    default_tracking_uri,
-    ensure_experiment,
-    log_artifact_text,
-    log_corpus,
-    log_params,
-    param_value,
-    record_tracking_uri,
-    set_tags,
-    set_terminated,
-    to_json,
-    ui_command,
-    writable_dir_problem,
-)
+from recursive_lightning.config import RunConfig, load_run_config
+from recursive_lightning.errors import ConfigError
+from recursive_lightning.files import atomic_write_text
+from recursive_lightning.tracking.runs import default_tracking_uri, ui_command
+from recursive_lightning.training.host import keep_freed_memory
+from recursive_lightning.validation import undo_on_refusal
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "cpu" / "looped-mesh.yaml"
 
@@ -119,8 +109,8 @@ def rebased(path: str | os.PathLike, old_dir: str | os.PathLike | None, new_dir:
 def build_datamodule(cfg: RunConfig, run_dir: str | os.PathLike | None = None):
     """The data module of ``cfg``; with the run's ``run_dir``, ``data.tokenizer: init`` (an uptraining run) is
     the copy of its source's tokenizer kept there (``uptrain.tokenizer_spec``)."""
-    from recursive_lightning.data.datamodule import TextDataModule
-    from recursive_lightning.training import uptrain
+    from recursive_lightning.data.datamodule import TextDataModule  # heavy
+    from recursive_lightning.training import uptrain  # heavy
 
     d = cfg.data
     cache = (
@@ -141,44 +131,6 @@ def build_datamodule(cfg: RunConfig, run_dir: str | os.PathLike | None = None):
     )
 
 
-def _check_checkpoint_config(ckpt: dict, cfg: RunConfig, path: str) -> None:
-    """A --ckpt-path must come from a run of this config (model and data); else litdata and the optimiser
-    fail deep inside Lightning (e.g. "item_loader state doesn't match")."""
-    extra = ckpt.get("recursive_lightning") or {}
-    if not extra.get("run"):
-        return
-    try:
-        theirs = RunConfig.from_dict(extra["run"]).flat()
-    except ConfigError:
-        return
-    ours = cfg.flat()
-    for k in ours:
-        if (k.startswith("model.") or k.startswith("data.")) and k != "data.num_workers":
-            if k in theirs and theirs[k] != ours[k]:
-                raise ConfigError(
-                    f"--ckpt-path '{path}' was written by a run with {k} {theirs[k]!r}, but this run has "
-                    f"{ours[k]!r}; pass a checkpoint of this run (or train that config instead)."
-                )
-
-
-def _check_same_config(saved: RunConfig, cfg: RunConfig, run_dir: Path) -> None:
-    a, b = saved.flat(), cfg.flat()
-    for k in a:
-        if k.startswith("train.") and k in (
-            "train.max_steps",
-            "train.progress",
-            "train.keep_host_memory",
-            "train.devices",
-            "train.accelerator",
-        ):
-            continue
-        if a.get(k) != b.get(k):
-            raise ConfigError(
-                f"--resume: {k} is {b.get(k)!r} but the run in '{run_dir}' was started with {a.get(k)!r}; "
-                "resume with the same config or use a new --run-dir."
-            )
-
-
 def train(
     cfg: RunConfig,
     run_dir: str | os.PathLike,
@@ -196,247 +148,83 @@ def train(
     """Train ``cfg`` into ``run_dir``; with ``resume`` continue from its newest good checkpoint.
 
     ``params``: MLflow params beside the config's (a sweep's axes)."""
-    import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    import lightning as L  # heavy
 
-    from recursive_lightning.model.describe import describe
-    from recursive_lightning.training import parallel
-    from recursive_lightning.training.checkpoint import AtomicCheckpointIO, latest_good, read_checkpoint
-    from recursive_lightning.training.host import keep_freed_memory
-    from recursive_lightning.training.module import RecursiveLMModule
-    from recursive_lightning.training.step_logger import step_once_logger
+    from recursive_lightning.training import mlflow_run, parallel  # heavy
+    from recursive_lightning.training import resume as run_dir_state  # heavy
+    from recursive_lightning.training.module import RecursiveLMModule  # heavy
+    from recursive_lightning.training.step_logger import step_once_logger  # heavy
+    from recursive_lightning.training.trainer import build_trainer, fit  # heavy
+    from recursive_lightning.training.wallclock import WallClock  # heavy
 
     t0 = time.time()
     parallel.check_supported(cfg.train)
     if cfg.train.keep_host_memory:
         keep_freed_memory()
+    # ---- the run directory and the checkpoint it resumes from
     run_dir = Path(run_dir).resolve()
-    ckpt_dir = run_dir / "checkpoints"
-    saved_cfg = run_dir / "config.yaml"
-    problem = writable_dir_problem(run_dir)
-    if problem is not None:
-        raise ConfigError(
-            f"--run-dir '{run_dir}' cannot hold the run: {problem}; choose a folder you can write to."
-        )
-    if resume and saved_cfg.exists():
-        saved = RunConfig.from_dict(load_yaml(saved_cfg))
-        _check_same_config(saved, cfg, run_dir)
-        if (
-            saved.flat() != cfg.flat()
-        ):  # e.g. a larger --max-steps extends the run: resume uses it from now on
-            atomic_write_text(saved_cfg, cfg.to_yaml())
-    if not resume and latest_good(ckpt_dir) is not None:
-        raise ConfigError(
-            f"--run-dir '{run_dir}' already holds checkpoints; pass --resume to continue it or choose a new --run-dir."
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not saved_cfg.exists():
-        atomic_write_text(saved_cfg, cfg.to_yaml())
-
-    resume_from: str | None = ckpt_path
-    if resume_from is not None and not Path(resume_from).is_dir():
-        # an explicit --ckpt-path: one sentence if it is damaged or was written by a different run
-        _check_checkpoint_config(read_checkpoint(resume_from), cfg, resume_from)
-    if resume and resume_from is None:
-        last = ckpt_dir / "last.ckpt"
-        if last.exists() or any(ckpt_dir.glob("step*.ckpt")):
-            good = latest_good(ckpt_dir)
-            if last.exists() and good != last:
-                read_checkpoint(last)  # raises one sentence naming the damaged file and the good one
-            resume_from = str(good) if good else None  # latest_good already checked it reads
-        else:
-            print(
-                f"train --resume: '{run_dir}' holds no checkpoint yet; training from step 0.",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    source = None  # uptraining (training/uptrain.py): the source is read only when the run starts at step 0
-    if cfg.train.init_from:
-        from recursive_lightning.training import uptrain
-
-        if resume_from is None:
-            source = uptrain.load_source(cfg.train.init_from)
-            uptrain.keep_tokenizer(cfg, source, run_dir)
+    run_dir_state.prepare_run_dir(cfg, run_dir, resume)
+    resume_from = run_dir_state.resume_checkpoint(cfg, run_dir, resume, ckpt_path)
+    source = _uptraining_source(cfg, run_dir, resume_from)
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
-    dm = build_datamodule(cfg, run_dir)
-    dm.prepare_data()
-    dm.setup("fit")
-    if source is not None:
-        uptrain.check_tokenizer(cfg, source, dm.tokenizer)
-    vocab = dm.vocab_size
-    if vocab > cfg.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size {cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab}); "
-            f"set model.vocab_size >= {vocab} or use a smaller data.tokenizer."
-        )
-
-    if cfg.model.arch == "mela":  # a memory that cannot learn at this length says so (Mela, issue 31)
-        from recursive_lightning.model.mela.model import memory_gradient_warning
-
-        warning = memory_gradient_warning(cfg.model, cfg.data.seq_len)
-        if warning:
-            print(warning, file=sys.stderr, flush=True)
-
+    dm = _datamodule(cfg, run_dir, source)
     # ---- MLflow: one experiment per config name, one run per run directory
-    tracking_uri = absolute_uri(tracking_uri) if tracking_uri else default_tracking_uri(run_dir)
-    exp_id = ensure_experiment(tracking_uri, experiment or cfg.name, run_dir / "mlartifacts")
-    id_file = run_dir / RUN_ID_FILE
-    if id_file.exists():
-        run_id = id_file.read_text().strip()
-        _check_run_exists(tracking_uri, run_id, run_dir)
-        client(tracking_uri).update_run(run_id, status="RUNNING")  # a resumed (or extended) run runs again
-    else:
-        run_id = create_run(
-            tracking_uri,
-            exp_id,
-            run_name or cfg.name,
-            tags={"run_dir": str(run_dir), **(tags or {})},
-            parent_run_id=parent_run_id,
-        )
-        record_tracking_uri(run_dir, tracking_uri)  # before the id: eval / resume find the run
-        atomic_write_text(id_file, run_id)
-        stats = describe(cfg.model, seq_len=cfg.data.seq_len)
-        log_params(tracking_uri, run_id, {**run_params(cfg, stats), **(params or {})})
-        log_artifact_text(tracking_uri, run_id, "config.yaml", cfg.to_yaml())
-        log_artifact_text(tracking_uri, run_id, "describe.json", to_json(stats))
-        log_corpus(tracking_uri, run_id, dm.corpus_summary())
-    if id_file.exists() and resume:  # a value changed by the resume (a larger max_steps) is kept as a tag
-        _tag_changed_params(tracking_uri, run_id, cfg)
-
-    L.seed_everything(
-        cfg.train.seed, workers=True, verbose=False
-    )  # init must not depend on what data prep consumed
+    tracking_uri, run_id = mlflow_run.open_run(
+        cfg,
+        run_dir,
+        dm.corpus_summary(),
+        resume=resume,
+        tracking_uri=tracking_uri,
+        experiment=experiment,
+        run_name=run_name,
+        parent_run_id=parent_run_id,
+        tags=tags,
+        params=params,
+    )
+    L.seed_everything(cfg.train.seed, workers=True, verbose=False)  # init: not what data prep consumed
     module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
     thread_policy.apply_for(cfg.model)  # inside a CLI command (recursive_lightning/threads.py)
     module.mlflow_run_id = run_id
-    extra_cbs = []
-    if cfg.train.init_from:  # the record rides in every checkpoint; a resume restores it from there
-        record = uptrain.initialise_from(module.model, source, cfg.train.init_strategy) if source else None
-        if record is not None:
-            uptrain.log_record(tracking_uri, run_id, record)
-        extra_cbs.append(uptrain.Record(record))
-    if cfg.train.train_only_steps:
-        from recursive_lightning.training.partial import TrainOnly
-
-        extra_cbs.append(TrainOnly(cfg.train.train_only, cfg.train.train_only_steps))
-    # a resumed run retrains the steps since its last checkpoint: each step's metrics are logged once
-    logger = step_once_logger(experiment or cfg.name, tracking_uri, run_id, resumed=resume_from is not None)
-
-    t = cfg.train
-    periodic = ModelCheckpoint(
-        dirpath=ckpt_dir,
-        filename="step={step:06d}",
-        auto_insert_metric_name=False,
-        every_n_train_steps=t.checkpoint_every,
-        save_top_k=2,
-        monitor="step",
-        mode="max",
-        save_last=True,
-        enable_version_counter=False,
-    )
-    best = ModelCheckpoint(
-        dirpath=ckpt_dir,
-        filename="best",
-        monitor="val/heldout/loss",
-        mode="min",
-        save_top_k=1,
-        auto_insert_metric_name=False,
-        enable_version_counter=False,
-    )
-    from recursive_lightning.training.wallclock import WallClock
-
+    # ---- the trainer, and fit
     clock = WallClock(t0)
-    cbs = [periodic, best, clock, *extra_cbs, *(callbacks or [])]
-    if t.progress:
-        from lightning.pytorch.callbacks import TQDMProgressBar
-
-        cbs.append(TQDMProgressBar(refresh_rate=max(1, min(10, t.max_steps // 50))))
-    strategy = parallel.resolve_strategy(t)
-    plugins = [AtomicCheckpointIO()] if strategy in ("auto", "ddp") else []
-    trainer = L.Trainer(
-        default_root_dir=str(run_dir),
-        max_steps=t.max_steps,
-        max_epochs=-1,
-        val_check_interval=t.val_every,
-        check_val_every_n_epoch=None,
-        limit_val_batches=cfg.data.val_batches,
-        num_sanity_val_steps=0,
-        log_every_n_steps=t.log_every,
-        gradient_clip_val=t.grad_clip if t.strategy != "fsdp" else None,
-        accumulate_grad_batches=t.accumulate,
-        precision=parallel.resolve_precision(t, t.accelerator),
-        accelerator=t.accelerator,
-        devices=t.devices,
-        num_nodes=t.num_nodes,
-        strategy=strategy,
-        plugins=plugins,
-        logger=logger,
-        callbacks=cbs,
-        enable_progress_bar=t.progress,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
+    resumed = resume_from is not None
+    trainer = build_trainer(
+        cfg,
+        run_dir,
+        # a resumed run retrains the steps since its last checkpoint: each step's metrics are logged once
+        logger=step_once_logger(experiment or cfg.name, tracking_uri, run_id, resumed=resumed),
+        callbacks=[clock, *_run_callbacks(cfg, module, source, tracking_uri, run_id), *(callbacks or [])],
     )
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
+    with mlflow_run.tracked(tracking_uri, run_id, resumed, rank_zero=trainer.is_global_zero):
+        fit(trainer, module, dm, resume_from, cfg, run_dir)
+    return _summarise(trainer, cfg, run_dir, clock, tracking_uri, run_id)
 
-    status = "FAILED"
-    monitor = (
-        _system_metrics(tracking_uri, run_id, resumed=resume_from is not None)
-        if trainer.is_global_zero
-        else None
-    )
-    try:
-        trainer.fit(module, datamodule=dm, ckpt_path=resume_from, weights_only=False)
-        # a final validation at the last step, unless one just ran there in this process (a resumed finished
-        # run trains no step and validates its last checkpoint again, so its result is never lost)
-        if trainer.global_step % t.val_every != 0 or not _val_metrics(trainer):
-            trainer.validate(module, datamodule=dm, verbose=False)
-        status = "FINISHED"
-    except SIGTERMException:  # Lightning stops at the next step (or validation batch) and raises SystemExit()
-        status = "KILLED"
-        raise Terminated(
-            f"train: stopped by SIGTERM at step {trainer.global_step}; the run is resumable from its last "
-            f"checkpoint: --run-dir {run_dir} --resume."
-        ) from None
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    except SystemExit as e:
-        # Lightning turns Ctrl-C inside fit into sys.exit(1) after its own shutdown (trainer/call.py): report it
-        # as the interrupt it was (exit 130, run KILLED), not as a failure
-        if trainer.interrupted and e.code == 1 and not isinstance(e, SIGTERMException):
-            status = "KILLED"
-            raise KeyboardInterrupt from None
-        raise
-    finally:
-        if monitor is not None:
-            monitor.finish()
-        if trainer.is_global_zero and status != "FINISHED":
-            set_terminated(tracking_uri, run_id, status=status)
-    metrics = _val_metrics(trainer)
-    if not metrics:  # never erase a finished run's recorded result
-        metrics = _previous_metrics(run_dir, trainer.global_step)
+
+def _summarise(
+    trainer: Any, cfg: RunConfig, run_dir: Path, clock: Any, tracking_uri: str, run_id: str
+) -> TrainResult:
+    """The run's result: final metrics logged (a finished run resumed without training keeps the ones it
+    recorded), the run FINISHED and ``result.json`` written (rank zero)."""
+    from recursive_lightning.training import mlflow_run  # heavy
+    from recursive_lightning.training import resume as run_dir_state  # heavy
+    from recursive_lightning.training.trainer import best_checkpoint, val_metrics  # heavy
+
+    metrics = val_metrics(trainer) or run_dir_state.previous_metrics(run_dir, trainer.global_step)
     if trainer.is_global_zero:
-        from recursive_lightning.tracking.runs import log_metrics
-
-        log_metrics(
-            tracking_uri, run_id, {f"final/{k}": v for k, v in metrics.items()}, step=trainer.global_step
-        )
-        set_terminated(tracking_uri, run_id, "FINISHED")
-    last = ckpt_dir / "last.ckpt"
-    tokens = trainer.global_step * cfg.data.batch_size * cfg.data.seq_len * t.accumulate * trainer.world_size
+        mlflow_run.finish_run(tracking_uri, run_id, metrics, trainer.global_step)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    d, steps = cfg.data, trainer.global_step
     result = TrainResult(
         run_dir=run_dir,
-        steps=trainer.global_step,
-        tokens=tokens,
+        steps=steps,
+        tokens=steps * d.batch_size * d.seq_len * cfg.train.accumulate * trainer.world_size,
         metrics=metrics,
         last_checkpoint=last if last.exists() else None,
-        # a copied or moved run restores the old folder's path with the callback's state: the file is here
-        best_checkpoint=ckpt_dir / Path(best.best_model_path).name if best.best_model_path else None,
+        best_checkpoint=best_checkpoint(trainer, run_dir),
         mlflow_run_id=run_id,
         tracking_uri=tracking_uri,
         seconds=clock.seconds(),
-        segment_steps=trainer.global_step - clock.start_step,
+        segment_steps=steps - clock.start_step,
         segment_seconds=clock.segment_seconds(),
         segments=clock.segments + 1,
     )
@@ -445,79 +233,63 @@ def train(
     return result
 
 
-def _system_metrics(tracking_uri: str, run_id: str, resumed: bool):
-    """MLflow's system metrics (CPU, memory, disk, network; GPU utilisation and memory where NVML finds a GPU)
-    every 10 s into the run's System metrics tab, continuing the steps of a resumed run. Off with
-    ``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING=false``; the interval is ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL``."""
-    import logging
-
-    if os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "").lower() in ("false", "0"):
+def _uptraining_source(cfg: RunConfig, run_dir: Path, resume_from: str | None) -> Any:
+    """The pretrained source of an uptraining run (``train.init_from``, training/uptrain.py), read only when the
+    run starts at step 0 (its tokenizer kept in ``run_dir``); else None."""
+    if not cfg.train.init_from or resume_from is not None:
         return None
-    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
-    try:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+    from recursive_lightning.training import uptrain  # heavy
 
-        monitor = SystemMetricsMonitor(run_id, resume_logging=resumed, tracking_uri=tracking_uri)
-    except ImportError:  # psutil missing: train without them rather than fail
-        return None
-    monitor.start()
-    return monitor
+    source = uptrain.load_source(cfg.train.init_from)
+    uptrain.keep_tokenizer(cfg, source, run_dir)
+    return source
 
 
-def _val_metrics(trainer) -> dict[str, float]:
-    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+def _datamodule(cfg: RunConfig, run_dir: Path, source: Any) -> Any:
+    """The run's data module, set up for fit; its tokenizer checked against an uptraining ``source`` and the
+    model's vocabulary, and a Mela memory that cannot learn at this length warned of."""
+    dm = build_datamodule(cfg, run_dir)
+    dm.prepare_data()
+    dm.setup("fit")
+    if source is not None:
+        from recursive_lightning.training import uptrain  # heavy
 
-
-def _previous_metrics(run_dir: Path, steps: int) -> dict[str, float]:
-    try:
-        old = json.loads((run_dir / "result.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return dict(old.get("metrics") or {}) if old.get("steps") == steps else {}
-
-
-def _check_run_exists(tracking_uri: str, run_id: str, run_dir: Path) -> None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client(tracking_uri).get_run(run_id)
-    except MlflowException:
+        uptrain.check_tokenizer(cfg, source, dm.tokenizer)
+    vocab = dm.vocab_size
+    if vocab > cfg.model.vocab_size:
         raise ConfigError(
-            f"the MLflow run {run_id} of '{run_dir}' is not in {tracking_uri}; pass the store it was logged "
-            "to with --tracking-uri, or train into a new --run-dir."
-        ) from None
+            f"model.vocab_size {cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab}); "
+            f"set model.vocab_size >= {vocab} or use a smaller data.tokenizer."
+        )
+    if cfg.model.arch == "mela":  # a memory that cannot learn at this length says so (Mela, issue 31)
+        from recursive_lightning.model.mela.model import memory_gradient_warning  # heavy
+
+        warning = memory_gradient_warning(cfg.model, cfg.data.seq_len)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+    return dm
 
 
-def run_params(cfg: RunConfig, stats: dict[str, Any]) -> dict[str, Any]:
-    """A run's MLflow params, each once: the resolved config (``model.*`` as ``ModelConfig.resolved``,
-    ``data.*``, ``train.*``) and what ``describe`` counts that no field states (``describe.params_*``,
-    ``describe.flops_*``, the loop steps)."""
-    flat = {**cfg.flat(), "data.path": cfg.data.path or "embedded"}  # None: the embedded corpus
-    # an option left unset (None) acts as absent: not shown as "None"
-    out: dict[str, Any] = {k: v for k, v in flat.items() if not k.startswith("model.") and v is not None}
-    out.update({f"model.{k}": v for k, v in cfg.model.resolved().items()})
-    # describe() repeats some config fields (layout, buffer, seq_len, ...; its batch_size is a batch of one)
-    fields = {k.split(".")[-1] for k in flat} | {"flops_convention"}
-    out.update({f"describe.{k}": v for k, v in stats.items() if k not in fields})
+def _run_callbacks(cfg: RunConfig, module: Any, source: Any, tracking_uri: str, run_id: str) -> list:
+    """The callbacks an uptraining run (its record in every checkpoint) and a partly frozen run need."""
+    from recursive_lightning.training import uptrain  # heavy
+
+    out = []
+    if cfg.train.init_from:  # the record rides in every checkpoint; a resume restores it from there
+        record = uptrain.initialise_from(module.model, source, cfg.train.init_strategy) if source else None
+        if record is not None:
+            uptrain.log_record(tracking_uri, run_id, record)
+        out.append(uptrain.Record(record))
+    if cfg.train.train_only_steps:
+        from recursive_lightning.training.partial import TrainOnly  # heavy
+
+        out.append(TrainOnly(cfg.train.train_only, cfg.train.train_only_steps))
     return out
 
 
-def _tag_changed_params(tracking_uri: str, run_id: str, cfg: RunConfig) -> None:
-    """MLflow refuses to change a param: a value a resume changed (``--resume --max-steps N`` extends a finished
-    run) becomes the tag ``resumed/<param>`` (the latest value); the first value stays the param."""
-    c = client(tracking_uri)
-    existing = c.get_run(run_id).data.params
-    changed = {
-        f"resumed/{k}": v
-        for k, v in run_params(cfg, {}).items()
-        if k in existing and existing[k] != param_value(v)
-    }
-    set_tags(tracking_uri, run_id, changed)
-
-
 def summary_line(r: TrainResult) -> str:
-    from recursive_lightning import formatting as fmt
-
+    """The line ``train`` prints when it ends: what it trained, the validation perplexities, the checkpoint and
+    how to look at the MLflow run."""
     ppl = ", ".join(
         f"{k.removeprefix('val/')}={fmt.ppl(v)}" for k, v in r.metrics.items() if k.endswith("/ppl")
     )
@@ -594,7 +366,7 @@ def main(argv: list[str]) -> int:
         if getattr(args, flag) is not None:
             overrides += [f"--{key}", str(getattr(args, flag))]
     if args.init_from is not None:
-        from recursive_lightning.training.uptrain import cli_overrides
+        from recursive_lightning.training.uptrain import cli_overrides  # heavy
 
         overrides = cli_overrides(args.init_from, config, overrides)
     cfg = load_run_config(config, overrides)
@@ -606,8 +378,6 @@ def main(argv: list[str]) -> int:
     if args.resume and (run_dir / "config.yaml").exists() and not args.config:
         cfg = load_run_config(run_dir / "config.yaml", overrides)
     tags = dict(t.split("=", 1) for t in args.tag if "=" in t)
-    from recursive_lightning.validation import undo_on_refusal
-
     with undo_on_refusal(run_dir):  # a refused run leaves nothing behind (no config.yaml, no tracking store)
         result = train(
             cfg,
@@ -621,7 +391,7 @@ def main(argv: list[str]) -> int:
             tags=tags,
             params=dict(t.split("=", 1) for t in args.param if "=" in t),
         )
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only  # heavy
 
     if rank_zero_only.rank == 0:  # DDP / FSDP: every rank returns here, one line is enough
         print(summary_line(result))

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.loggers import MLFlowLogger
+
+from recursive_lightning.tracking.runs import client
+
 
 def last_logged_steps(tracking_uri: str, run_id: str) -> dict[str, int]:
     """The last step logged of each metric of the run."""
-    from recursive_lightning.tracking.runs import client
-
     c = client(tracking_uri)
     return {
         key: max((m.step for m in c.get_metric_history(run_id, key)), default=-1)
@@ -24,7 +26,6 @@ def last_logged_steps(tracking_uri: str, run_id: str) -> dict[str, int]:
 
 def step_once_logger(experiment: str, tracking_uri: str, run_id: str, resumed: bool):
     """Lightning's ``MLFlowLogger`` for ``run_id``; on a resumed run it skips the steps already logged."""
-    from lightning.pytorch.loggers import MLFlowLogger
 
     class _StepOnce(MLFlowLogger):
         def __init__(self) -> None:

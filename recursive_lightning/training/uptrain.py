@@ -38,10 +38,11 @@ from tokenizers import Tokenizer
 from recursive_lightning.config import RunConfig, load_yaml
 from recursive_lightning.data.tokenizer import _ensure_eos, tokenizer_fingerprint
 from recursive_lightning.errors import ConfigError
+from recursive_lightning.files import atomic_write_text
 from recursive_lightning.interop import hf
 from recursive_lightning.interop.init import MESH_ROUTER_MARGIN, initialise
 from recursive_lightning.model.recursive.model import RecursiveLM
-from recursive_lightning.tracking.runs import atomic_write_text, client, log_artifact_text, log_params
+from recursive_lightning.tracking.runs import log_artifact_text, log_params, set_tags
 from recursive_lightning.training.checkpoint import load_checkpoint
 
 INIT_TOKENIZER = "init"  # data.tokenizer value: the tokenizer of train.init_from
@@ -296,7 +297,7 @@ def log_record(tracking_uri: str, run_id: str, record: dict) -> None:
     init.layer_map, artifact init_from.json."""
     keys = ("source", "kind", "fingerprint", "tokenizer_fingerprint", "strategy", "source_layers", "start")
     log_params(tracking_uri, run_id, {f"init.{k}": record[k] for k in keys})
-    client(tracking_uri).set_tag(run_id, "init.layer_map", json.dumps(record["layer_map"]))
+    set_tags(tracking_uri, run_id, {"init.layer_map": json.dumps(record["layer_map"])})
     log_artifact_text(tracking_uri, run_id, "init_from.json", json.dumps(record, indent=2))
 
 

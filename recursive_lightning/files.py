@@ -1,0 +1,84 @@
+"""Files written atomically (a reader, or a kill at any instant, sees the old file or the new one) and the
+checks around them: JSON records read back, and whether a folder can take results at all."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def read_json(path: str | os.PathLike) -> dict[str, Any] | None:
+    """A JSON object from ``path``; None when it is missing, unreadable, damaged or not an object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """A private temporary file beside ``path`` to write into; renamed over ``path`` when the block ends, removed
+    if it raises. Readers (and a kill at any instant) see the old file or the new one, never half of one, and
+    two processes writing the same file at once never share the temporary."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o644)  # mkstemp creates it private
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline="\n") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_write_figure(fig: Any, path: str | os.PathLike, **savefig: Any) -> Path:
+    """Save a matplotlib figure as PNG atomically (``atomic_path``)."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", **savefig)
+    return Path(path)
+
+
+def _can_write(directory: Path) -> bool:
+    """Whether a file can be created in ``directory`` (tried, not guessed from permission bits)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory, prefix=".write-check-"):
+            return True
+    except OSError:
+        return False
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def writable_dir_problem(path: str | os.PathLike) -> str | None:
+    """Why results cannot be written into the folder ``path`` (created if missing), or None if they can."""
+    path = Path(path)
+    base = _nearest_existing(path)
+    if not base.is_dir():
+        return f"'{base}' is a file, not a folder"
+    if not _can_write(base):
+        return (
+            f"'{base}' is read-only"
+            if base == Path(os.path.abspath(path))
+            else (f"'{path}' cannot be created ('{base}' is read-only)")
+        )
+    return None

@@ -1,0 +1,158 @@
+"""The MLflow run of a training run: one experiment per config name, one run per run directory (created with
+its params, config, ``describe`` counts and corpus, or continued on a resume), system metrics while it
+trains, and its final status."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mlflow.exceptions import MlflowException
+
+from recursive_lightning.config import RunConfig
+from recursive_lightning.errors import ConfigError, Terminated
+from recursive_lightning.files import atomic_write_text
+from recursive_lightning.model.describe import describe
+from recursive_lightning.tracking.runs import (
+    RUN_ID_FILE,
+    absolute_uri,
+    client,
+    create_run,
+    default_tracking_uri,
+    ensure_experiment,
+    log_artifact_text,
+    log_corpus,
+    log_metrics,
+    log_params,
+    param_value,
+    record_tracking_uri,
+    set_tags,
+    set_terminated,
+    to_json,
+)
+
+
+def open_run(
+    cfg: RunConfig,
+    run_dir: Path,
+    corpus: dict[str, Any],
+    *,
+    resume: bool,
+    tracking_uri: str | None = None,
+    experiment: str | None = None,
+    run_name: str | None = None,
+    parent_run_id: str | None = None,
+    tags: dict[str, str] | None = None,
+    params: dict[str, Any] | None = None,
+) -> tuple[str, str]:
+    """(tracking URI, run id) of ``run_dir``'s MLflow run: the one it records (marked RUNNING again), else a new
+    one with ``run_params`` and ``params`` (a sweep's axes), ``tags``, the config and ``describe`` counts as
+    artifacts and ``corpus`` (``TextDataModule.corpus_summary()``) as its datasets. On a resume a param whose
+    value changed becomes a ``resumed/<param>`` tag."""
+    tracking_uri = absolute_uri(tracking_uri) if tracking_uri else default_tracking_uri(run_dir)
+    exp_id = ensure_experiment(tracking_uri, experiment or cfg.name, run_dir / "mlartifacts")
+    id_file = run_dir / RUN_ID_FILE
+    if id_file.exists():
+        run_id = id_file.read_text().strip()
+        _check_run_exists(tracking_uri, run_id, run_dir)
+        client(tracking_uri).update_run(run_id, status="RUNNING")  # a resumed (or extended) run runs again
+    else:
+        run_id = create_run(
+            tracking_uri,
+            exp_id,
+            run_name or cfg.name,
+            tags={"run_dir": str(run_dir), **(tags or {})},
+            parent_run_id=parent_run_id,
+        )
+        record_tracking_uri(run_dir, tracking_uri)  # before the id: eval / resume find the run
+        atomic_write_text(id_file, run_id)
+        stats = describe(cfg.model, seq_len=cfg.data.seq_len)
+        log_params(tracking_uri, run_id, {**run_params(cfg, stats), **(params or {})})
+        log_artifact_text(tracking_uri, run_id, "config.yaml", cfg.to_yaml())
+        log_artifact_text(tracking_uri, run_id, "describe.json", to_json(stats))
+        log_corpus(tracking_uri, run_id, corpus)
+    if resume:  # a value changed by the resume (a larger max_steps) is kept as a tag
+        _tag_changed_params(tracking_uri, run_id, cfg)
+    return tracking_uri, run_id
+
+
+def run_params(cfg: RunConfig, stats: dict[str, Any]) -> dict[str, Any]:
+    """A run's MLflow params, each once: the resolved config (``model.*`` as ``ModelConfig.resolved``,
+    ``data.*``, ``train.*``) and what ``describe`` counts that no field states (``describe.params_*``,
+    ``describe.flops_*``, the loop steps)."""
+    flat = {**cfg.flat(), "data.path": cfg.data.path or "embedded"}  # None: the embedded corpus
+    # an option left unset (None) acts as absent: not shown as "None"
+    out: dict[str, Any] = {k: v for k, v in flat.items() if not k.startswith("model.") and v is not None}
+    out.update({f"model.{k}": v for k, v in cfg.model.resolved().items()})
+    # describe() repeats some config fields (layout, buffer, seq_len, ...; its batch_size is a batch of one)
+    fields = {k.split(".")[-1] for k in flat} | {"flops_convention"}
+    out.update({f"describe.{k}": v for k, v in stats.items() if k not in fields})
+    return out
+
+
+def _check_run_exists(tracking_uri: str, run_id: str, run_dir: Path) -> None:
+    try:
+        client(tracking_uri).get_run(run_id)
+    except MlflowException:
+        raise ConfigError(
+            f"the MLflow run {run_id} of '{run_dir}' is not in {tracking_uri}; pass the store it was logged "
+            "to with --tracking-uri, or train into a new --run-dir."
+        ) from None
+
+
+def _tag_changed_params(tracking_uri: str, run_id: str, cfg: RunConfig) -> None:
+    """MLflow refuses to change a param: a value a resume changed (``--resume --max-steps N`` extends a finished
+    run) becomes the tag ``resumed/<param>`` (the latest value); the first value stays the param."""
+    existing = client(tracking_uri).get_run(run_id).data.params
+    changed = {
+        f"resumed/{k}": v
+        for k, v in run_params(cfg, {}).items()
+        if k in existing and existing[k] != param_value(v)
+    }
+    set_tags(tracking_uri, run_id, changed)
+
+
+@contextlib.contextmanager
+def tracked(tracking_uri: str, run_id: str, resumed: bool, rank_zero: bool) -> Iterator[None]:
+    """The block that trains: system metrics while it runs (``rank_zero`` only), and the run marked KILLED
+    (Ctrl-C, SIGTERM) or FAILED when it raises."""
+    monitor = _system_metrics(tracking_uri, run_id, resumed) if rank_zero else None
+    status = "FAILED"
+    try:
+        yield
+        status = "FINISHED"
+    except (Terminated, KeyboardInterrupt):
+        status = "KILLED"
+        raise
+    finally:
+        if monitor is not None:
+            monitor.finish()
+        if rank_zero and status != "FINISHED":
+            set_terminated(tracking_uri, run_id, status=status)
+
+
+def _system_metrics(tracking_uri: str, run_id: str, resumed: bool) -> Any:
+    """MLflow's system metrics (CPU, memory, disk, network; GPU utilisation and memory where NVML finds a GPU)
+    every 10 s into the run's System metrics tab, continuing the steps of a resumed run. Off with
+    ``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING=false``; the interval is ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL``."""
+    if os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "").lower() in ("false", "0"):
+        return None
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # optional
+
+        monitor = SystemMetricsMonitor(run_id, resume_logging=resumed, tracking_uri=tracking_uri)
+    except ImportError:  # psutil missing: train without them rather than fail
+        return None
+    monitor.start()
+    return monitor
+
+
+def finish_run(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
+    """The final validation metrics as ``final/<metric>`` at ``step``; the run FINISHED."""
+    log_metrics(tracking_uri, run_id, {f"final/{k}": v for k, v in metrics.items()}, step=step)
+    set_terminated(tracking_uri, run_id, "FINISHED")

@@ -1,0 +1,113 @@
+"""A run directory before training starts: the config it keeps (a resume must match it), the checkpoint a run
+resumes from, and the metrics a finished run recorded (``result.json``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from recursive_lightning.config import RunConfig, load_yaml
+from recursive_lightning.errors import ConfigError
+from recursive_lightning.files import atomic_write_text, writable_dir_problem
+from recursive_lightning.training.checkpoint import latest_good, read_checkpoint
+
+# fields a resume may change: how far and where the run trains, not what it trains
+RESUMABLE_CHANGES = (
+    "train.max_steps",
+    "train.progress",
+    "train.keep_host_memory",
+    "train.devices",
+    "train.accelerator",
+)
+
+
+def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> None:
+    """Check that ``run_dir`` can hold the run (writable; no checkpoints unless ``resume``; a resume with the
+    config it was started with) and keep ``cfg`` in it as ``config.yaml``."""
+    ckpt_dir = run_dir / "checkpoints"
+    saved_cfg = run_dir / "config.yaml"
+    problem = writable_dir_problem(run_dir)
+    if problem is not None:
+        raise ConfigError(
+            f"--run-dir '{run_dir}' cannot hold the run: {problem}; choose a folder you can write to."
+        )
+    if resume and saved_cfg.exists():
+        saved = RunConfig.from_dict(load_yaml(saved_cfg))
+        check_same_config(saved, cfg, run_dir)
+        if (
+            saved.flat() != cfg.flat()
+        ):  # e.g. a larger --max-steps extends the run: resume uses it from now on
+            atomic_write_text(saved_cfg, cfg.to_yaml())
+    if not resume and latest_good(ckpt_dir) is not None:
+        raise ConfigError(
+            f"--run-dir '{run_dir}' already holds checkpoints; pass --resume to continue it or choose a new --run-dir."
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not saved_cfg.exists():
+        atomic_write_text(saved_cfg, cfg.to_yaml())
+
+
+def resume_checkpoint(cfg: RunConfig, run_dir: Path, resume: bool, ckpt_path: str | None) -> str | None:
+    """The checkpoint the run continues from: ``ckpt_path`` (checked to come from a run of ``cfg``), else with
+    ``resume`` the newest good one in ``run_dir`` (None: none yet, the run starts at step 0)."""
+    if ckpt_path is not None and not Path(ckpt_path).is_dir():
+        # an explicit --ckpt-path: one sentence if it is damaged or was written by a different run
+        check_checkpoint_config(read_checkpoint(ckpt_path), cfg, ckpt_path)
+    if not resume or ckpt_path is not None:
+        return ckpt_path
+    ckpt_dir = run_dir / "checkpoints"
+    last = ckpt_dir / "last.ckpt"
+    if last.exists() or any(ckpt_dir.glob("step*.ckpt")):
+        good = latest_good(ckpt_dir)
+        if last.exists() and good != last:
+            read_checkpoint(last)  # raises one sentence naming the damaged file and the good one
+        return str(good) if good else None  # latest_good already checked it reads
+    print(
+        f"train --resume: '{run_dir}' holds no checkpoint yet; training from step 0.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return None
+
+
+def check_checkpoint_config(ckpt: dict, cfg: RunConfig, path: str) -> None:
+    """A --ckpt-path must come from a run of this config (model and data); else litdata and the optimiser
+    fail deep inside Lightning (e.g. "item_loader state doesn't match")."""
+    extra = ckpt.get("recursive_lightning") or {}
+    if not extra.get("run"):
+        return
+    try:
+        theirs = RunConfig.from_dict(extra["run"]).flat()
+    except ConfigError:
+        return
+    ours = cfg.flat()
+    for k in ours:
+        if (k.startswith("model.") or k.startswith("data.")) and k != "data.num_workers":
+            if k in theirs and theirs[k] != ours[k]:
+                raise ConfigError(
+                    f"--ckpt-path '{path}' was written by a run with {k} {theirs[k]!r}, but this run has "
+                    f"{ours[k]!r}; pass a checkpoint of this run (or train that config instead)."
+                )
+
+
+def check_same_config(saved: RunConfig, cfg: RunConfig, run_dir: Path) -> None:
+    """A resume runs the config the run was started with (up to ``RESUMABLE_CHANGES``)."""
+    a, b = saved.flat(), cfg.flat()
+    for k in a:
+        if k in RESUMABLE_CHANGES:
+            continue
+        if a.get(k) != b.get(k):
+            raise ConfigError(
+                f"--resume: {k} is {b.get(k)!r} but the run in '{run_dir}' was started with {a.get(k)!r}; "
+                "resume with the same config or use a new --run-dir."
+            )
+
+
+def previous_metrics(run_dir: Path, steps: int) -> dict[str, float]:
+    """The metrics ``result.json`` recorded at ``steps`` (a finished run resumed without training), else {}."""
+    try:
+        old = json.loads((run_dir / "result.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return dict(old.get("metrics") or {}) if old.get("steps") == steps else {}

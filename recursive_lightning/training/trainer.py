@@ -1,0 +1,139 @@
+"""The Lightning Trainer of a run, and the fit that stops cleanly on SIGTERM and Ctrl-C.
+
+``build_trainer(cfg, run_dir, ...)`` trains: checkpoints every ``train.checkpoint_every`` steps (the two newest
+and ``last.ckpt``) and the best by held-out loss (``best.ckpt``) in ``<run_dir>/checkpoints``, validation every
+``train.val_every`` steps, the config's precision, devices and strategy. ``build_trainer(cfg,
+validate_only=True)`` validates a checkpoint on one device, with no logger, checkpoints or progress bar."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from recursive_lightning.config import RunConfig
+from recursive_lightning.errors import Terminated
+from recursive_lightning.training import parallel
+from recursive_lightning.training.checkpoint import AtomicCheckpointIO
+
+BEST = "best"  # the best checkpoint's file name (best.ckpt)
+
+
+def build_trainer(
+    cfg: RunConfig,
+    run_dir: Path | None = None,
+    *,
+    logger: Any = False,
+    callbacks: Sequence[L.Callback] = (),
+    validate_only: bool = False,
+) -> L.Trainer:
+    """The Trainer of ``cfg``: one that trains into ``run_dir`` (``callbacks`` after its checkpoint callbacks),
+    or with ``validate_only`` one that validates on one device."""
+    t = cfg.train
+    common: dict[str, Any] = {
+        "accelerator": t.accelerator,
+        "precision": parallel.resolve_precision(t, t.accelerator),
+        "limit_val_batches": cfg.data.val_batches,
+        "enable_model_summary": False,
+        "use_distributed_sampler": False,
+    }
+    if validate_only:
+        return L.Trainer(
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            **common,
+        )
+    if run_dir is None:
+        raise ValueError("build_trainer: a trainer that trains needs its run_dir")
+    ckpt_dir = run_dir / "checkpoints"
+    periodic = ModelCheckpoint(
+        dirpath=ckpt_dir,
+        filename="step={step:06d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=t.checkpoint_every,
+        save_top_k=2,
+        monitor="step",
+        mode="max",
+        save_last=True,
+        enable_version_counter=False,
+    )
+    best = ModelCheckpoint(
+        dirpath=ckpt_dir,
+        filename=BEST,
+        monitor="val/heldout/loss",
+        mode="min",
+        save_top_k=1,
+        auto_insert_metric_name=False,
+        enable_version_counter=False,
+    )
+    cbs = [periodic, best, *callbacks]
+    if t.progress:
+        cbs.append(TQDMProgressBar(refresh_rate=max(1, min(10, t.max_steps // 50))))
+    strategy = parallel.resolve_strategy(t)
+    return L.Trainer(
+        default_root_dir=str(run_dir),
+        max_steps=t.max_steps,
+        max_epochs=-1,
+        val_check_interval=t.val_every,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        log_every_n_steps=t.log_every,
+        gradient_clip_val=t.grad_clip if t.strategy != "fsdp" else None,
+        accumulate_grad_batches=t.accumulate,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=strategy,
+        plugins=[AtomicCheckpointIO()] if strategy in ("auto", "ddp") else [],
+        logger=logger,
+        callbacks=cbs,
+        enable_progress_bar=t.progress,
+        **common,
+    )
+
+
+def fit(
+    trainer: L.Trainer,
+    module: L.LightningModule,
+    dm: Any,
+    ckpt_path: str | None,
+    cfg: RunConfig,
+    run_dir: Path,
+) -> None:
+    """Train from ``ckpt_path`` (None: step 0) to ``train.max_steps``, then validate at the last step unless a
+    validation just ran there in this process (a resumed finished run trains no step and validates its last
+    checkpoint again, so its result is never lost). SIGTERM raises ``Terminated``; Ctrl-C KeyboardInterrupt."""
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=False)
+        if trainer.global_step % cfg.train.val_every != 0 or not val_metrics(trainer):
+            trainer.validate(module, datamodule=dm, verbose=False)
+    except SIGTERMException:  # Lightning stops at the next step (or validation batch) and raises SystemExit()
+        raise Terminated(
+            f"train: stopped by SIGTERM at step {trainer.global_step}; the run is resumable from its last "
+            f"checkpoint: --run-dir {run_dir} --resume."
+        ) from None
+    except SystemExit as e:
+        # Lightning turns Ctrl-C inside fit into sys.exit(1) after its own shutdown (trainer/call.py): report it
+        # as the interrupt it was (exit 130, run KILLED), not as a failure
+        if trainer.interrupted and e.code == 1 and not isinstance(e, SIGTERMException):
+            raise KeyboardInterrupt from None
+        raise
+
+
+def val_metrics(trainer: L.Trainer) -> dict[str, float]:
+    """The validation metrics the trainer holds (``val/<set>/<metric>``)."""
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+
+
+def best_checkpoint(trainer: L.Trainer, run_dir: Path) -> Path | None:
+    """The best checkpoint's file, in ``run_dir`` where it lies now (a copied or moved run restores the old
+    folder's path with the callback's state)."""
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.filename == BEST and cb.best_model_path:
+            return run_dir / "checkpoints" / Path(cb.best_model_path).name
+    return None
