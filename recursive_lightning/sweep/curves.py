@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -192,11 +191,3 @@ def plot_learning_curves(
         fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.83, 0.5), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 0.82, 1))
     return atomic_write_figure(fig, path, dpi=130)
-
-
-def group_histories(entries: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
-    """[(row name, seed entry)] -> {row name: [seed entries]} in first-seen order."""
-    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for name, entry in entries:
-        out[name].append(entry)
-    return dict(out)

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning.sweep.spec import SEED_AXIS, row_name
+from recursive_lightning.sweep.trial import SWEEP_RESULT
 from recursive_lightning.tracking.runs import read_json
 
-SWEEP_RESULT = "sweep_result.json"
 TASK_METRIC = re.compile(r"^eval/(?P<task>[^/]+)/(?P<shots>\d+)shot/(?P<metric>[^/]+)$")
 AVG_METRIC = re.compile(r"^eval/avg/(?P<shots>\d+)shot$")
 NOT_TASKS = {"avg", "ppl", "bpb", "ppl_ctx", "ppl_ctx_last"}
