@@ -8,12 +8,15 @@ row with a lower single value is never named best.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from recursive_lightning.sweep.spec import SEED_AXIS
 from recursive_lightning.sweep.tables import Row, mean_std, trial_value
+from recursive_lightning.tracking import view as tracking_view
+from recursive_lightning.tracking.runs import client
 
 
 @dataclass
@@ -103,9 +106,8 @@ def runs_section(ranking: Sequence[Ranked], metric: str) -> list[str]:
 
 def _log(client: Any, run_id: str, metrics: dict[str, float], tags: dict[str, str]) -> None:
     """Metrics and tags of one run in one request (one transaction; one round trip to a tracking server)."""
-    import time
 
-    from mlflow.entities import Metric, RunTag
+    from mlflow.entities import Metric, RunTag  # heavy
 
     now = int(time.time() * 1000)
     client.log_batch(
@@ -126,9 +128,6 @@ def log_ranking(
     trial's run; the parent's tags (``best_row``, ``best_trial``, ``best_trial_run_id``, ``report.metric``),
     metric ``best/<metric>`` (the best row's mean) and description (``tracking_view.parent_note``); and the
     experiment's ranked view of its runs table."""
-    from recursive_lightning.tracking import view as tracking_view
-    from recursive_lightning.tracking.runs import client
-
     c = client(tracking_uri)
     exp_id = c.get_run(parent).info.experiment_id
     place = 0

@@ -67,7 +67,8 @@ EXIT_UNFINISHED = 3  # trials are left (a worker crashed, or trials run elsewher
 
 def quiet_libraries() -> None:
     """Sweeps print one line per trial; silence the libraries' per-run banners."""
-    import lightning.pytorch  # noqa: F401  # heavy (it sets its loggers to INFO on import; override after)
+    # lightning sets its loggers to INFO on import: import it first, then override
+    import lightning.pytorch  # noqa: F401  # heavy
 
     for name in ("lightning.pytorch", "lightning.fabric", "mlflow", "alembic", "litdata"):
         logging.getLogger(name).setLevel(logging.WARNING)
