@@ -1,20 +1,16 @@
 """``python -m recursive_lightning sweep``: an Optuna study per sweep file, one MLflow child run per trial.
 
-Grid points are enqueued once as WAITING trials; each worker claims one (Optuna's WAITING -> RUNNING
-transition, made atomic for SQLite studies by a file lock, see ``_claim_lock``), trains it with :func:`recursive_lightning.training.run.train` into
-``<run-dir>/trials/<point>/`` and tells the study. Re-running the command resumes: finished trials
-are skipped, a trial whose local worker died is put back to WAITING and resumes from its last
-checkpoint into the same MLflow child run; a trial whose remote worker stopped sending heartbeats is
-failed and retried by Optuna's ``RetryFailedTrialCallback``; a trial that raises is retried up to
-``max_retries`` times and then reported.
+The command prepares the study and its grid (``study``), the MLflow parent run (``parent``), runs workers here
+(``launch``: ``--workers N`` processes) that claim and run trials (``trial``: where a trial is decided
+finished), waits for trials other live processes on this machine still run, writes the report and closes the
+parent run. Re-running the command resumes: finished trials are skipped, a trial whose local worker died is
+put back to WAITING and resumes from its last checkpoint into the same MLflow child run; a trial whose remote
+worker stopped sending heartbeats is failed and retried by Optuna's ``RetryHeartbeatStaleTrialCallback``; a
+trial that raises is retried up to ``max_retries`` times and then reported.
 
-A finished trial is never trained twice: ``trials/<point>/sweep_result.json`` (written atomically before the
-study is told) and ``result.json`` (written by ``train``) hold its result, and a trial whose training reached
-``max_steps`` without either has its last checkpoint validated again. Workers die with the command that
-started them (``PR_SET_PDEATHSIG``), and a re-run waits for trials that live processes on this machine are
-still running before it reports. Exit status: 0 every grid point finished, 1 one failed after its retries
-(the MLflow parent run ends FAILED), 3 the sweep is not finished (a worker crashed, or trials are running
-elsewhere); 2 a bad sweep file or option; 130 / 143 interrupted.
+Workers die with the command that started them (``PR_SET_PDEATHSIG``). Exit status: 0 every grid point
+finished, 1 one failed after its retries (the MLflow parent run ends FAILED), 3 the sweep is not finished (a
+worker crashed, or trials are running elsewhere); 2 a bad sweep file or option; 130 / 143 interrupted.
 """
 
 from __future__ import annotations
