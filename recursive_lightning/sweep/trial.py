@@ -4,7 +4,7 @@ retried up to ``max_retries`` times, a stopped one waits again, and a trial whos
 
 A finished trial is never trained twice: ``trials/<point>/sweep_result.json`` (written atomically before the
 study is told) and ``result.json`` (written by ``train``) hold its result, and a trial whose training reached
-``max_steps`` without either has its last checkpoint validated again (``run_trial``).
+``max_steps`` without either has its last checkpoint validated again (``finished_before``, ``run_trial``).
 """
 
 from __future__ import annotations
@@ -253,6 +253,20 @@ def _has_val(metrics: dict[str, Any]) -> bool:
     return any(k.startswith("val/") for k in metrics)
 
 
+def finished_before(cfg, trial_dir: Path) -> tuple[dict[str, Any] | None, TrainResult | None]:
+    """Whether a trial finished before, as what is on disk says (a kill at any instant loses at most the work
+    since a checkpoint): (the sweep's record ``sweep_result.json`` of this config, None) when there is one, else
+    (None, ``train``'s result) when it reached ``max_steps`` with validation metrics, else (None, None): train."""
+    record = read_json(trial_dir / SWEEP_RESULT)
+    if record is not None and not _same_config(record.get("config") or {}, cfg.flat()):
+        record = None
+    if record is not None:
+        # recorded before the sweep directory was moved or copied: its checkpoint is here now
+        record["checkpoint"] = str(rebased(record["checkpoint"], record.get("trial_dir"), trial_dir))
+        return record, None
+    return None, _finished_result(cfg, trial_dir)
+
+
 def _finished_result(cfg, trial_dir: Path) -> TrainResult | None:
     """The TrainResult of a trial whose ``train`` finished (its ``result.json`` has validation metrics at
     ``max_steps``), or None."""
@@ -350,10 +364,9 @@ def _suggest(trial, spec: SweepSpec) -> dict[str, Any]:
 
 
 def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri: str, parent: str) -> None:
-    """Run one claimed trial to its end and tell the study. What is on disk decides whether it finished: the
-    sweep's record (``sweep_result.json``), else ``train``'s ``result.json`` at ``max_steps`` with validation
-    metrics, else it trains (resuming from its last checkpoint); a kill at any instant loses at most the work
-    since a checkpoint."""
+    """Run one claimed trial to its end and tell the study: unless it finished before (``finished_before``) it
+    trains, resuming from its last checkpoint; its result is recorded (``sweep_result.json``) before the study
+    is told."""
     import optuna  # heavy
     from optuna.trial import TrialState  # heavy
 
@@ -369,14 +382,7 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
     flat = cfg.flat()
     trial_dir = run_dir / "trials" / key
     label = ", ".join(f"{k}={v}" for k, v in point.items())
-    record = read_json(trial_dir / SWEEP_RESULT)
-    if record is not None and not _same_config(record.get("config") or {}, flat):
-        record = None
-    if (
-        record is not None
-    ):  # recorded before the sweep directory was moved or copied: its checkpoint is here now
-        record["checkpoint"] = str(rebased(record["checkpoint"], record.get("trial_dir"), trial_dir))
-    result = None if record is not None else _finished_result(cfg, trial_dir)
+    record, result = finished_before(cfg, trial_dir)
     pruned = bool(record and record.get("pruned"))
     if record is not None or result is not None:
         print(
