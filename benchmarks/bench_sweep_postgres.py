@@ -118,6 +118,7 @@ def main() -> None:
         as_worker(args)
         return
     from recursive_lightning.sweep import runner, servers
+    from recursive_lightning.sweep.parent import close_parent
     from recursive_lightning.sweep.report import write_report
     from recursive_lightning.sweep.spec import load_sweep
 
@@ -155,7 +156,7 @@ def main() -> None:
             wall = time.perf_counter() - t0
             t = time.perf_counter()
             write_report(tmp / "run", spec=spec, storage_url=storage, tracking_uri=server.uri)
-            status = runner.close_parent(spec, storage, server.uri)
+            status = close_parent(spec, storage, server.uri)
             once = time.perf_counter() - t
     shutil.rmtree(tmp, ignore_errors=True)
     trials = sum(int(o["trials"]) for o in outs)

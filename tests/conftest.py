@@ -103,3 +103,102 @@ def hf_model_dirs(tmp_path_factory):
         train_bpe(docs, 300).save(str(root / name / "tokenizer.json"))
         made[name] = root / name
     return made
+
+
+# --- sweep test helpers (tests/test_sweep*.py, test_report.py, test_slurm.py): one definition each ----------
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import yaml  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# a `sweep` subprocess's environment: this tree importable, one thread, no fault point inherited from outside
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+ENV.pop("RECURSIVE_LIGHTNING_FAULT", None)
+# a sweep whose trials train in seconds on the CPU (cpu-tiny, 32-token blocks, 6 steps)
+TINY_SWEEP_OVERRIDES = {
+    "model.preset": "cpu-tiny",
+    "model.layout": "1+1R2+1",
+    "data.seq_len": 32,
+    "data.batch_size": 4,
+    "data.val_batches": 2,
+    "train.max_steps": 6,
+    "train.val_every": 3,
+    "train.checkpoint_every": 2,
+    "train.progress": False,
+}
+
+
+def write_sweep(
+    path: Path, cache: str, name: str, axes: dict, seeds=(0,), overrides: dict | None = None, **top
+) -> Path:
+    """A sweep file at ``path`` on experiments/cpu/looped-mesh.yaml: :data:`TINY_SWEEP_OVERRIDES` (then
+    ``overrides``) with the data cache ``cache``, the given axes and seeds, and any other top-level field."""
+    spec = {
+        "name": name,
+        "base": str(ROOT / "experiments/cpu/looped-mesh.yaml"),
+        "overrides": {**TINY_SWEEP_OVERRIDES, "data.cache_dir": cache, **(overrides or {})},
+        "axes": axes,
+        "seeds": list(seeds),
+        **top,
+    }
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def run_sweep(args, env=None, **kw) -> subprocess.Popen:
+    """``python -m recursive_lightning sweep *args`` started, its output (stdout and stderr) piped as text."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "recursive_lightning", "sweep", *map(str, args)],
+        env=env or ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
+
+
+def sweep_output(*args, env=None, timeout=900) -> tuple[int, str]:
+    """``python -m recursive_lightning sweep *args`` run to its end: (exit code, output)."""
+    p = subprocess.run(
+        [sys.executable, "-m", "recursive_lightning", "sweep", *map(str, args)],
+        env=env or ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    return p.returncode, p.stdout
+
+
+def sweep_runs(tracking: str, name: str):
+    """(MLflow client, the sweep's parent runs, its child runs) in the tracking store."""
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking)
+    runs = c.search_runs([c.get_experiment_by_name(name).experiment_id])
+    parents = [r for r in runs if r.data.tags.get("kind") == "sweep"]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return c, parents, children
+
+
+@pytest.fixture(scope="module")
+def pg():
+    """A throwaway PostgreSQL cluster for the module; skipped where its server binaries are not installed."""
+    from recursive_lightning.sweep import servers
+
+    if servers.postgres_bindir() is None:
+        pytest.skip("PostgreSQL's server binaries (initdb, pg_ctl) are not installed")
+    with servers.LocalPostgres(fast=True) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(pg, tmp_path_factory):
+    """An `mlflow server` whose backend store is a PostgreSQL database, artifacts served from a folder."""
+    from recursive_lightning.sweep import servers
+
+    backend = pg.create_database("mlflow")
+    with servers.LocalMlflowServer(backend, tmp_path_factory.mktemp("mlflow") / "artifacts") as server:
+        yield server.uri

@@ -8,9 +8,10 @@ import shutil
 
 import pytest
 import yaml
+from conftest import ROOT, run_sweep
 from mlflow.tracking import MlflowClient
 from scipy import stats
-from test_sweep import ROOT, run_sweep, sweep_file
+from test_sweep import sweep_file
 
 
 @pytest.fixture(scope="module")

@@ -10,23 +10,19 @@ arrives, so nothing depends on timing. The requeued tasks resume the trials from
 the sweep; the report job then writes the report.
 """
 
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import optuna
 import pytest
 import yaml
-from test_sweep_postgres import prepare, runs_of, write_sweep
+from conftest import ENV, ROOT, sweep_runs
+from test_sweep_postgres import pg_sweep, prepare
 
 from recursive_lightning.sweep import servers
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts" / "slurm"
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-ENV.pop("RECURSIVE_LIGHTNING_FAULT", None)
 
 pytestmark = pytest.mark.skipif(
     servers.postgres_bindir() is None,
@@ -57,7 +53,7 @@ def _wait(what: str, done, timeout: float = 600.0):
 def cluster_sweep(slurm, stores, tmp_path_factory, data_cache):
     storage, tracking = stores
     tmp = tmp_path_factory.mktemp("slurm-sweep")
-    spec = write_sweep(tmp, data_cache, "slurm-grid", variants=("anchor", "mesh"), seeds=(0,))
+    spec = pg_sweep(tmp, data_cache, "slurm-grid", variants=("anchor", "mesh"), seeds=(0,))
     raw = yaml.safe_load(
         spec.read_text()
     )  # checkpoints at 2, 4, 6, 8; the pause at step 3, between validations
@@ -134,7 +130,7 @@ def test_an_array_of_two_workers_finishes_the_sweep(cluster_sweep):
         logs,
     )
     assert {t.user_attrs["steps"] for t in trials} == {8}  # trained to the end after the resume
-    _, parents, children = runs_of(s["tracking"], "slurm-grid")
+    _, parents, children = sweep_runs(s["tracking"], "slurm-grid")
     assert [p.info.status for p in parents] == ["FINISHED"]
     # one child run per point: the resumed trials logged into the runs they started
     assert len(children) == 2 and {c.info.status for c in children} == {"FINISHED"}
@@ -169,7 +165,7 @@ def test_the_follow_up_job_writes_the_report_after_the_array(cluster_sweep):
 _STEP = """
 import subprocess, sys
 from recursive_lightning.config import RunConfig
-from recursive_lightning.sweep.runner import slurm_launcher
+from recursive_lightning.sweep.launch import slurm_launcher
 import yaml
 
 cfg = RunConfig.from_dict(yaml.safe_load(open(sys.argv[1])))

@@ -16,47 +16,21 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from mlflow.tracking import MlflowClient
+from conftest import ENV, ROOT, run_sweep, sweep_runs, write_sweep
 
 from recursive_lightning.errors import ConfigError, UserError
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-
 
 def sweep_file(tmp_path: Path, cache: str, rows: dict, seeds=(0,), steps: int = 12) -> Path:
-    spec = {
-        "name": "tiny-sweep",
-        "base": str(ROOT / "experiments/cpu/looped-mesh.yaml"),
-        "overrides": {
-            "model.preset": "cpu-tiny",
-            "model.layout": "1+2R2+1",
-            "data.seq_len": 64,
-            "data.batch_size": 8,
-            "data.val_batches": 2,
-            "data.cache_dir": cache,
-            "train.max_steps": steps,
-            "train.val_every": 6,
-            "train.checkpoint_every": 4,
-            "train.progress": False,
-        },
-        "axes": {"variant": rows},
-        "seeds": list(seeds),
+    overrides = {
+        "model.layout": "1+2R2+1",
+        "data.seq_len": 64,
+        "data.batch_size": 8,
+        "train.max_steps": steps,
+        "train.val_every": 6,
+        "train.checkpoint_every": 4,
     }
-    p = tmp_path / "sweep.yaml"
-    p.write_text(yaml.safe_dump(spec))
-    return p
-
-
-def run_sweep(args, env=None, **kw):
-    return subprocess.Popen(
-        [sys.executable, "-m", "recursive_lightning", "sweep", *map(str, args)],
-        env=env or ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        **kw,
-    )
+    return write_sweep(tmp_path / "sweep.yaml", cache, "tiny-sweep", {"variant": rows}, seeds, overrides)
 
 
 def study_trials(run_dir: Path):
@@ -66,12 +40,7 @@ def study_trials(run_dir: Path):
 
 
 def child_runs(run_dir: Path):
-    c = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
-    exp = c.get_experiment_by_name("tiny-sweep")
-    runs = c.search_runs([exp.experiment_id])
-    parent = [r for r in runs if r.data.tags.get("kind") == "sweep"]
-    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    return c, parent, children
+    return sweep_runs(f"sqlite:///{run_dir / 'mlflow.db'}", "tiny-sweep")
 
 
 def test_sweep_killed_mid_trial_resumes(tmp_path, data_cache):
@@ -333,15 +302,16 @@ def test_a_failing_grid_point_is_retried_then_reported(tmp_path, data_cache):
 
 _CLAIMER = """
 import sys, time
-from recursive_lightning.sweep.runner import _claim, _storage
+from recursive_lightning.sweep.study import open_storage
+from recursive_lightning.sweep.trial import claim
 import optuna
 url, start = sys.argv[1], float(sys.argv[2])
-storage = _storage(url, 0)
+storage = open_storage(url, 0)
 study = optuna.load_study(study_name="claims", storage=storage)
 while time.time() < start:
     time.sleep(0.001)
 got = []
-while (trial_id := _claim(study, storage, url)) is not None:
+while (trial_id := claim(study, storage, url)) is not None:
     got.append(trial_id)
 print(" ".join(map(str, got)))
 """
@@ -376,7 +346,8 @@ def test_an_edited_sweep_file_is_refused_in_the_same_run_dir(tmp_path, data_cach
     results: it is refused in one sentence naming the changed field, and the directory's sweep.yaml is kept.
     Adding grid points (another seed) to the same file is fine."""
     from recursive_lightning.sweep import runner
-    from recursive_lightning.sweep.spec import load_sweep
+    from recursive_lightning.sweep.spec import load_sweep, point_key
+    from recursive_lightning.sweep.study import default_storage
 
     spec = sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}}, steps=4)
     run_dir = tmp_path / "run"
@@ -401,23 +372,22 @@ def test_an_edited_sweep_file_is_refused_in_the_same_run_dir(tmp_path, data_cach
     spec.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match="pruning changed"):
         runner.prepare_study(
-            load_sweep(spec), run_dir, runner.default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}"
+            load_sweep(spec), run_dir, default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}"
         )
     del raw["pruning"]  # back to the file that was run, plus one more seed
     raw["seeds"] = [0, 1]
     spec.write_text(yaml.safe_dump(raw))
-    storage, tracking = runner.default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}"
+    storage, tracking = default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}"
     study, _ = runner.prepare_study(load_sweep(spec), run_dir, storage, tracking)
     waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
-    assert [t.user_attrs["point_key"] for t in waiting] == [
-        runner.point_key({"variant": "mesh", "train.seed": 1})
-    ]
+    assert [t.user_attrs["point_key"] for t in waiting] == [point_key({"variant": "mesh", "train.seed": 1})]
 
 
 _PREPARER = """
 import sys, time
 from pathlib import Path
-from recursive_lightning.sweep.runner import prepare_study, default_storage
+from recursive_lightning.sweep.runner import prepare_study
+from recursive_lightning.sweep.study import default_storage
 from recursive_lightning.sweep.spec import load_sweep
 spec, run_dir, start = load_sweep(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
 run_dir.mkdir(parents=True, exist_ok=True)  # as the command does
@@ -540,7 +510,7 @@ def _wait_for(fn, timeout=300, proc=None):
 def test_workers_die_with_the_sweep_command(tmp_path, data_cache):
     """SIGKILL of a sweep command with two workers: the workers (held at a named point in the middle of their
     trials) die with it instead of training unattended, and the re-run finishes every grid point once."""
-    from recursive_lightning.sweep.runner import _pid_alive
+    from recursive_lightning.sweep.trial import pid_alive
 
     rows = {"base": {"model.topology": "base"}, "mesh": {"model.topology": "mesh"}}
     spec = sweep_file(tmp_path, data_cache, rows, steps=6)
@@ -552,7 +522,7 @@ def test_workers_die_with_the_sweep_command(tmp_path, data_cache):
         assert p.pid not in pids
         p.kill()
         p.wait()
-        _wait_for(lambda: not any(_pid_alive(pid) for pid in pids), timeout=60)
+        _wait_for(lambda: not any(pid_alive(pid) for pid in pids), timeout=60)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
@@ -604,10 +574,11 @@ def test_a_trial_claimed_by_a_process_killed_before_it_named_itself_is_resumed(t
     RUNNING forever: no heartbeat, no pid to check, so no re-run ever finished the sweep."""
     from recursive_lightning.sweep import runner
     from recursive_lightning.sweep.spec import load_sweep
+    from recursive_lightning.sweep.study import default_storage
 
     spec = load_sweep(sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}}, steps=4))
     run_dir = tmp_path / "run"
-    storage, tracking = runner.default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}"
+    storage, tracking = default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}"
     study, _ = runner.prepare_study(spec, run_dir, storage, tracking)
     (trial,) = study.get_trials()
     study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.RUNNING)
@@ -643,9 +614,9 @@ def test_sigterm_closes_the_parent_run_and_exits_143(tmp_path, data_cache):
 
 _HOLDER = """
 import os, subprocess, sys, time
-from recursive_lightning.sweep.runner import _DIE_WITH_PARENT_EXEC
+from recursive_lightning.sweep.launch import DIE_WITH_PARENT_EXEC
 child = [sys.executable, "-c", "import time; time.sleep(600)", "recursive_lightning"]
-p = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT_EXEC, str(os.getpid()), *child])
+p = subprocess.Popen([sys.executable, "-c", DIE_WITH_PARENT_EXEC, str(os.getpid()), *child])
 print(p.pid, flush=True)
 time.sleep(600)
 """
@@ -654,15 +625,15 @@ time.sleep(600)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_multi_device_trials_train_command_dies_with_its_worker(tmp_path):
     """A multi-device trial runs as a `train` subprocess of the worker; killing the worker kills it too."""
-    from recursive_lightning.sweep.runner import _pid_alive
+    from recursive_lightning.sweep.trial import pid_alive
 
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER], env=ENV, stdout=subprocess.PIPE, text=True)
     try:
         child = int(holder.stdout.readline())
-        _wait_for(lambda: _pid_alive(child), timeout=60)  # exec'd into the long-running command
+        _wait_for(lambda: pid_alive(child), timeout=60)  # exec'd into the long-running command
         holder.kill()
         holder.wait()
-        _wait_for(lambda: not _pid_alive(child), timeout=60)
+        _wait_for(lambda: not pid_alive(child), timeout=60)
     finally:
         holder.kill()
         with contextlib.suppress(Exception):

@@ -3,13 +3,11 @@ sent a heartbeat, `--attach` checks of the run directory (a refused command leav
 database passwords, one metric point per step after a resume, loopback tracking URIs as one server. Kills
 happen at named fault points, never by timing."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import optuna
 import pytest
+from conftest import ENV, ROOT, sweep_output
 from mlflow.tracking import MlflowClient
 from test_sweep_grow import grow_spec, parent_and_children
 
@@ -18,22 +16,6 @@ from recursive_lightning.errors import ConfigError
 from recursive_lightning.sweep import runner, servers
 from recursive_lightning.tracking.runs import param_value
 from recursive_lightning.uris import mask_url, same_server
-
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-ENV.pop("RECURSIVE_LIGHTNING_FAULT", None)
-
-
-def run(*args, env=None, timeout=900) -> tuple[int, str]:
-    p = subprocess.run(
-        [sys.executable, "-m", "recursive_lightning", "sweep", *map(str, args)],
-        env=env or ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
-    return p.returncode, p.stdout
 
 
 def test_passwords_are_masked_and_loopback_names_are_one_server(capsys):
@@ -106,14 +88,6 @@ def test_a_resumed_run_logs_each_step_once(tmp_path, tiny_run):
         assert len(steps) == len(set(steps)) and max(steps) >= 11, (key, sorted(steps))
 
 
-@pytest.fixture(scope="module")
-def pg():
-    if servers.postgres_bindir() is None:
-        pytest.skip("PostgreSQL's server binaries (initdb, pg_ctl) are not installed")
-    with servers.LocalPostgres(fast=True) as cluster:
-        yield cluster
-
-
 def test_the_last_worker_takes_over_a_trial_that_never_sent_a_heartbeat(pg, tmp_path, data_cache):
     """Worker A (on another node) claims the only grid point and is SIGKILLed before its first heartbeat (the
     named point `after_claim`): Optuna never calls such a trial stale. Worker B, started after, finds nothing
@@ -139,7 +113,7 @@ def test_the_last_worker_takes_over_a_trial_that_never_sent_a_heartbeat(pg, tmp_
         == 0
     )
     env = {**ENV, "RECURSIVE_LIGHTNING_HEARTBEAT": "1,4"}
-    code, out = run(
+    code, out = sweep_output(
         spec, "--attach", "--storage", storage, env={**env, "RECURSIVE_LIGHTNING_FAULT": "after_claim"}
     )
     assert code == -9, out
@@ -148,7 +122,7 @@ def test_the_last_worker_takes_over_a_trial_that_never_sent_a_heartbeat(pg, tmp_
     assert dead.state.name == "RUNNING"
     # worker A ran on another node: B cannot see its pid die (on one machine a dead pid is requeued at once)
     study._storage.set_trial_system_attr(dead._trial_id, "host", "another-node")
-    code, out = run(spec, "--attach", "--storage", storage, env=env)
+    code, out = sweep_output(spec, "--attach", "--storage", storage, env=env)
     assert code == 0, out
     assert "sent no recent heartbeat" in out
     assert [t.state.name for t in study.get_trials()] == ["COMPLETE"]

@@ -7,32 +7,17 @@ import fcntl
 import os
 import signal
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import optuna
 import pytest
+from conftest import ENV, run_sweep
 from test_sweep_grow import grow_spec, parent_and_children
 
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.sweep import runner
 from recursive_lightning.sweep.devices import device_pool, devices_needed
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-ENV.pop("RECURSIVE_LIGHTNING_FAULT", None)
 NAME = "grow-sweep"  # grow_spec's
-
-
-def sweep(*args, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "recursive_lightning", "sweep", *map(str, args)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
 
 
 def test_the_pool_is_cuda_visible_devices_and_a_trial_takes_its_count():
@@ -65,7 +50,7 @@ def test_two_workers_train_at_once_on_devices_0_and_1(tmp_path, data_cache):
         "RECURSIVE_LIGHTNING_FAULT": "devices_held:1:barrier=2",
         "RECURSIVE_LIGHTNING_FAULT_DIR": str(barrier),
     }
-    p = sweep(spec, "--run-dir", tmp_path / "run", "--workers", 2, env=env)
+    p = run_sweep([spec, "--run-dir", tmp_path / "run", "--workers", 2], env=env)
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out
     assert len(os.listdir(barrier)) == 2  # two workers were at the barrier together
@@ -97,7 +82,7 @@ def test_a_worker_waiting_for_a_device_stops_on_sigterm(tmp_path, data_cache):
     locks.mkdir(parents=True)
     with open(locks / "0.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        p = sweep(spec, "--run-dir", run_dir, env={**ENV, "CUDA_VISIBLE_DEVICES": "0"})
+        p = run_sweep([spec, "--run-dir", run_dir], env={**ENV, "CUDA_VISIBLE_DEVICES": "0"})
         lines = []
         for line in p.stdout:
             lines.append(line)
@@ -113,7 +98,7 @@ def test_a_worker_waiting_for_a_device_stops_on_sigterm(tmp_path, data_cache):
     parent, _ = parent_and_children(f"sqlite:///{run_dir / 'mlflow.db'}")
     assert parent.info.status == "KILLED"
 
-    p = sweep(spec, "--run-dir", run_dir, env={**ENV, "CUDA_VISIBLE_DEVICES": ""})
+    p = run_sweep([spec, "--run-dir", run_dir], env={**ENV, "CUDA_VISIBLE_DEVICES": ""})
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out
     parent, (child,) = parent_and_children(f"sqlite:///{run_dir / 'mlflow.db'}")

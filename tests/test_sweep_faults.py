@@ -7,7 +7,6 @@ complete. Nothing here depends on timing: the kill happens at the named instant 
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,41 +14,23 @@ from pathlib import Path
 
 import optuna
 import pytest
-import yaml
+from conftest import ENV, write_sweep
 from mlflow.tracking import MlflowClient
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-ENV.pop("RECURSIVE_LIGHTNING_FAULT", None)
 NAME = "fault-sweep"
 
 
-def write_sweep(tmp: Path, cache: str, steps: int = 6, rows=None, **top) -> Path:
-    spec = {
-        "name": NAME,
-        "base": str(ROOT / "experiments/cpu/looped-mesh.yaml"),
-        "overrides": {
-            "model.preset": "cpu-tiny",
-            "model.layout": "1+1R2+1",
-            "data.seq_len": 32,
-            "data.batch_size": 4,
-            "data.val_batches": 2,
-            "data.cache_dir": cache,
-            "train.max_steps": steps,
-            "train.val_every": 3,
-            "train.checkpoint_every": 2,
-            "train.progress": False,
-        },
-        "axes": {
-            "variant": rows or {"anchor": {"model.topology": "anchor"}, "mesh": {"model.topology": "mesh"}}
-        },
-        "seeds": [0],
-        "max_retries": 0,  # a lost result shows up as a failed trial, not as a silent retry
-        **top,
-    }
-    p = tmp / "sweep.yaml"
-    p.write_text(yaml.safe_dump(spec))
-    return p
+def fault_sweep(tmp: Path, cache: str, steps: int = 6, rows=None, **top) -> Path:
+    axes = {"variant": rows or {"anchor": {"model.topology": "anchor"}, "mesh": {"model.topology": "mesh"}}}
+    # max_retries 0: a lost result shows up as a failed trial, not as a silent retry
+    return write_sweep(
+        tmp / "sweep.yaml",
+        cache,
+        NAME,
+        axes,
+        overrides={"train.max_steps": steps},
+        **{"max_retries": 0, **top},
+    )
 
 
 def sweep(spec: Path, run_dir: Path, fault: str | None = None, *extra, timeout=600):
@@ -105,7 +86,7 @@ def fresh_run_dir(tmp: Path, empty_store: Path) -> Path:
 def baseline(tmp_path_factory, data_cache, empty_store):
     """The uninterrupted sweep every faulted one must reproduce."""
     tmp = tmp_path_factory.mktemp("baseline")
-    spec = write_sweep(tmp, data_cache)
+    spec = fault_sweep(tmp, data_cache)
     code, out = sweep(spec, fresh_run_dir(tmp, empty_store))
     assert code == 0, out
     got = values(tmp / "run")
@@ -146,7 +127,7 @@ FAULTS = [
 def test_sweep_killed_at_a_named_point_resumes_to_the_same_results(
     fault, baseline, tmp_path, data_cache, empty_store
 ):
-    spec = write_sweep(tmp_path, data_cache)
+    spec = fault_sweep(tmp_path, data_cache)
     run_dir = fresh_run_dir(tmp_path, empty_store)
     code, out = sweep(spec, run_dir, fault)
     assert code == -9, out  # it was killed there (SIGKILL: no cleanup ran)
@@ -174,14 +155,14 @@ def test_a_finished_trials_last_checkpoint_validates_to_its_result(tmp_path, tin
     import dataclasses
 
     from recursive_lightning.config import RunConfig
-    from recursive_lightning.sweep.runner import _validate_last_checkpoint
+    from recursive_lightning.sweep.trial import validate_last_checkpoint
     from recursive_lightning.training.run import train
 
     cfg = RunConfig.from_dict(tiny_run())
     result = train(cfg, tmp_path / "run")
     assert result.steps == cfg.train.max_steps and "val/heldout/loss" in result.metrics
     (tmp_path / "run" / "result.json").unlink()
-    again = _validate_last_checkpoint(cfg, dataclasses.replace(result, metrics={}))
+    again = validate_last_checkpoint(cfg, dataclasses.replace(result, metrics={}))
     assert again.metrics == result.metrics
     assert json.loads((tmp_path / "run" / "result.json").read_text())["metrics"] == result.metrics
     run = MlflowClient(result.tracking_uri).get_run(result.mlflow_run_id)
@@ -197,7 +178,7 @@ def test_a_sweep_killed_then_moved_resumes_where_it_lies_now(
     the same command re-run on the new path: the finished trial's checkpoint is found where it lies now (its
     `evaluate:` reads it; result.json and sweep_result.json recorded the old path), and the study and the
     child run name the new one."""
-    spec = write_sweep(tmp_path, data_cache, evaluate={"ppl": {"heldout": "embedded:heldout"}})
+    spec = fault_sweep(tmp_path, data_cache, evaluate={"ppl": {"heldout": "embedded:heldout"}})
     run_dir = fresh_run_dir(tmp_path, empty_store)
     code, out = sweep(spec, run_dir, fault)
     assert code == -9, out
@@ -230,7 +211,7 @@ def test_spawned_workers_killed_at_a_named_point_resume_to_the_same_results(
     """`--workers 2`: each worker process SIGKILLs itself at the named point of its first trial; the sweep
     command says a worker died and exits non-zero, and the same command run again finishes every grid point
     once with the uninterrupted metrics."""
-    spec = write_sweep(tmp_path, data_cache)
+    spec = fault_sweep(tmp_path, data_cache)
     run_dir = fresh_run_dir(tmp_path, empty_store)
     code, out = sweep(spec, run_dir, fault, "--workers", "2")
     assert code not in (0, -9), out  # the command itself was not killed: it reports its dead workers

@@ -4,22 +4,13 @@ retrained, the same metrics), the report and the MLflow parent run cover every p
 FINISHED. What would change earlier points (a new axis, a changed override) is refused in one sentence and
 leaves the parent as it was. On SQLite here and on PostgreSQL in test_sweep_postgres.py."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import optuna
-import pytest
 import yaml
-from mlflow.tracking import MlflowClient
-from test_sweep_postgres import ENV as PG_ENV
+from conftest import sweep_output, sweep_runs, write_sweep
+from test_sweep_postgres import PG_ENV
 
-from recursive_lightning.sweep import servers
-
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-ENV.pop("RECURSIVE_LIGHTNING_FAULT", None)
 NAME = "grow-sweep"
 COMPLETE = optuna.trial.TrialState.COMPLETE
 
@@ -28,41 +19,9 @@ def grow_spec(
     tmp: Path, cache: str, name: str = NAME, rows=("anchor",), lrs=(3e-3,), seeds=(0,), **extra
 ) -> Path:
     """A tiny sweep: a named axis of topologies, a value axis (train.lr) and seeds."""
-    spec = {
-        "name": name,
-        "base": str(ROOT / "experiments/cpu/looped-mesh.yaml"),
-        "overrides": {
-            "model.preset": "cpu-tiny",
-            "model.layout": "1+1R2+1",
-            "data.seq_len": 32,
-            "data.batch_size": 4,
-            "data.val_batches": 2,
-            "data.cache_dir": cache,
-            "train.max_steps": 4,
-            "train.val_every": 2,
-            "train.checkpoint_every": 2,
-            "train.progress": False,
-            **extra,
-        },
-        "axes": {"variant": {r: {"model.topology": r} for r in rows}, "train.lr": list(lrs)},
-        "seeds": list(seeds),
-        "max_retries": 0,
-    }
-    p = tmp / f"{name}.yaml"
-    p.write_text(yaml.safe_dump(spec))
-    return p
-
-
-def run(*args, env=None, timeout=900) -> tuple[int, str]:
-    p = subprocess.run(
-        [sys.executable, "-m", "recursive_lightning", "sweep", *map(str, args)],
-        env=env or ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
-    return p.returncode, p.stdout
+    axes = {"variant": {r: {"model.topology": r} for r in rows}, "train.lr": list(lrs)}
+    overrides = {"train.max_steps": 4, "train.val_every": 2, **extra}
+    return write_sweep(tmp / f"{name}.yaml", cache, name, axes, seeds, overrides, max_retries=0)
 
 
 def finished(storage: str, name: str = NAME) -> dict[str, float]:
@@ -71,31 +30,12 @@ def finished(storage: str, name: str = NAME) -> dict[str, float]:
 
 
 def parent_and_children(tracking: str, name: str = NAME):
-    c = MlflowClient(tracking)
-    runs = c.search_runs([c.get_experiment_by_name(name).experiment_id])
-    (parent,) = [r for r in runs if r.data.tags.get("kind") == "sweep"]
-    return parent, [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    _, (parent,), children = sweep_runs(tracking, name)
+    return parent, children
 
 
 def mtimes(run_dir: Path) -> dict[str, int]:
     return {p.parent.name: p.stat().st_mtime_ns for p in (run_dir / "trials").glob("*/sweep_result.json")}
-
-
-@pytest.fixture(scope="module")
-def pg():
-    """A throwaway PostgreSQL cluster (as in test_sweep_postgres.py)."""
-    if servers.postgres_bindir() is None:
-        pytest.skip("PostgreSQL's server binaries (initdb, pg_ctl) are not installed")
-    with servers.LocalPostgres(fast=True) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(pg, tmp_path_factory):
-    """An `mlflow server` on a PostgreSQL backend store."""
-    backend = pg.create_database("mlflow")
-    with servers.LocalMlflowServer(backend, tmp_path_factory.mktemp("mlflow") / "artifacts") as server:
-        yield server.uri
 
 
 def trained(out: str) -> int:
@@ -114,7 +54,7 @@ def trained(out: str) -> int:
 def grow(spec: Path, run_dir: Path, storage: str, tracking: str, extra: tuple, new: int, total: int) -> None:
     """Re-run the grown sweep: exactly ``new`` points train, the old ones keep their results and files."""
     before, files = finished(storage), mtimes(run_dir)
-    code, out = run(spec, "--run-dir", run_dir, *extra)
+    code, out = sweep_output(spec, "--run-dir", run_dir, *extra)
     assert code == 0, out
     assert "does not support dynamic value space" not in out
     assert trained(out) == new, out
@@ -131,7 +71,7 @@ def grow(spec: Path, run_dir: Path, storage: str, tracking: str, extra: tuple, n
 def test_adding_a_seed_a_value_and_a_row_trains_only_the_new_points(tmp_path, data_cache):
     run_dir = tmp_path / "run"
     storage, tracking = f"sqlite:///{run_dir / 'optuna.db'}", f"sqlite:///{run_dir / 'mlflow.db'}"
-    code, out = run(grow_spec(tmp_path, data_cache), "--run-dir", run_dir)
+    code, out = sweep_output(grow_spec(tmp_path, data_cache), "--run-dir", run_dir)
     assert code == 0, out
     grow(grow_spec(tmp_path, data_cache, seeds=(0, 1)), run_dir, storage, tracking, (), new=1, total=2)
     grow(
@@ -151,7 +91,7 @@ def test_adding_a_seed_a_value_and_a_row_trains_only_the_new_points(tmp_path, da
             raw = yaml.safe_load(bad.read_text())
             raw["axes"]["train.weight_decay"] = [0.1]
             bad.write_text(yaml.safe_dump(raw))
-        code, out = run(bad, "--run-dir", run_dir)
+        code, out = sweep_output(bad, "--run-dir", run_dir)
         assert code == 2, out
         (line,) = [x for x in out.splitlines() if x.startswith("error:")]
         assert words in line and "new --run-dir" in line and "Traceback" not in out, line
@@ -160,13 +100,10 @@ def test_adding_a_seed_a_value_and_a_row_trains_only_the_new_points(tmp_path, da
         assert parent.info.status == "FINISHED"
 
     # a later command stopped (Ctrl-C, SIGTERM) once every grid point has finished leaves the parent FINISHED
-    from recursive_lightning.sweep import runner
+    from recursive_lightning.sweep.parent import close_parent
     from recursive_lightning.sweep.spec import load_sweep
 
-    assert (
-        runner.close_parent(load_sweep(run_dir / "sweep.yaml"), storage, tracking, interrupted=True)
-        == "FINISHED"
-    )
+    assert close_parent(load_sweep(run_dir / "sweep.yaml"), storage, tracking, interrupted=True) == "FINISHED"
     assert parent_and_children(tracking)[0].info.status == "FINISHED"
 
 
@@ -179,11 +116,13 @@ def test_a_grown_sweep_on_postgresql_and_the_edited_sweep_advice_there(
     storage, run_dir, tracking = pg.create_database("grow"), tmp_path / "run", mlflow_server
     name = "pg-grow"
     stores = ("--storage", storage, "--tracking-uri", tracking)
-    code, out = run(grow_spec(tmp_path, data_cache, name=name), "--run-dir", run_dir, *stores, env=PG_ENV)
+    code, out = sweep_output(
+        grow_spec(tmp_path, data_cache, name=name), "--run-dir", run_dir, *stores, env=PG_ENV
+    )
     assert code == 0, out
     before = finished(storage, name)
     spec = grow_spec(tmp_path, data_cache, name=name, seeds=(0, 1))
-    code, out = run(spec, "--run-dir", run_dir, *stores, env=PG_ENV)
+    code, out = sweep_output(spec, "--run-dir", run_dir, *stores, env=PG_ENV)
     assert code == 0 and trained(out) == 1, out
     after = finished(storage, name)
     assert len(after) == 2 and {k: after[k] for k in before} == before
@@ -191,11 +130,11 @@ def test_a_grown_sweep_on_postgresql_and_the_edited_sweep_advice_there(
     assert parent.info.status == "FINISHED" and len(children) == 2
 
     edited = grow_spec(tmp_path, data_cache, name=name, seeds=(0, 1), **{"train.warmup_steps": 1})
-    code, out = run(edited, "--run-dir", tmp_path / "elsewhere", *stores, env=PG_ENV)
+    code, out = sweep_output(edited, "--run-dir", tmp_path / "elsewhere", *stores, env=PG_ENV)
     assert code == 2, out
     (line,) = [x for x in out.splitlines() if x.startswith("error:")]
     assert f"the study '{name}' in the shared database" in line and "new `name:`" in line, line
     assert parent_and_children(tracking, name)[0].info.status == "FINISHED"
     renamed = grow_spec(tmp_path, data_cache, name=f"{name}-2", seeds=(0,), **{"train.warmup_steps": 1})
-    code, out = run(renamed, "--run-dir", tmp_path / "elsewhere", *stores, env=PG_ENV)
+    code, out = sweep_output(renamed, "--run-dir", tmp_path / "elsewhere", *stores, env=PG_ENV)
     assert code == 0, out

@@ -16,20 +16,12 @@ from pathlib import Path
 
 import optuna
 import pytest
-import yaml
-from mlflow.tracking import MlflowClient
+from conftest import ENV, run_sweep, sweep_runs, write_sweep
 from test_sweep import _CLAIMER  # the same claiming process, against PostgreSQL
 
 from recursive_lightning.sweep import servers
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {
-    **os.environ,
-    "PYTHONPATH": str(ROOT),
-    "OMP_NUM_THREADS": "1",
-    "RECURSIVE_LIGHTNING_HEARTBEAT": "1,8",
-}
-ENV.pop("RECURSIVE_LIGHTNING_FAULT", None)
+PG_ENV = {**ENV, "RECURSIVE_LIGHTNING_HEARTBEAT": "1,8"}  # heartbeats every second, stale after 8 s
 COMPLETE, FAIL = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL
 
 pytestmark = pytest.mark.skipif(
@@ -39,52 +31,14 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def pg():
-    with servers.LocalPostgres(fast=True) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def tracking(pg, tmp_path_factory):
+def tracking(mlflow_server):
     """An `mlflow server` whose backend store is a PostgreSQL database, artifacts served from a folder."""
-    backend = pg.create_database("mlflow")
-    with servers.LocalMlflowServer(backend, tmp_path_factory.mktemp("mlflow") / "artifacts") as server:
-        yield server.uri
+    return mlflow_server
 
 
-def write_sweep(tmp: Path, cache: str, name: str, variants=("anchor", "mesh", "base"), seeds=(0, 1)) -> Path:
-    spec = {
-        "name": name,
-        "base": str(ROOT / "experiments/cpu/looped-mesh.yaml"),
-        "overrides": {
-            "model.preset": "cpu-tiny",
-            "model.layout": "1+1R2+1",
-            "data.seq_len": 32,
-            "data.batch_size": 4,
-            "data.val_batches": 2,
-            "data.cache_dir": cache,
-            "train.max_steps": 6,
-            "train.val_every": 3,
-            "train.checkpoint_every": 2,
-            "train.progress": False,
-        },
-        "axes": {"variant": {v: {"model.topology": v} for v in variants}},
-        "seeds": list(seeds),
-        "max_retries": 1,
-    }
-    p = tmp / f"{name}.yaml"
-    p.write_text(yaml.safe_dump(spec))
-    return p
-
-
-def sweep(*args, env=None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "recursive_lightning", "sweep", *map(str, args)],
-        env=env or ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def pg_sweep(tmp: Path, cache: str, name: str, variants=("anchor", "mesh", "base"), seeds=(0, 1)) -> Path:
+    axes = {"variant": {v: {"model.topology": v} for v in variants}}
+    return write_sweep(tmp / f"{name}.yaml", cache, name, axes, seeds, max_retries=1)
 
 
 def prepare(spec: Path, run_dir: Path, storage: str, tracking: str) -> None:
@@ -101,23 +55,15 @@ def finish(p: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
     return p.returncode, out
 
 
-def runs_of(tracking: str, name: str):
-    c = MlflowClient(tracking)
-    runs = c.search_runs([c.get_experiment_by_name(name).experiment_id])
-    parents = [r for r in runs if r.data.tags.get("kind") == "sweep"]
-    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    return c, parents, children
-
-
 @pytest.fixture(scope="module")
 def grid(pg, tracking, tmp_path_factory, data_cache):
     """A six-point sweep prepared once, then run by three `sweep --attach` workers started together, each
     told only the study's URL (the run directory and tracking server come from the study)."""
     tmp = tmp_path_factory.mktemp("grid")
-    spec = write_sweep(tmp, data_cache, "pg-grid")
+    spec = pg_sweep(tmp, data_cache, "pg-grid")
     storage, run_dir = pg.create_database("grid"), tmp / "run"
     prepare(spec, run_dir, storage, tracking)
-    workers = [sweep(spec, "--attach", "--storage", storage) for _ in range(3)]
+    workers = [run_sweep([spec, "--attach", "--storage", storage], env=PG_ENV) for _ in range(3)]
     outs = [finish(w) for w in workers]
     assert [c for c, _ in outs] == [0, 0, 0], "\n".join(o for _, o in outs)
     study = optuna.load_study(study_name="pg-grid", storage=storage)
@@ -143,7 +89,7 @@ def test_three_attached_workers_finish_the_grid_each_point_once(grid, tracking):
     # the workers found the run directory of the study (none was given one)
     assert sorted(p.name for p in (grid["run_dir"] / "trials").iterdir()) == sorted(keys)
 
-    c, parents, children = runs_of(tracking, "pg-grid")
+    c, parents, children = sweep_runs(tracking, "pg-grid")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     assert sorted(r.data.tags["point_key"] for r in children) == sorted(keys)  # one child run per point
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
@@ -176,12 +122,13 @@ def test_a_sigkilled_workers_trial_is_resumed_by_another_worker(grid, pg, tracki
     started after, runs the other point, sees A's trial miss its heartbeats, takes it over once Optuna
     declares it stale, and resumes it from A's checkpoint in the shared run directory into the same MLflow
     child run: the metric equals the uninterrupted sweep's for that point, bit for bit."""
-    spec = write_sweep(tmp_path, data_cache, "pg-kill", variants=("anchor", "mesh"), seeds=(0,))
+    spec = pg_sweep(tmp_path, data_cache, "pg-kill", variants=("anchor", "mesh"), seeds=(0,))
     storage, run_dir = pg.create_database("kill"), tmp_path / "run"
     prepare(spec, run_dir, storage, tracking)
     code, out_a = finish(
-        sweep(
-            spec, "--attach", "--storage", storage, env={**ENV, "RECURSIVE_LIGHTNING_FAULT": "mid_training"}
+        run_sweep(
+            [spec, "--attach", "--storage", storage],
+            env={**PG_ENV, "RECURSIVE_LIGHTNING_FAULT": "mid_training"},
         )
     )
     assert code == -9, out_a
@@ -189,7 +136,7 @@ def test_a_sigkilled_workers_trial_is_resumed_by_another_worker(grid, pg, tracki
     assert any((killed / "checkpoints").glob("*.ckpt")) and not (killed / "result.json").exists()
     run_id = (killed / "mlflow_run_id").read_text()
 
-    code, out_b = finish(sweep(spec, "--attach", "--storage", storage))
+    code, out_b = finish(run_sweep([spec, "--attach", "--storage", storage], env=PG_ENV))
     assert code == 0, out_b
     assert "(resuming)" in out_b
 
@@ -204,7 +151,7 @@ def test_a_sigkilled_workers_trial_is_resumed_by_another_worker(grid, pg, tracki
     assert got == {k: baseline[k] for k in got}  # the uninterrupted sweep's metrics
 
     assert (killed / "mlflow_run_id").read_text() == run_id
-    _, parents, children = runs_of(tracking, "pg-kill")
+    _, parents, children = sweep_runs(tracking, "pg-kill")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     assert sorted(r.info.run_id for r in children if r.data.tags["point_key"] == killed.name) == [run_id]
     assert len(children) == 2 and {r.info.status for r in children} == {"FINISHED"}
@@ -216,19 +163,20 @@ def test_a_worker_with_nothing_left_takes_over_a_dead_workers_trial(pg, tmp_path
     nothing waiting waits for the dead one to go stale, runs its retry, and leaves the live one alone."""
     from sqlalchemy import create_engine, text
 
-    from recursive_lightning.sweep import runner
+    from recursive_lightning.sweep import study as sweep_study
+    from recursive_lightning.sweep import trial
     from recursive_lightning.sweep.spec import load_sweep, point_key
 
-    monkeypatch.setattr(runner, "HEARTBEAT_S", 1)
-    monkeypatch.setattr(runner, "GRACE_S", 4)
-    spec = load_sweep(write_sweep(tmp_path, data_cache, "pg-takeover", variants=("mesh", "base"), seeds=(0,)))
+    monkeypatch.setattr(sweep_study, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(sweep_study, "GRACE_S", 4)
+    spec = load_sweep(pg_sweep(tmp_path, data_cache, "pg-takeover", variants=("mesh", "base"), seeds=(0,)))
     url = pg.create_database("takeover")
-    storage = runner._storage(url, spec.max_retries)
+    storage = sweep_study.open_storage(url, spec.max_retries)
     study = optuna.create_study(study_name=spec.name, storage=storage)
     study.set_user_attr("mlflow_parent_run_id", "-")
     for point in spec.grid():
         study.enqueue_trial(point, user_attrs={"point_key": point_key(point), "attempt": 0})
-    dead, alive = runner._claim(study, storage, url), runner._claim(study, storage, url)
+    dead, alive = trial.claim(study, storage, url), trial.claim(study, storage, url)
     storage.record_heartbeat(dead)
     engine = create_engine(url)
     with engine.begin() as con:  # the dead worker's last heartbeat: late (> 2 intervals), not yet stale (4 s)
@@ -245,9 +193,9 @@ def test_a_worker_with_nothing_left_takes_over_a_dead_workers_trial(pg, tmp_path
         ran.append(trial_id)
         study.tell(storage.get_trial(trial_id).number, 1.0)
 
-    monkeypatch.setattr(runner, "run_trial", run_trial)
-    with runner._Heartbeat(storage, alive):  # the live worker
-        assert runner.worker(spec, tmp_path, url, "-", take_over=True) == 1
+    monkeypatch.setattr(trial, "run_trial", run_trial)
+    with trial.Heartbeat(storage, alive):  # the live worker
+        assert trial.worker(spec, tmp_path, url, "-", take_over=True) == 1
     trials = {t._trial_id: t for t in study.get_trials()}
     (retry,) = ran
     assert trials[dead].state == FAIL and trials[retry].state == COMPLETE
@@ -260,22 +208,23 @@ def test_a_worker_with_nothing_left_takes_over_a_dead_workers_trial(pg, tmp_path
 def test_a_claim_skips_a_trial_finished_since_the_list_was_read(pg):
     """Workers on a server database list the waiting trials, then claim one by one: a trial another worker
     claimed and finished in between is skipped (with eight workers it crashed a worker before)."""
-    from recursive_lightning.sweep import runner
+    from recursive_lightning.sweep.study import open_storage
+    from recursive_lightning.sweep.trial import claim
 
     url = pg.create_database("stale_list")
-    storage = runner._storage(url, 0)
+    storage = open_storage(url, 0)
     study = optuna.create_study(study_name="stale", storage=storage)
     for i in range(2):
         study.enqueue_trial({"x": i})
     stale = study.get_trials(states=(optuna.trial.TrialState.WAITING,))  # what a worker read
-    first = runner._claim(study, storage, url)  # another worker: claimed and finished it since
+    first = claim(study, storage, url)  # another worker: claimed and finished it since
     study.tell(storage.get_trial(first).number, 1.0)
 
     class Stale:  # the study as the slow worker saw it
         def get_trials(self, deepcopy=True, states=None):
             return stale
 
-    got = runner._claim(Stale(), storage, url)
+    got = claim(Stale(), storage, url)
     assert got == stale[1]._trial_id and storage.get_trial(got).state == optuna.trial.TrialState.RUNNING
 
 
@@ -283,10 +232,10 @@ def test_a_stopped_worker_puts_its_trial_back_for_the_next(pg, tmp_path, data_ca
     """A worker stopped in a trial (SIGTERM from the scheduler raises there, as Ctrl-C does) puts the trial
     back to WAITING at once: the next worker resumes it without waiting out the heartbeats."""
     from recursive_lightning.errors import Terminated
-    from recursive_lightning.sweep import runner
+    from recursive_lightning.sweep import trial
     from recursive_lightning.sweep.spec import load_sweep, point_key
 
-    spec = load_sweep(write_sweep(tmp_path, data_cache, "pg-stop", variants=("mesh",), seeds=(0,)))
+    spec = load_sweep(pg_sweep(tmp_path, data_cache, "pg-stop", variants=("mesh",), seeds=(0,)))
     url = pg.create_database("stop")
     study = optuna.create_study(study_name=spec.name, storage=url)
     study.set_user_attr("mlflow_parent_run_id", "-")
@@ -296,18 +245,18 @@ def test_a_stopped_worker_puts_its_trial_back_for_the_next(pg, tmp_path, data_ca
     def run_trial(*_):
         raise Terminated("train: stopped by SIGTERM at step 3")
 
-    monkeypatch.setattr(runner, "run_trial", run_trial)
+    monkeypatch.setattr(trial, "run_trial", run_trial)
     with pytest.raises(Terminated):
-        runner.worker(spec, tmp_path, url, "-", take_over=True)
-    (trial,) = study.get_trials()
-    assert trial.state == optuna.trial.TrialState.WAITING  # the same trial: same directory, same child run
+        trial.worker(spec, tmp_path, url, "-", take_over=True)
+    (stopped,) = study.get_trials()
+    assert stopped.state == optuna.trial.TrialState.WAITING  # the same trial: same directory, same child run
 
 
 def test_bad_storage_or_tracking_urls_get_one_sentence_before_any_work(pg, tracking, tmp_path, data_cache):
     from recursive_lightning.errors import ConfigError
     from recursive_lightning.sweep import runner
 
-    spec = write_sweep(tmp_path, data_cache, "pg-bad", variants=("mesh",), seeds=(0,))
+    spec = pg_sweep(tmp_path, data_cache, "pg-bad", variants=("mesh",), seeds=(0,))
     closed = servers.free_port()
     good = pg.create_database("bad")
     cases = [
@@ -359,12 +308,12 @@ def test_claims_and_preparation_race_across_machines_without_duplicates(pg, trac
     study = optuna.create_study(study_name="claims", storage=url)
     for i in range(40):
         study.enqueue_trial({"x": i})
-    spec = write_sweep(tmp_path, data_cache, "pg-prep")
+    spec = pg_sweep(tmp_path, data_cache, "pg-prep")
     prep_url = pg.create_database("prep")
     start = time.time() + 6  # every process imports first, then all start at once
     claimers = [
         subprocess.Popen(
-            [sys.executable, "-c", _CLAIMER, url, str(start)], env=ENV, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", _CLAIMER, url, str(start)], env=PG_ENV, stdout=subprocess.PIPE, text=True
         )
         for _ in range(4)
     ]
@@ -380,7 +329,7 @@ def test_claims_and_preparation_race_across_machines_without_duplicates(pg, trac
                 tracking,
                 str(start),
             ],
-            env=ENV,
+            env=PG_ENV,
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -400,7 +349,7 @@ def test_claims_and_preparation_race_across_machines_without_duplicates(pg, trac
 
 def test_a_multi_device_trial_is_started_by_srun_inside_slurm(tmp_path, tiny_run):
     from recursive_lightning.config import RunConfig
-    from recursive_lightning.sweep.runner import slurm_launcher
+    from recursive_lightning.sweep.launch import slurm_launcher
 
     srun = tmp_path / "bin" / "srun"
     srun.parent.mkdir()
@@ -412,17 +361,17 @@ def test_a_multi_device_trial_is_started_by_srun_inside_slurm(tmp_path, tiny_run
     slurm = {"SLURM_JOB_ID": "7", "PATH": str(srun.parent)}
     assert slurm_launcher(cfg, slurm)[:4] == [str(srun), "--nodes=2", "--ntasks=8", "--ntasks-per-node=4"]
     # the worker starts it through its die-with-the-worker wrapper, which execs a path
-    from recursive_lightning.sweep.runner import _DIE_WITH_PARENT_EXEC
+    from recursive_lightning.sweep.launch import DIE_WITH_PARENT_EXEC
 
     cmd = [
         sys.executable,
         "-c",
-        _DIE_WITH_PARENT_EXEC,
+        DIE_WITH_PARENT_EXEC,
         str(os.getpid()),
         *slurm_launcher(cfg, slurm),
         "train",
     ]
-    assert subprocess.run(cmd, env={**ENV, **slurm}).returncode == 0
+    assert subprocess.run(cmd, env={**PG_ENV, **slurm}).returncode == 0
     assert (srun.parent / "called").read_text().split()[-2:] == ["--export=ALL", "train"]
     assert slurm_launcher(cfg, {"PATH": str(srun.parent)}) == []  # not in an allocation
     assert slurm_launcher(cfg, {"SLURM_JOB_ID": "7", "PATH": str(tmp_path)}) == []  # no srun

@@ -47,10 +47,10 @@ def plot(
     pts = points(rows, metric)
     if not any(p["flops"] or p["seconds"] for p in pts):
         return None, pts
-    import matplotlib
+    import matplotlib  # heavy
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     best = min(pts, key=lambda p: p["metric"][0])["row"]

@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from recursive_lightning.files import atomic_write_figure
+from recursive_lightning.tracking.runs import client
 
 VAL_PPL = re.compile(r"^val/([^/]+)/ppl$")
 
@@ -27,8 +27,6 @@ def metric_history(
 ) -> dict[str, dict[int, float]]:
     """{metric: {step: value}} of one MLflow run: ``keys`` (default ``train/loss``, ``train/tokens_per_sec``
     and every ``val/<set>/ppl`` the run has). A step logged more than once keeps its latest value."""
-    from recursive_lightning.tracking.runs import client
-
     c = client(tracking_uri)
     if keys is None:
         have = c.get_run(run_id).data.metrics
@@ -91,7 +89,7 @@ def _band(per_seed: list[dict[float, float]]) -> tuple[list[float], list[float],
 
 
 def _tokens_formatter():
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter  # heavy
 
     def fmt(v: float, _: Any) -> str:
         for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
@@ -112,8 +110,8 @@ def plot_learning_curves(
     ``rows``: row name -> one entry per seed (see ``against_tokens``). A row's line is the mean over its seeds, its band the min-max over them; training loss is a
     trailing running mean of each seed's per-step loss (window in the panel title) before that. Returns None
     when no row has any history. Written atomically (a temporary file renamed over ``path``)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy
+    from matplotlib.figure import Figure  # heavy
 
     n_steps = max(
         (len(e["history"].get("train/loss", {})) for seeds in rows.values() for e in seeds), default=0
@@ -174,7 +172,7 @@ def plot_learning_curves(
     ax_ppl.set_title(f"validation perplexity {which} (log scale)", fontsize=9)
     ax_ppl.set_ylabel("perplexity")
     ax_ppl.set_yscale("log")
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter  # heavy
 
     plain = FuncFormatter(lambda v, _: f"{v:.4g}")
     ax_ppl.yaxis.set_major_formatter(plain)
@@ -192,11 +190,3 @@ def plot_learning_curves(
         fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.83, 0.5), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 0.82, 1))
     return atomic_write_figure(fig, path, dpi=130)
-
-
-def group_histories(entries: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
-    """[(row name, seed entry)] -> {row name: [seed entries]} in first-seen order."""
-    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for name, entry in entries:
-        out[name].append(entry)
-    return dict(out)

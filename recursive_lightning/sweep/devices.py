@@ -35,7 +35,7 @@ def device_pool(environ: dict[str, str] | None = None) -> list[str]:
             out.append(d)
         return out
     try:
-        import torch
+        import torch  # heavy
 
         return [str(i) for i in range(torch.cuda.device_count())]
     except Exception:

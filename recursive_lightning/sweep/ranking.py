@@ -14,6 +14,8 @@ from typing import Any
 
 from recursive_lightning.sweep.spec import SEED_AXIS
 from recursive_lightning.sweep.tables import Row, mean_std, trial_value
+from recursive_lightning.tracking import view as tracking_view
+from recursive_lightning.tracking.runs import client, log_batch
 
 
 @dataclass
@@ -112,9 +114,6 @@ def log_ranking(
     trial's run; the parent's tags (``best_row``, ``best_trial``, ``best_trial_run_id``, ``report.metric``),
     metric ``best/<metric>`` (the best row's mean) and description (``tracking_view.parent_note``); and the
     experiment's ranked view of its runs table."""
-    from recursive_lightning.tracking import view as tracking_view
-    from recursive_lightning.tracking.runs import client, log_batch
-
     c = client(tracking_uri)
     exp_id = c.get_run(parent).info.experiment_id
     place = 0

@@ -27,11 +27,17 @@ from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
+from recursive_lightning.config import DataConfig
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_figure, atomic_write_text
-from recursive_lightning.sweep.spec import SEED_AXIS
+from recursive_lightning.progress import tracked  # a bar on a terminal, a line every 30 s in a log
+from recursive_lightning.sweep import cost, curves, ranking, tables
+from recursive_lightning.sweep.ranking import log_ranking
+from recursive_lightning.sweep.report_html import markdown_to_html
+from recursive_lightning.sweep.servers import check_database
+from recursive_lightning.sweep.spec import SEED_AXIS, load_sweep, row_names
 from recursive_lightning.sweep.tables import mean_std
-from recursive_lightning.tracking.runs import absolute_uri, check_outputs, log_artifact
+from recursive_lightning.tracking.runs import absolute_uri, check_outputs, log_artifact, log_metrics
 
 # MLflow's artifact viewer prints a markdown image as text; report.html shows the figures there
 VIEWER_HINT = " In MLflow's artifact viewer, open `report.html` to see the figures."
@@ -43,8 +49,8 @@ def _ppl_columns(rows: list[dict]) -> list[str]:
 
 
 def collect(storage_url: str, study_name: str) -> tuple[list[dict], list[dict], dict]:
-    import optuna
-    from optuna.trial import TrialState
+    import optuna  # heavy
+    from optuna.trial import TrialState  # heavy
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(study_name=study_name, storage=storage_url)
@@ -103,10 +109,10 @@ def _fmt(label: Any) -> str:
 
 
 def _plot_axis(table, axis: str, metric: str, path: Path, kind: str) -> Path:
-    import matplotlib
+    import matplotlib  # heavy
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy
 
     def num(x: Any) -> float | None:
         try:
@@ -169,10 +175,8 @@ def _context_lengths(rows: list[dict], axes: list[str], spec, out: Path) -> tupl
         return None, []
     means = {label: {L: sum(v) / len(v) for L, v in pts.items()} for label, pts in series.items()}
     lengths = sorted({L for pts in means.values() for L in pts})
-    from recursive_lightning.config import DataConfig
-
     train_len = (spec.base.get("data") or {}).get("seq_len", DataConfig.seq_len)
-    from recursive_lightning.evaluation.context_plot import plot_ppl_by_context
+    from recursive_lightning.evaluation.context_plot import plot_ppl_by_context  # heavy
 
     png = plot_ppl_by_context(
         means,
@@ -200,14 +204,9 @@ def _results_sections(
 ) -> tuple[list[str], list[Path], dict[str, Any]]:
     """The papers' tables (results, downstream accuracy, paired differences to the baseline) and the
     learning-curve figure. Returns (markdown lines, figures, structured data for callers and tests)."""
-    from recursive_lightning.sweep import cost, curves, ranking, tables
-    from recursive_lightning.sweep.spec import row_names
-
     describe_cache: dict[str, dict] = {}
     trials = [tables.load_trial(run_dir, t, spec, describe_cache) for t in trials]
     problems = []
-    from recursive_lightning.progress import tracked  # a bar on a terminal, a line every 30 s in a log
-
     for t in tracked(trials, "report: trial histories", lambda _: 1, unit="trial"):  # from MLflow child runs
         t["history"] = {}
         if t.get("mlflow_run_id"):
@@ -396,15 +395,11 @@ def write_report(
     info = json.loads(info_file.read_text())
     storage_url = storage_url or absolute_uri(info["storage"], base=run_dir)
     tracking_uri = tracking_uri or absolute_uri(info["tracking_uri"], base=run_dir)
-    from recursive_lightning.sweep.servers import check_database
-
     check_database(storage_url, "the study", "Optuna storage")  # a server that is down: one sentence
     # a read-only sweep directory (shared storage, a copy): one sentence before any work, not a traceback after it
     check_outputs("report", out, out_given, tracking_uri if log else None, tracking_options="--no-mlflow")
     out.mkdir(parents=True, exist_ok=True)
     if spec is None:
-        from recursive_lightning.sweep.spec import load_sweep
-
         origin = info.get("sweep_dir")
         spec = load_sweep(run_dir / "sweep.yaml", origin if origin and Path(origin).is_dir() else None)
     rows, failed, attrs = collect(storage_url, info["name"])
@@ -478,8 +473,6 @@ def write_report(
     md = "\n".join(lines)
     path = out / "report.md"
     atomic_write_text(path, md)
-    from recursive_lightning.sweep.report_html import markdown_to_html
-
     html_path = out / "report.html"
     atomic_write_text(
         html_path, markdown_to_html(md.replace(VIEWER_HINT, ""), out, title=f"sweep {spec.name}")
@@ -491,11 +484,7 @@ def write_report(
             log_artifact(tracking_uri, parent, html_path, subdir="report")
             for f in figures:
                 log_artifact(tracking_uri, parent, f, subdir="report")
-            from recursive_lightning.tracking.runs import log_metrics
-
             if rows:
-                from recursive_lightning.sweep.ranking import log_ranking
-
                 log_ranking(tracking_uri, parent, data["ranking"], ranked, data["results_table"])
                 log_metrics(
                     tracking_uri, parent, {"trials/finished": len(rows), "trials/failed": len(failed)}

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.processes import dies_with_parent, stop_group
+from recursive_lightning.tracking.runs import _sqlite_parts, absolute_uri
 from recursive_lightning.uris import mask_url, same_server
 
 CONNECT_TIMEOUT_S = 10
@@ -55,9 +57,9 @@ def check_database(url: str, option: str, what: str) -> None:
     """Refuse in one sentence a database URL (``option``, naming ``what`` it holds) that SQLAlchemy cannot
     parse, whose driver is not installed, or whose server cannot be reached or refuses us. SQLite files
     are left to the sweep's own checks (they are created on first use)."""
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+    from sqlalchemy import create_engine, text  # heavy
+    from sqlalchemy.engine import make_url  # heavy
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError  # heavy
 
     try:
         parsed = make_url(url)
@@ -72,7 +74,7 @@ def check_database(url: str, option: str, what: str) -> None:
         parsed.drivername == "postgresql"
     ):  # SQLAlchemy's default driver for it is psycopg2, not installed here
         try:
-            import psycopg2  # noqa: F401
+            import psycopg2  # noqa: F401  # optional
         except ImportError:
             raise ConfigError(
                 f"{option} '{_shown(url)}' asks SQLAlchemy for the psycopg2 driver, which is not installed; "
@@ -161,7 +163,7 @@ def recorded_study(storage_url: str, name: str, tracking_uri: str | None = None)
     """The run directory and tracking URI the study ``name`` in ``storage_url`` was prepared with (what a
     ``sweep --attach`` worker uses when not told); empty when there is no such study yet. A ``tracking_uri``
     that differs from the study's is refused in one sentence: its child runs would lose their parent."""
-    import optuna
+    import optuna  # heavy
 
     check_database(storage_url, "--storage", "Optuna storage")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -182,8 +184,6 @@ def recorded_study(storage_url: str, name: str, tracking_uri: str | None = None)
 def _moved_with_its_study(storage_url: str, recorded_dir: str | None) -> dict[str, str]:
     """A SQLite study inside a sweep directory that was moved or copied since it recorded ``recorded_dir``: the
     directory and tracking store are where the study lies now (its ``sweep.json``), not at the old path."""
-    from recursive_lightning.tracking.runs import _sqlite_parts, absolute_uri
-
     parts = _sqlite_parts(absolute_uri(storage_url))
     if parts is None or recorded_dir is None:
         return {}
@@ -205,8 +205,8 @@ def database_lock(storage_url: str, name: str) -> Iterator[None]:
     if not storage_url.lower().startswith("postgresql"):
         yield
         return
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.pool import NullPool
+    from sqlalchemy import create_engine, text  # heavy
+    from sqlalchemy.pool import NullPool  # heavy
 
     key = int.from_bytes(
         hashlib.sha256(f"recursive_lightning:{name}".encode()).digest()[:8], "big", signed=True
@@ -259,8 +259,6 @@ class LocalPostgres:
         self.data, self.log = self.root / "data", self.root / "server.log"
         self._as: list[str] = []
         if os.geteuid() == 0:
-            import pwd
-
             user = pwd.getpwnam("postgres")
             os.chown(self.root, user.pw_uid, user.pw_gid)
             self._as = ["runuser", "-u", "postgres", "--"]
@@ -293,7 +291,7 @@ class LocalPostgres:
 
     def create_database(self, name: str) -> str:
         """CREATE DATABASE ``name``; returns its URL."""
-        import psycopg
+        import psycopg  # optional
 
         with psycopg.connect(
             f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres", autocommit=True

@@ -92,9 +92,6 @@ class SweepSpec:
             for combo in itertools.product(*[a.labels for a in self.axes])
         ]
 
-    def search_space(self) -> dict[str, list[Any]]:
-        return {a.name: list(a.labels) for a in self.axes}
-
     def trial_config(self, point: dict[str, Any]) -> RunConfig:
         data = copy.deepcopy(self.base)
         for axis in self.axes:

@@ -15,10 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning import formatting as fmt
+from recursive_lightning.config import load_run_config
+from recursive_lightning.errors import ConfigError
+from recursive_lightning.evaluation.downstream import headline
 from recursive_lightning.files import read_json
 from recursive_lightning.sweep.spec import SEED_AXIS, row_name
+from recursive_lightning.sweep.trial import SWEEP_RESULT
 
-SWEEP_RESULT = "sweep_result.json"
 TASK_METRIC = re.compile(r"^eval/(?P<task>[^/]+)/(?P<shots>\d+)shot/(?P<metric>[^/]+)$")
 AVG_METRIC = re.compile(r"^eval/avg/(?P<shots>\d+)shot$")
 NOT_TASKS = {"avg", "ppl", "bpb", "ppl_ctx", "ppl_ctx_last"}
@@ -65,9 +69,6 @@ def load_trial(
 
 
 def _trial_config(trial_dir: Path, row: dict[str, Any], spec: Any):
-    from recursive_lightning.config import load_run_config
-    from recursive_lightning.errors import ConfigError
-
     if (trial_dir / "config.yaml").is_file():
         try:
             return load_run_config(trial_dir / "config.yaml")
@@ -80,7 +81,7 @@ def _trial_config(trial_dir: Path, row: dict[str, Any], spec: Any):
 
 
 def _describe(cfg: Any, cache: dict[str, dict]) -> dict[str, Any] | None:
-    from recursive_lightning.model.describe import describe
+    from recursive_lightning.model.describe import describe  # heavy
 
     key = json.dumps([cfg.to_dict()["model"], cfg.data.seq_len], sort_keys=True, default=str)
     if key not in cache:
@@ -146,8 +147,6 @@ def is_accuracy(key: str) -> bool:
 def headline_metrics(trials: Sequence[dict[str, Any]]) -> dict[tuple[str, str], str]:
     """(task, shots) -> the metric key the papers report for it (``evaluation.run.headline``: acc_norm for
     PIQA, HellaSwag, ARC, SciQ; acc for LAMBADA, WinoGrande, cMMLU; else acc, acc_norm, exact_match)."""
-    from recursive_lightning.evaluation.downstream import headline
-
     names: dict[tuple[str, str], dict[str, float]] = {}
     for t in trials:
         for k in t.get("metrics") or {}:
@@ -207,7 +206,7 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 def paired_difference(row: Row, base: Row, key: str, confidence: float = CONFIDENCE) -> dict[str, Any] | None:
     """The difference row - baseline of ``key`` over the seeds both rows finished (same seed, one pair each):
     its mean and the two-sided Student-t interval mean ± t_{(1+c)/2, n-1} · sd / √n (None for n = 1)."""
-    from scipy import stats
+    from scipy import stats  # heavy
 
     mine = {t["params"].get(SEED_AXIS): trial_value(t, key) for t in row.trials}
     theirs = {t["params"].get(SEED_AXIS): trial_value(t, key) for t in base.trials}
@@ -229,8 +228,6 @@ def paired_difference(row: Row, base: Row, key: str, confidence: float = CONFIDE
 def fmt_value(v: float, kind: str) -> str:
     """One format per quantity (``recursive_lightning.formatting``): FLOPs ``1.23 GFLOPs``, perplexity ``2060.50``
     or ``3.40e+09`` beyond its bound, accuracy as a percentage."""
-    from recursive_lightning import formatting as fmt
-
     if kind == "count":
         return f"{v:,.0f}"
     if kind == "flops":

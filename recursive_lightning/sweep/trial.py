@@ -1,0 +1,532 @@
+"""One trial's life: a worker claims it (WAITING -> RUNNING), sends heartbeats while it trains, decides from
+what is on disk whether it already finished, records its result and tells the study; a failed trial is
+retried up to ``max_retries`` times, a stopped one waits again, and a trial whose worker died is taken over.
+
+A finished trial is never trained twice: ``trials/<point>/sweep_result.json`` (written atomically before the
+study is told) and ``result.json`` (written by ``train``) hold its result, and a trial whose training reached
+``max_steps`` without either has its last checkpoint validated again (``finished_before``, ``run_trial``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from recursive_lightning import faults
+from recursive_lightning.evaluation.options import EvalOptions
+from recursive_lightning.evaluation.run import evaluate_checkpoint, flat_metrics
+from recursive_lightning.files import atomic_write_text, read_json
+from recursive_lightning.sweep.launch import Stop, stop_requested, train_trial
+from recursive_lightning.sweep.spec import SweepSpec, point_key
+from recursive_lightning.sweep.study import NEUTRAL_KEYS, claim_lock, grid_point, open_storage
+from recursive_lightning.tracking.runs import log_metrics, set_tags, set_terminated
+from recursive_lightning.training.run import TrainResult, build_datamodule, rebased
+
+SWEEP_RESULT = "sweep_result.json"  # a trial's result as the sweep records it, before telling the study
+POLL_S = 2.0  # how often a worker looks again at running trials (of other workers, here or elsewhere)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process of this package (a reused pid or a zombie is not)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc here: trust the signal check
+    return b"recursive_lightning" in cmdline
+
+
+def requeue_dead_local(study, storage, storage_url: str) -> list[int]:
+    """Trials whose worker on this machine died (a killed sweep) go back to WAITING: same trial, same directory,
+    resumed from its last checkpoint. In a SQLite study (every worker on this machine) a running trial that
+    names no worker was claimed by a process killed before it could: it goes back too. Returns their numbers."""
+    from optuna.exceptions import UpdateFinishedTrialError  # heavy
+    from optuna.trial import TrialState  # heavy
+
+    host, out = socket.gethostname(), []
+    with claim_lock(storage_url):  # no claim is half done while we look
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            pid = t.system_attrs.get("pid")
+            if pid is None:
+                dead = storage_url.startswith("sqlite")
+            else:
+                dead = t.system_attrs.get("host") == host and not pid_alive(int(pid))
+            # (on a server database another worker may have failed it as stale since the list was read)
+            with contextlib.suppress(UpdateFinishedTrialError):
+                if dead and storage.set_trial_state_values(t._trial_id, state=TrialState.WAITING):
+                    out.append(t.number)
+    return out
+
+
+class Heartbeat:
+    """Record the trial's heartbeat every ``storage.heartbeat_interval`` seconds while the body runs."""
+
+    def __init__(self, storage, trial_id: int) -> None:
+        self.storage, self.trial_id = storage, trial_id
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.storage.heartbeat_interval):
+            try:
+                self.storage.record_heartbeat(self.trial_id)
+            except Exception:
+                pass
+
+    def __enter__(self):
+        self.storage.record_heartbeat(self.trial_id)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+
+def claim(study, storage, storage_url: str, ask: bool = False) -> int | None:
+    """Move one WAITING trial to RUNNING (or, with ``ask``, start a new one when none waits), record this
+    process as its worker, and return its id (None when none is waiting)."""
+    from optuna.exceptions import UpdateFinishedTrialError  # heavy
+    from optuna.trial import TrialState  # heavy
+
+    with claim_lock(storage_url):
+        trial_id = None
+        for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            try:
+                claimed = storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING)
+            except UpdateFinishedTrialError:  # claimed and finished by another worker since the list was read
+                continue  # (a server database: workers claim without the file lock)
+            if claimed:
+                trial_id = t._trial_id
+                break
+        if trial_id is None and ask:
+            trial_id = study.ask()._trial_id
+        if trial_id is not None:
+            storage.set_trial_system_attr(trial_id, "host", socket.gethostname())
+            storage.set_trial_system_attr(trial_id, "pid", os.getpid())
+    return trial_id
+
+
+def _running_heartbeats(storage, study_id: int):
+    """(the database server's clock, {trial id: last heartbeat or None} of the study's running trials)."""
+    import sqlalchemy  # heavy
+    from optuna.storages._rdb import models  # heavy
+    from optuna.trial import TrialState  # heavy
+
+    with storage.scoped_session() as session:
+        now = session.execute(sqlalchemy.func.now()).scalar().replace(tzinfo=None)
+        rows = (
+            session.query(models.TrialModel.trial_id, models.TrialHeartbeatModel.heartbeat)
+            .outerjoin(
+                models.TrialHeartbeatModel, models.TrialHeartbeatModel.trial_id == models.TrialModel.trial_id
+            )
+            .filter(models.TrialModel.state == TrialState.RUNNING, models.TrialModel.study_id == study_id)
+            .all()
+        )
+    return now, {tid: (beat.replace(tzinfo=None) if beat is not None else None) for tid, beat in rows}
+
+
+def take_over_stale(study, storage, storage_url: str) -> int | None:
+    """No grid point is waiting: watch the other workers' running trials until each is shown alive (its
+    heartbeat advances: left to its worker) or taken over. A trial whose heartbeats stop goes stale after
+    the grace period (Optuna fails it and enqueues its retry, ``RetryHeartbeatStaleTrialCallback``, claimed
+    here); one that never sent a heartbeat (its worker died between its claim and its first beat, which Optuna
+    never calls stale) is put back to WAITING once it has been seen without one for the grace period. The
+    claimed trial resumes from the dead worker's last checkpoint in the shared run directory, into the same
+    MLflow child run. Returns None when no trial is running or every running one has a live worker."""
+    from optuna.exceptions import UpdateFinishedTrialError  # heavy
+    from optuna.storages import fail_stale_trials  # heavy
+    from optuna.trial import TrialState  # heavy
+
+    grace = storage.grace_period
+    first: dict[int, tuple[Any, Any]] = {}  # trial id -> (heartbeat, database time) when first seen
+    alive: set[int] = set()
+    announced = False
+    while True:
+        fail_stale_trials(study)
+        trial_id = claim(study, storage, storage_url)
+        if trial_id is not None:
+            return trial_id
+        now, beats = _running_heartbeats(storage, study._study_id)
+        suspects = []
+        for tid, beat in beats.items():
+            if tid in alive:
+                continue
+            beat0, seen = first.setdefault(tid, (beat, now))
+            if beat is not None and (beat0 is None or beat > beat0):
+                alive.add(tid)  # its worker is beating
+            elif beat is None and (now - seen).total_seconds() > grace:
+                with claim_lock(storage_url), contextlib.suppress(UpdateFinishedTrialError):
+                    storage.set_trial_state_values(tid, state=TrialState.WAITING)
+            else:
+                suspects.append(tid)
+        if not suspects:
+            return None
+        if not announced:
+            print(
+                f"[sweep {study.study_name}] {len(suspects)} running trial(s) sent no recent heartbeat: watching "
+                f"them up to {grace}s to take over any whose worker died",
+                flush=True,
+            )
+            announced = True
+        time.sleep(min(float(storage.heartbeat_interval), POLL_S))
+
+
+class PruningCallback:
+    """Report the validation loss by global step to Optuna; stop the trainer when the pruner says so."""
+
+    def __new__(cls, trial, monitor: str, warmup_steps: int):
+        import lightning as L  # heavy
+
+        class _Cb(L.Callback):
+            pruned = False
+
+            def on_validation_end(self, trainer, pl_module) -> None:
+                value = trainer.callback_metrics.get(monitor)
+                if value is None or trainer.sanity_checking:
+                    return
+                trial.report(float(value), step=trainer.global_step)
+                if trainer.global_step >= warmup_steps and trial.should_prune():
+                    self.pruned = True
+                    trainer.should_stop = True
+
+        return _Cb()
+
+
+def _fault_callback(cfg):
+    """Test-only: the named fault points inside training (see ``recursive_lightning.faults``)."""
+    import lightning as L  # heavy
+
+    t = cfg.train
+
+    class _Faults(L.Callback):
+        fired = False
+
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if not self.fired and t.checkpoint_every < trainer.global_step < t.max_steps:
+                self.fired = True  # once per trial, after its first checkpoint
+                faults.point("mid_training")
+
+        def on_validation_start(self, trainer, pl_module) -> None:
+            if trainer.global_step >= t.max_steps:  # last.ckpt at max_steps is written, no result yet
+                faults.point("final_validation")
+
+        def on_fit_end(self, trainer, pl_module) -> None:  # after the last checkpoint, before result.json
+            faults.point("after_last_checkpoint")
+
+    return _Faults()
+
+
+def axis_params(point: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any]:
+    """A grid point as params of its child run, so the runs can be grouped and compared by each axis: a named
+    axis (``variant: {mesh: {...}}``) as ``axis.variant=mesh``; an axis that is a config field
+    (``model.buffer``, ``train.seed``, a search space's fields) is that field's param already. The ``axis.``
+    prefix puts them first where MLflow orders params by name (the compare view's parallel-coordinates plot
+    starts with the first three params that differ between the runs)."""
+    return {f"axis.{k}": v for k, v in point.items() if k not in flat}
+
+
+def _same_config(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    a, b = json.loads(json.dumps(a, default=str)), json.loads(json.dumps(b, default=str))
+    return all(a[k] == b[k] for k in a.keys() & b.keys() - NEUTRAL_KEYS)
+
+
+def _has_val(metrics: dict[str, Any]) -> bool:
+    return any(k.startswith("val/") for k in metrics)
+
+
+def finished_before(cfg, trial_dir: Path) -> tuple[dict[str, Any] | None, TrainResult | None]:
+    """Whether a trial finished before, as what is on disk says (a kill at any instant loses at most the work
+    since a checkpoint): (the sweep's record ``sweep_result.json`` of this config, None) when there is one, else
+    (None, ``train``'s result) when it reached ``max_steps`` with validation metrics, else (None, None): train."""
+    record = read_json(trial_dir / SWEEP_RESULT)
+    if record is not None and not _same_config(record.get("config") or {}, cfg.flat()):
+        record = None
+    if record is not None:
+        # recorded before the sweep directory was moved or copied: its checkpoint is here now
+        record["checkpoint"] = str(rebased(record["checkpoint"], record.get("trial_dir"), trial_dir))
+        return record, None
+    return None, _finished_result(cfg, trial_dir)
+
+
+def _finished_result(cfg, trial_dir: Path) -> TrainResult | None:
+    """The TrainResult of a trial whose ``train`` finished (its ``result.json`` has validation metrics at
+    ``max_steps``), or None."""
+    r = read_json(trial_dir / "result.json")
+    if r is None or int(r.get("steps") or 0) < cfg.train.max_steps or not _has_val(r.get("metrics") or {}):
+        return None
+    try:  # its checkpoints where the trial directory lies now (a moved or copied sweep)
+        return TrainResult.from_dict(r, trial_dir)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def validate_last_checkpoint(cfg, result: TrainResult) -> TrainResult:
+    """A trial that trained to ``max_steps`` but has no validation metrics (killed between its last checkpoint
+    and its result): validate that checkpoint, as training's final validation would have, and record it."""
+    import lightning as L  # heavy
+
+    from recursive_lightning.training.checkpoint import latest_good  # heavy
+    from recursive_lightning.training.module import RecursiveLMModule  # heavy
+    from recursive_lightning.training.trainer import build_trainer  # heavy
+
+    ckpt = latest_good(result.run_dir / "checkpoints")
+    if ckpt is None:
+        return result
+    L.seed_everything(cfg.train.seed, workers=True, verbose=False)
+    dm = build_datamodule(cfg, result.run_dir)
+    dm.prepare_data()
+    dm.setup("fit")
+    module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
+    trainer = build_trainer(cfg, validate_only=True)
+    trainer.validate(module, datamodule=dm, ckpt_path=str(ckpt), weights_only=False, verbose=False)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    log_metrics(
+        result.tracking_uri,
+        result.mlflow_run_id,
+        {f"final/{k}": v for k, v in metrics.items()},
+        step=result.steps,
+    )
+    set_terminated(result.tracking_uri, result.mlflow_run_id, "FINISHED")
+    result.metrics = metrics
+    atomic_write_text(result.run_dir / "result.json", json.dumps(result.to_dict(), indent=2))
+    return result
+
+
+def _evaluate(spec: SweepSpec, result: TrainResult, tracking_uri: str) -> dict[str, Any]:
+    """The sweep's ``evaluate:`` (perplexity sets, optionally lm-eval tasks) on a finished trial's checkpoint;
+    its paths are relative to the sweep file."""
+    here = spec.path.parent if spec.path is not None else Path.cwd()
+    options = EvalOptions.from_sweep(spec.evaluate, here, tracking_uri)
+    return flat_metrics(evaluate_checkpoint(result.last_checkpoint, options))
+
+
+def _suggest(trial, spec: SweepSpec) -> dict[str, Any]:
+    """A search trial's point, sampled from the sweep's ``search.space``."""
+    point = {}
+    for name, dist in spec.search["space"].items():
+        if "choices" in dist:
+            point[name] = trial.suggest_categorical(name, list(dist["choices"]))
+        elif isinstance(dist["low"], int) and isinstance(dist["high"], int) and not dist.get("log"):
+            point[name] = trial.suggest_int(name, dist["low"], dist["high"], step=dist.get("step", 1))
+        else:
+            point[name] = trial.suggest_float(
+                name, float(dist["low"]), float(dist["high"]), log=bool(dist.get("log"))
+            )
+    return point
+
+
+def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri: str, parent: str) -> None:
+    """Run one claimed trial to its end and tell the study: unless it finished before (``finished_before``) it
+    trains, resuming from its last checkpoint; its result is recorded (``sweep_result.json``) before the study
+    is told."""
+    import optuna  # heavy
+    from optuna.trial import TrialState  # heavy
+
+    trial = optuna.trial.Trial(study, trial_id)
+    point = (
+        grid_point(study._storage.get_trial(trial_id), spec) if spec.search is None else _suggest(trial, spec)
+    )
+    key = trial.user_attrs.get("point_key")
+    if key is None:  # a grid point is enqueued with its key; a trial of a search gets it here
+        key = point_key(point)
+        trial.set_user_attr("point_key", key)
+    cfg = spec.trial_config(point)
+    flat = cfg.flat()
+    trial_dir = run_dir / "trials" / key
+    label = ", ".join(f"{k}={v}" for k, v in point.items())
+    record, result = finished_before(cfg, trial_dir)
+    pruned = bool(record and record.get("pruned"))
+    if record is not None or result is not None:
+        print(
+            f"[sweep {spec.name}] trial {trial.number}: {label} (finished before; its result is kept)",
+            flush=True,
+        )
+    if record is None:
+        if result is None:
+            resume = (trial_dir / "checkpoints").exists() and any((trial_dir / "checkpoints").glob("*.ckpt"))
+            callbacks = []
+            pruner_cb = None
+            if spec.pruning.get("enabled"):
+                pruner_cb = PruningCallback(trial, spec.metric, int(spec.pruning.get("warmup_steps", 0)))
+                callbacks.append(pruner_cb)
+            if faults.active():
+                callbacks.append(_fault_callback(cfg))
+            print(
+                f"[sweep {spec.name}] trial {trial.number}: {label}" + (" (resuming)" if resume else ""),
+                flush=True,
+            )
+            tags = {
+                "sweep": spec.name,
+                "optuna.trial_number": str(trial.number),
+                "point_key": key,
+                "optuna.study": spec.name,
+            }
+            faults.point("before_training")
+            result, in_process = train_trial(
+                cfg,
+                trial_dir,
+                run_dir,
+                resume=resume,
+                tracking_uri=tracking_uri,
+                experiment=spec.name,
+                run_name=key,
+                parent=parent,
+                tags=tags,
+                params=axis_params(point, flat),
+                callbacks=callbacks,
+                who=f"[sweep {spec.name}] trial {trial.number}",
+            )
+            pruned = pruner_cb is not None and pruner_cb.pruned
+            if (
+                in_process
+                and not pruned
+                and not _has_val(result.metrics)
+                and result.steps >= cfg.train.max_steps
+            ):
+                result = validate_last_checkpoint(cfg, result)
+        faults.point("after_result_write")
+        metrics = dict(result.metrics)
+        if spec.evaluate:  # perplexity sets and (optionally) lm-eval tasks on the finished trial
+            metrics.update(_evaluate(spec, result, tracking_uri))
+        record = {
+            "point_key": key,
+            "metrics": metrics,
+            "pruned": pruned,
+            "steps": result.steps,
+            "mlflow_run_id": result.mlflow_run_id,
+            "checkpoint": str(result.last_checkpoint),
+            "trial_dir": str(trial_dir.resolve()),
+            "config": flat,
+        }
+        atomic_write_text(trial_dir / SWEEP_RESULT, json.dumps(record, indent=2, default=str))
+    faults.point("before_tell")
+    # one request: with a tracking server each is a round trip (issue 21's bookkeeping per trial)
+    set_tags(
+        tracking_uri,
+        record["mlflow_run_id"],
+        {"checkpoint": record["checkpoint"], "optuna.trial_number": trial.number},
+    )
+    metrics = record["metrics"]
+    trial.set_user_attr("metrics", metrics)
+    trial.set_user_attr("mlflow_run_id", record["mlflow_run_id"])
+    trial.set_user_attr("checkpoint", record["checkpoint"])
+    trial.set_user_attr("config", flat)
+    trial.set_user_attr("steps", record["steps"])
+    if pruned:
+        study.tell(trial, state=TrialState.PRUNED)
+        faults.point("after_tell")
+        return
+    value = metrics.get(spec.metric)
+    if value is None:
+        raise RuntimeError(f"metric {spec.metric} was not produced by the trial (have: {sorted(metrics)})")
+    study.tell(trial, float(value))
+    faults.point("after_tell")
+
+
+def _failed(spec: SweepSpec, study, storage, trial_id: int, e: Exception) -> None:
+    """A trial raised: record its error and fail it, enqueueing its retry while it has retries left; one no
+    longer this worker's (taken over elsewhere: its new worker finds any result on disk) is left as it is."""
+    from optuna.trial import TrialState  # heavy
+
+    trial = storage.get_trial(trial_id)
+    if trial.state != TrialState.RUNNING:  # taken from this worker (its heartbeats were late)
+        print(
+            f"[sweep {spec.name}] trial {trial.number} was taken over elsewhere ({trial.state.name})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    attempt = int(trial.user_attrs.get("attempt", 0))
+    msg = f"{type(e).__name__}: {e}"
+    print(f"[sweep {spec.name}] trial {trial.number} failed: {msg}", file=sys.stderr, flush=True)
+    storage.set_trial_user_attr(trial_id, "error", msg[:2000])
+    storage.set_trial_user_attr(trial_id, "traceback", traceback.format_exc()[-4000:])
+    study.tell(trial.number, state=TrialState.FAIL)
+    if attempt < spec.max_retries:
+        params = trial.params or dict(trial.system_attrs.get("fixed_params", {}))
+        study.enqueue_trial(
+            params,
+            user_attrs={
+                **({"point": trial.user_attrs["point"]} if "point" in trial.user_attrs else {}),
+                "point_key": trial.user_attrs.get("point_key"),
+                "attempt": attempt + 1,
+                "retry_of": trial.number,
+            },
+            skip_if_exists=False,
+        )
+
+
+def worker(
+    spec: SweepSpec,
+    run_dir: Path,
+    storage_url: str,
+    tracking_uri: str,
+    max_trials: int | None = None,
+    take_over: bool = False,
+) -> int:
+    """Claim and run trials until none is waiting; returns the number of trials run here. With ``take_over``
+    (``sweep --attach``: workers on several machines) it then takes over the trials of dead workers."""
+    import optuna  # heavy
+    from optuna.storages import fail_stale_trials  # heavy
+    from optuna.trial import TrialState  # heavy
+
+    storage = open_storage(storage_url, spec.max_retries)
+    study = optuna.load_study(
+        study_name=spec.name,
+        storage=storage,
+        sampler=optuna.samplers.TPESampler(seed=os.getpid()) if spec.search else None,
+    )
+    parent = study.user_attrs["mlflow_parent_run_id"]
+    done = 0
+    while max_trials is None or done < max_trials:
+        fail_stale_trials(study)
+        if spec.search is None:
+            trial_id = claim(study, storage, storage_url)
+            if trial_id is None and take_over:
+                trial_id = take_over_stale(study, storage, storage_url)
+            if trial_id is None:
+                break
+            faults.point("after_claim")  # claimed, no heartbeat sent yet
+        else:
+            n = len(
+                study.get_trials(
+                    deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING, TrialState.PRUNED)
+                )
+            )
+            trial_id = claim(study, storage, storage_url, ask=n < int(spec.search["n_trials"]))
+            if trial_id is None:
+                break
+        with Heartbeat(storage, trial_id):
+            try:
+                run_trial(spec, study, trial_id, run_dir, tracking_uri, parent)
+            except (KeyboardInterrupt, SystemExit):
+                # stopped (Ctrl-C; SIGTERM: a scheduler's pre-emption): the trial waits again, and the next worker
+                # resumes it from its last checkpoint into the same child run without waiting out its heartbeats
+                with contextlib.suppress(Exception):
+                    storage.set_trial_state_values(trial_id, state=TrialState.WAITING)
+                raise
+            except Exception as e:
+                if stop_requested.is_set():
+                    # an error raised while the trial was stopping (a library turning the signal into an exception
+                    # of its own, a teardown cut short): a pre-emption, not a failure that spends a retry
+                    with contextlib.suppress(Exception):
+                        storage.set_trial_state_values(trial_id, state=TrialState.WAITING)
+                    raise Stop() from e
+                _failed(spec, study, storage, trial_id, e)
+        done += 1
+    return done
