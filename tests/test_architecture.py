@@ -1,0 +1,275 @@
+"""The package's architecture, checked: the import-linter contracts of pyproject.toml (layers, the model layer's
+forbidden imports, no cycles between sibling packages) and what import-linter cannot express, read from the
+source: module size, cycles between modules through function-local imports too, the reason comment of every
+function-local import, and ``__all__`` naming only public names that exist. Each failure names the offending
+modules and lines."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tokenize
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "recursive_lightning"
+MAX_LINES = 600
+LOCAL_IMPORT_REASONS = ("# heavy", "# optional")
+# what a `# heavy` import may load: RULES.md's libraries kept off a light start path, and the others that take
+# a good part of a second to import
+HEAVY = {
+    "torch",
+    "lightning",
+    "mlflow",
+    "optuna",
+    "matplotlib",
+    "lm_eval",
+    "transformers",
+    "litdata",
+    "scipy",
+}
+HEAVY |= {"datasets", "pandas", "pyarrow", "sqlalchemy", "psycopg", "psycopg2", "numpy"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+@cache
+def tree(name: str) -> ast.Module:
+    path = modules()[name]
+    return ast.parse(path.read_text(), str(path))
+
+
+def where(name: str, line: int) -> str:
+    return f"{modules()[name].relative_to(ROOT)}:{line}"
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return isinstance(test, ast.Name | ast.Attribute) and ast.unparse(test).endswith("TYPE_CHECKING")
+
+
+def imports(name: str) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement run at some point (``if TYPE_CHECKING:`` blocks left out), each with whether it
+    sits inside a function."""
+    out: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
+
+    def visit(node: ast.AST, local: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for other in child.orelse:
+                    visit(other, local)
+                continue
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                out.append((child, local))
+            visit(child, local or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda))
+
+    visit(tree(name), False)
+    return out
+
+
+def absolute(name: str, node: ast.ImportFrom) -> str:
+    """The module ``from ... import`` reads from, relative imports resolved."""
+    if not node.level:
+        return node.module or ""
+    base = name.split(".")
+    is_package = modules()[name].name == "__init__.py"
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imported_modules(name: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The modules (of any package) one statement imports: ``from pkg import mod`` names the module ``pkg.mod``
+    when it is one of ours."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    source = absolute(name, node)
+    out = []
+    for alias in node.names:
+        sub = f"{source}.{alias.name}"
+        out.append(sub if sub in modules() else source)
+    return list(dict.fromkeys(out))
+
+
+def internal_edges(name: str) -> dict[str, int]:
+    """Our modules ``name`` imports anywhere in it (function-local imports included) -> first line."""
+    out: dict[str, int] = {}
+    for node, _ in imports(name):
+        for target in imported_modules(name, node):
+            if target in modules() and target != name:
+                out.setdefault(target, node.lineno)
+    return out
+
+
+def comments(name: str) -> dict[int, str]:
+    tokens = tokenize.generate_tokens(io.StringIO(modules()[name].read_text()).readline)
+    return {t.start[0]: t.string.strip() for t in tokens if t.type == tokenize.COMMENT}
+
+
+_VISITING: set[str] = set()
+
+
+@cache
+def pulls_heavy(name: str) -> bool:
+    """Whether importing our module ``name`` loads a heavy library, through module-level imports."""
+    if name in _VISITING:  # a cycle: the other path decides
+        return False
+    _VISITING.add(name)
+    try:
+        return any(heavy_target(name, node) for node, local in imports(name) if not local)
+    finally:
+        _VISITING.discard(name)
+
+
+def heavy_target(name: str, node: ast.Import | ast.ImportFrom) -> bool:
+    for target in imported_modules(name, node):
+        if target.split(".")[0] in HEAVY:
+            return True
+        # the package's own __init__ runs first: follow the parents too
+        parts = target.split(".")
+        ours = [".".join(parts[:i]) for i in range(2, len(parts) + 1)]
+        if any(m in modules() and m != name and pulls_heavy(m) for m in ours):
+            return True
+    return False
+
+
+def lint_imports() -> str:
+    for candidate in (Path(sys.executable).parent / "lint-imports", shutil.which("lint-imports")):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    pytest.fail(
+        f"lint-imports is not installed beside {sys.executable} (import-linter, requirements.lock): run ./setup.sh"
+    )
+
+
+def test_import_linter_contracts_are_kept():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [lint_imports(), "--no-cache"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    report = out.stdout + out.stderr
+    assert out.returncode == 0, (
+        "import-linter contracts broken (pyproject.toml [tool.importlinter]):\n"
+        + (report.split("Broken contracts", 1)[-1])
+    )
+
+
+def test_no_module_is_over_600_lines():
+    long = {name: len(p.read_text().splitlines()) for name, p in modules().items()}
+    over = [
+        f"{modules()[n].relative_to(ROOT)}: {lines} lines" for n, lines in long.items() if lines > MAX_LINES
+    ]
+    assert not over, f"modules over {MAX_LINES} lines (split them by concept):\n" + "\n".join(over)
+
+
+def test_no_import_cycle_between_modules_counting_function_local_imports():
+    graph = {name: internal_edges(name) for name in modules()}
+    # Tarjan's strongly connected components
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    lines = []
+    for component in sorted(cycles):
+        lines.append("cycle among " + ", ".join(component) + ":")
+        members = set(component)
+        for a in component:
+            for b, line in sorted(graph[a].items()):
+                if b in members:
+                    lines.append(f"  {where(a, line)}: {a} -> {b}")
+    assert not cycles, "import cycles (function-local imports counted):\n" + "\n".join(lines)
+
+
+def test_every_function_local_import_says_heavy_or_optional():
+    bad = []
+    for name in modules():
+        notes = comments(name)
+        for node, local in imports(name):
+            if not local:
+                continue
+            said = {notes.get(node.lineno), notes.get(node.end_lineno)}
+            if not said & set(LOCAL_IMPORT_REASONS):
+                text = ast.unparse(node)
+                comment = next((c for c in said if c), None)
+                bad.append(f"{where(name, node.lineno)}: {text}" + (f"  {comment}" if comment else ""))
+    assert not bad, (
+        "function-local imports without a trailing `# heavy` or `# optional` (RULES.md: move them to the top "
+        "of the module, or say why they are local):\n" + "\n".join(bad)
+    )
+
+
+def test_every_heavy_local_import_loads_a_heavy_library():
+    bad = []
+    for name in modules():
+        notes = comments(name)
+        for node, local in imports(name):
+            if local and "# heavy" in {notes.get(node.lineno), notes.get(node.end_lineno)}:
+                if not heavy_target(name, node):
+                    bad.append(f"{where(name, node.lineno)}: {ast.unparse(node)}")
+    assert not bad, (
+        f"`# heavy` local imports that load none of {', '.join(sorted(HEAVY))} (at the module's import, "
+        "through our modules too): move them to the top of the module:\n" + "\n".join(bad)
+    )
+
+
+def modules_with_all() -> list[str]:
+    return [
+        name
+        for name in modules()
+        if any(
+            isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign)
+            and "__all__" in ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
+            for node in tree(name).body
+        )
+    ]
+
+
+@pytest.mark.parametrize("name", modules_with_all())
+def test_all_names_only_public_names_that_exist(name):
+    module = importlib.import_module(name)
+    names = list(module.__all__)
+    problems = [f"'{n}' is listed twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    problems += [f"'{n}' is private (starts with _)" for n in names if n.startswith("_")]
+    problems += [f"'{n}' does not exist in the module" for n in names if not hasattr(module, n)]
+    assert not problems, f"{modules()[name].relative_to(ROOT)} __all__: " + "; ".join(problems)
