@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from recursive_lightning.evaluation.options import EvalOptions
 from recursive_lightning.evaluation.run import evaluate_checkpoint
 from recursive_lightning.sweep.runner import main as sweep_main
 
@@ -38,6 +39,6 @@ def run_sweep(
 def evaluate(checkpoint: str | os.PathLike, **options: Any) -> dict[str, Any]:
     """Evaluate a checkpoint (a ``.ckpt`` file or a run directory) as ``recursive_lightning eval`` does:
     ``ppl_sets={"heldout": "embedded:heldout"}``, ``tasks=None`` or lm-eval task names, ``shots``, ``limit``,
-    ``context_lengths``, ``device``, ``mlflow``... Returns the JSON-ready result (also written to
-    ``<run>/eval``)."""
-    return evaluate_checkpoint(checkpoint, **options)
+    ``context_lengths``, ``device``, ``mlflow``... (the fields of :class:`EvalOptions`). Returns the JSON-ready
+    result (also written to ``<run>/eval``)."""
+    return evaluate_checkpoint(checkpoint, EvalOptions(**options))

@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "recursive_lightning"
 MAX_LINES = 600
-LOCAL_IMPORT_REASONS = ("# heavy", "# optional")
+LOCAL_IMPORT_REASONS = ("# heavy", "# optional", "# startup")  # startup: a module a .pth runs at every start
 # what a `# heavy` import may load: RULES.md's libraries kept off a light start path, and the others that take
 # a good part of a second to import
 HEAVY = {
@@ -36,7 +36,7 @@ HEAVY = {
     "litdata",
     "scipy",
 }
-HEAVY |= {"datasets", "pandas", "pyarrow", "sqlalchemy", "psycopg", "psycopg2", "numpy"}
+HEAVY |= {"datasets", "pandas", "pyarrow", "sqlalchemy", "psycopg", "psycopg2", "numpy", "tqdm"}
 
 
 def module_name(path: Path) -> str:
@@ -117,8 +117,16 @@ def internal_edges(name: str) -> dict[str, int]:
 
 
 def comments(name: str) -> dict[int, str]:
+    """Line -> its comment, a leading ``# noqa: ...`` dropped (``import x  # noqa: F401  # heavy`` says heavy)."""
     tokens = tokenize.generate_tokens(io.StringIO(modules()[name].read_text()).readline)
-    return {t.start[0]: t.string.strip() for t in tokens if t.type == tokenize.COMMENT}
+    out = {}
+    for t in tokens:
+        if t.type == tokenize.COMMENT:
+            text = t.string.strip()
+            if text.startswith("# noqa") and "  # " in text:
+                text = "# " + text.split("  # ", 1)[1]
+            out[t.start[0]] = text
+    return out
 
 
 _VISITING: set[str] = set()
@@ -234,7 +242,7 @@ def test_every_function_local_import_says_heavy_or_optional():
                 comment = next((c for c in said if c), None)
                 bad.append(f"{where(name, node.lineno)}: {text}" + (f"  {comment}" if comment else ""))
     assert not bad, (
-        "function-local imports without a trailing `# heavy` or `# optional` (RULES.md: move them to the top "
+        "function-local imports without a trailing `# heavy`, `# optional` or `# startup` (RULES.md: move them to the top "
         "of the module, or say why they are local):\n" + "\n".join(bad)
     )
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning.data.embedded_tasks import HELDOUT_FRACTION, default_cache_dir
 from recursive_lightning.errors import UserError
 
 PAPER_TASKS = (
@@ -396,8 +397,6 @@ def embedded_metadata(loaded: Any, tasks: Sequence[str], notes: list[str]) -> di
     trained on the embedded corpus with fewer held-out documents than the tasks are built from."""
     if not any(t in EMBEDDED_NAMES for t in tasks):
         return None
-    from recursive_lightning.data.embedded_tasks import HELDOUT_FRACTION, default_cache_dir  # heavy
-
     data = getattr(loaded.run, "data", None)
     if data is not None and data.path is None and float(data.val_fraction) < HELDOUT_FRACTION:
         notes.append(

@@ -65,7 +65,7 @@ def register_models() -> list[str]:
 
     found = dict(OURS)
     try:
-        from importlib.metadata import entry_points  # heavy
+        from importlib.metadata import entry_points  # startup
 
         for ep in entry_points(group=GROUP):
             found.setdefault(ep.name, ep.value)
@@ -136,13 +136,13 @@ def deactivate() -> None:
 
 
 def site_packages() -> str:
-    import sysconfig  # heavy
+    import sysconfig  # startup
 
     return sysconfig.get_paths()["purelib"]
 
 
 def pth_path(site_dir: str | None = None):
-    from pathlib import Path  # heavy
+    from pathlib import Path  # startup
 
     return Path(site_dir or site_packages()) / PTH_NAME
 

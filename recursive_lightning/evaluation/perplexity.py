@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from recursive_lightning.data.corpus import embedded_corpus_documents
 from recursive_lightning.errors import UserError
 from recursive_lightning.progress import Progress
 
@@ -391,7 +392,6 @@ def read_texts(path: str | os.PathLike) -> list[str]:
     a ``text`` field, or a JSON string, per line), a ``.json`` list of those, or a folder of such files;
     ``embedded:heldout`` is the embedded corpus's held-out documents (the split ``train`` validates on)."""
     if str(path) == EMBEDDED_HELDOUT:
-        from recursive_lightning.data.corpus import embedded_corpus_documents  # heavy
         from recursive_lightning.data.shards import split_documents  # heavy
 
         return split_documents(embedded_corpus_documents())[1]

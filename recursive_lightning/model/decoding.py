@@ -23,7 +23,16 @@ from dataclasses import dataclass, field
 import torch
 
 from recursive_lightning.model.block import KV
-from recursive_lightning.model.recursive.resolution import StepCache
+
+
+@dataclass
+class StepCache:
+    """What a multi-resolution step keeps between decoding calls: how many positions it has seen, their
+    input states h^(t) from the first incomplete chunk on, and the core outputs z^ of every complete chunk."""
+
+    seen: int = 0
+    pending: torch.Tensor | None = None  # (b, positions of the incomplete chunk seen so far, d)
+    z_hat: torch.Tensor | None = None  # (b, complete chunks, d)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from pathlib import Path
 from recursive_lightning import faults
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import writable_dir_problem
+from recursive_lightning.sweep.checks import check_late_fields
 from recursive_lightning.sweep.devices import device_pool, devices_needed
 from recursive_lightning.sweep.launch import PARENT_ENV, Stop, die_with_parent, on_sigterm, spawn_workers
 from recursive_lightning.sweep.parent import close_parent, open_parent
@@ -54,7 +55,6 @@ from recursive_lightning.tracking.runs import default_tracking_uri
 from recursive_lightning.tracking.view import ui_hint
 from recursive_lightning.training.run import build_datamodule
 from recursive_lightning.uris import mask_url
-from recursive_lightning.validation import check_late_fields
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SWEEP = REPO / "ablations" / "default.yaml"

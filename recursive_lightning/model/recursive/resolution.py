@@ -19,7 +19,6 @@ reshape, weighted sum) are the reference they are tested against and what ``torc
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +26,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.decoding import StepCache
 from recursive_lightning.model.precision import no_autocast
 
 
@@ -201,16 +201,6 @@ class ResolutionStep(nn.Module):
             beta = self.allocation(z)  # Eq. 21
             u = self.gain * beta.gather(-1, slot.expand(z.shape[0], -1).unsqueeze(-1)) * z  # Eq. 19
         return u * (src >= 0).to(u.dtype)[:, None]
-
-
-@dataclass
-class StepCache:
-    """What a multi-resolution step keeps between decoding calls: how many positions it has seen, their
-    input states h^(t) from the first incomplete chunk on, and the core outputs z^ of every complete chunk."""
-
-    seen: int = 0
-    pending: torch.Tensor | None = None  # (b, positions of the incomplete chunk seen so far, d)
-    z_hat: torch.Tensor | None = None  # (b, complete chunks, d)
 
 
 # ---------------------------------------------------------------------------------------------- chunk maps
