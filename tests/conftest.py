@@ -202,3 +202,15 @@ def mlflow_server(pg, tmp_path_factory):
     backend = pg.create_database("mlflow")
     with servers.LocalMlflowServer(backend, tmp_path_factory.mktemp("mlflow") / "artifacts") as server:
         yield server.uri
+
+
+def sweep_file(tmp_path: Path, cache: str, rows: dict, seeds=(0,), steps: int = 12) -> Path:
+    overrides = {
+        "model.layout": "1+2R2+1",
+        "data.seq_len": 64,
+        "data.batch_size": 8,
+        "train.max_steps": steps,
+        "train.val_every": 6,
+        "train.checkpoint_every": 4,
+    }
+    return write_sweep(tmp_path / "sweep.yaml", cache, "tiny-sweep", {"variant": rows}, seeds, overrides)

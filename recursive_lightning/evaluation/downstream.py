@@ -230,7 +230,7 @@ def _offline_sentence(tm: Any, name: str, err: BaseException) -> str:
         f"task '{name}' needs {what}, which is not in the local datasets cache and cannot be downloaded offline; "
         f"run once with network access to cache it, or point the harness at a local copy: {copy} with `dataset_path: json` "
         f"and `dataset_kwargs: {{data_files: {{{split}: /abs/path/{name}.jsonl}}}}`, in a folder passed with --include-path "
-        "(tests/data has examples)."
+        "(tests/fixtures has examples)."
     )
 
 

@@ -112,7 +112,7 @@ STREAM_CHUNKS = 8  # decoder chunks per piece when a chunk-local model streams a
 def hidden_states(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``model.hidden(x)``; a model without a context window whose decoder is chunk-local (Mela) runs a long
     input through its decoding cache a few chunks at a time, so activation memory stays that of one piece
-    (the same states, ``tests/test_mela.py``); every other model needs the full window at once."""
+    (the same states, ``tests/model/test_mela.py``); every other model needs the full window at once."""
     piece = getattr(model.cfg, "tokens_per_chunk", 0) * STREAM_CHUNKS
     if getattr(model, "window", 0) is not None or x.shape[1] <= piece:
         return model.hidden(x)

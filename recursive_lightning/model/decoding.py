@@ -12,7 +12,7 @@ topologies act per position, so their state (MeSH's buffer, the anchors) needs n
     h = model.hidden(next_tokens, cache=cache)   # one (or more) new positions per call
 
 Every call returns what the full forward gives for those positions, up to float rounding
-(``tests/test_decoding.py``).
+(``tests/model/test_decoding.py``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
     max_retries: 2
     workers: 2                                    # worker processes (default 1; --workers overrides)
     pruning: {enabled: false, warmup_steps: 100}
-    evaluate: {ppl: {name: path}, tasks: [], limit: 50, shots: [0],   # after each trial (evaluation/run.py)
+    evaluate: {ppl: {name: path}, tasks: [], limit: 50, shots: [0],   # after each trial (evaluation/options.py)
                context_lengths: [256, 1024, 4096], ctx_set: name, ctx_max_tokens: 16384}
     report: {plot: line, x: model.buffer,         # hints for the report's figures; baseline: the row the
              baseline: anchor}                    # report's paired differences (same seed) are taken to

@@ -145,7 +145,7 @@ def is_accuracy(key: str) -> bool:
 
 
 def headline_metrics(trials: Sequence[dict[str, Any]]) -> dict[tuple[str, str], str]:
-    """(task, shots) -> the metric key the papers report for it (``evaluation.run.headline``: acc_norm for
+    """(task, shots) -> the metric key the papers report for it (``evaluation.downstream.headline``: acc_norm for
     PIQA, HellaSwag, ARC, SciQ; acc for LAMBADA, WinoGrande, cMMLU; else acc, acc_norm, exact_match)."""
     names: dict[tuple[str, str], dict[str, float]] = {}
     for t in trials:

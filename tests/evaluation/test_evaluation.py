@@ -28,7 +28,7 @@ from recursive_lightning.model.build import build_model
 from recursive_lightning.model.config import LLAMA
 from recursive_lightning.training.checkpoint import load_checkpoint, save_model_checkpoint
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "fixtures"
 MAX_LEN = 32
 FAMILIES = {
     "vanilla": {"layout": "4"},
@@ -88,7 +88,7 @@ def ckpts(tmp_path_factory, tokenizer) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def local_tasks(tmp_path_factory) -> Path:
-    """tests/data task YAMLs with absolute data_files (datasets resolves relative ones from the cwd)."""
+    """tests/fixtures task YAMLs with absolute data_files (datasets resolves relative ones from the cwd)."""
     out = tmp_path_factory.mktemp("tasks")
     cache = tmp_path_factory.mktemp("hf_datasets")
     for y in DATA.glob("*.yaml"):

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from test_sweep import ENV, run_sweep, sweep_file
+from conftest import ENV, run_sweep, sweep_file
 
 from recursive_lightning.tracking.runs import client
 from recursive_lightning.tracking.view import SHARED_VIEW_TAG, VIEW_KEY

@@ -16,21 +16,9 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from conftest import ENV, ROOT, run_sweep, sweep_runs, write_sweep
+from conftest import ENV, ROOT, run_sweep, sweep_file, sweep_runs
 
 from recursive_lightning.errors import ConfigError, UserError
-
-
-def sweep_file(tmp_path: Path, cache: str, rows: dict, seeds=(0,), steps: int = 12) -> Path:
-    overrides = {
-        "model.layout": "1+2R2+1",
-        "data.seq_len": 64,
-        "data.batch_size": 8,
-        "train.max_steps": steps,
-        "train.val_every": 6,
-        "train.checkpoint_every": 4,
-    }
-    return write_sweep(tmp_path / "sweep.yaml", cache, "tiny-sweep", {"variant": rows}, seeds, overrides)
 
 
 def study_trials(run_dir: Path):
@@ -197,7 +185,7 @@ def test_ui_serves_a_copied_sweep_directory(two_worker_sweep, tmp_path):
 
 def test_sweep_evaluates_finished_trials(tmp_path, data_cache):
     """evaluate: perplexity on a named text set and a local lm-eval task for every finished trial."""
-    data = ROOT / "tests" / "data"
+    data = ROOT / "tests" / "fixtures"
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     cfg = yaml.safe_load((data / "tiny_mc.yaml").read_text())

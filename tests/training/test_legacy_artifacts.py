@@ -1,5 +1,5 @@
 """A checkpoint, a run directory and a sweep directory written by the code before the package was reorganised
-(issue 32; ``tests/data/legacy``, commit 018207c) still load, resume, evaluate, generate and report, with the
+(issue 32; ``tests/fixtures/legacy``, commit 018207c) still load, resume, evaluate, generate and report, with the
 figures the old code gave."""
 
 import json
@@ -13,7 +13,7 @@ import torch
 
 from recursive_lightning.cli import main as cli
 
-LEGACY = Path(__file__).parent / "data" / "legacy"
+LEGACY = Path(__file__).resolve().parents[1] / "fixtures" / "legacy"
 OLD_PPL = 289.5119948313246  # `eval run --ppl doc=doc.txt` by the old code
 OLD_GENERATION = "un\n un\n un\n "  # `generate run --prompt "The shared core" --max-new-tokens 12`
 

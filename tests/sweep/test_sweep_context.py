@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import yaml
-from conftest import ENV, run_sweep
-from test_sweep import study_trials, sweep_file
+from conftest import ENV, run_sweep, sweep_file
+from test_sweep import study_trials
 
 
 def test_sweep_report_plots_perplexity_by_context_length(tmp_path, data_cache):

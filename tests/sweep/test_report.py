@@ -8,16 +8,15 @@ import shutil
 
 import pytest
 import yaml
-from conftest import ROOT, run_sweep
+from conftest import ROOT, run_sweep, sweep_file
 from mlflow.tracking import MlflowClient
 from scipy import stats
-from test_sweep import sweep_file
 
 
 @pytest.fixture(scope="module")
 def tiny_report_sweep(tmp_path_factory, data_cache):
     tmp = tmp_path_factory.mktemp("report")
-    data = ROOT / "tests" / "data"
+    data = ROOT / "tests" / "fixtures"
     (tmp / "tasks").mkdir()
     task = yaml.safe_load((data / "tiny_mc.yaml").read_text())
     task["dataset_kwargs"]["data_files"] = {
@@ -117,7 +116,7 @@ def test_results_table_holds_the_trials_values(tiny_report_sweep):
             assert v
             rates.append(len(v) / sum(1 / x for x in v))
         assert table[row]["values"]["tokens_per_sec"] == pytest.approx(rates)
-    # downstream accuracy (MeSH Table 2): the headline metric of evaluation.run.headline (acc for a task
+    # downstream accuracy (MeSH Table 2): the headline metric of evaluation.downstream.headline (acc for a task
     # the papers do not name)
     down = dict(zip(_columns(md, "## Downstream accuracy"), _row_line(md, "## Downstream accuracy", "mesh")))
     accs = [100 * trials[("mesh", s)][0]["metrics"]["eval/tiny_mc/0shot/acc"] for s in (0, 1)]

@@ -377,7 +377,7 @@ def test_ctrl_c_during_training_exits_130_and_marks_the_run_killed(tmp_path, tin
 
     cfg = tiny_run()
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     p = subprocess.run(
         [sys.executable, "-c", INTERRUPT_AT, str(tmp_path / "c.yaml"), str(tmp_path / "run")],
         env={**os.environ, "PYTHONPATH": str(root)},

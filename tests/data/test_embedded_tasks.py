@@ -231,7 +231,7 @@ def test_sweep_files_evaluate_the_embedded_tasks(tmp_path):
     from recursive_lightning.errors import ConfigError, UserError
     from recursive_lightning.sweep.spec import load_sweep
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     spec = load_sweep(root / "ablations" / "default.yaml")
     assert ev.expand_tasks(spec.evaluate["tasks"]) == (list(et.EMBEDDED_TASKS), set())
     base = root / "experiments" / "cpu" / "looped-mesh.yaml"

@@ -17,7 +17,7 @@ from recursive_lightning.errors import ConfigError
 from recursive_lightning.training.checkpoint import CheckpointError, load_checkpoint, read_checkpoint
 from recursive_lightning.training.run import train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from recursive_lightning.sweep import servers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 ENV.pop("RECURSIVE_LIGHTNING_FAULT", None)
 
