@@ -39,6 +39,6 @@ def run_sweep(
 def evaluate(checkpoint: str | os.PathLike, **options: Any) -> dict[str, Any]:
     """Evaluate a checkpoint (a ``.ckpt`` file or a run directory) as ``recursive_lightning eval`` does:
     ``ppl_sets={"heldout": "embedded:heldout"}``, ``tasks=None`` or lm-eval task names, ``shots``, ``limit``,
-    ``context_lengths``, ``device``, ``mlflow``... (the fields of :class:`EvalOptions`). Returns the JSON-ready
-    result (also written to ``<run>/eval``)."""
+    ``context_lengths``, ``device`` (default cpu; the CLI picks cuda when there is one), ``mlflow``... (the fields
+    of :class:`EvalOptions`). Returns the JSON-ready result (also written to ``<run>/eval``)."""
     return evaluate_checkpoint(checkpoint, EvalOptions(**options))

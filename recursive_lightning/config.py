@@ -115,6 +115,10 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
+    """One run: its ``name`` (the MLflow experiment and run name), ``model`` (:class:`ModelConfig`), ``data``
+    and ``train`` sections, as a run YAML has them; :meth:`from_dict` / :func:`load_run_config` check every
+    field, :meth:`to_dict` gives the YAML's mapping back."""
+
     name: str = "run"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

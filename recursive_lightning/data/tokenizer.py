@@ -75,7 +75,7 @@ def _save_atomically(tok: Tokenizer, target: Path) -> None:
         tok.save(tmp)
 
 
-def _ensure_eos(tok: Tokenizer) -> Tokenizer:
+def ensure_eos(tok: Tokenizer) -> Tokenizer:
     if tok.token_to_id(EOS_TOKEN) is None:
         tok.add_special_tokens([EOS_TOKEN])
     tok.no_padding()
@@ -145,14 +145,14 @@ def load_tokenizer(
     spec = spec.strip()
     if spec.startswith("bpe:"):
         tok = _load_bpe(spec[4:], spec, documents_fn, Path(cache_dir), corpus_fingerprint)
-        return _ensure_eos(tok)
+        return ensure_eos(tok)
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
     if path.is_file():
-        return _ensure_eos(_load_file(path))
+        return ensure_eos(_load_file(path))
     if spec.endswith(".json") or spec.startswith(("/", ".", "~")) or path.is_dir():
         raise DataError(
             f"The tokenizer file {path} does not exist; pass an existing tokenizer.json, a Hub name or bpe:<n>."
         )
-    return _ensure_eos(_load_hub(spec))
+    return ensure_eos(_load_hub(spec))

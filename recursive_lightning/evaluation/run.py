@@ -291,7 +291,9 @@ def _mlflow_target(loaded: Any, run_dir: Path, tracking_uri: str | None) -> dict
     return {"tracking_uri": uri, "run_id": new_id, "created": True}
 
 
-def _safe(name: str) -> str:
+def metric_name(name: str) -> str:
+    """``name`` (a perplexity set, a task, a metric) as one part of an MLflow metric key: characters MLflow
+    refuses become ``_`` (``flat_metrics`` and a sweep's metric checks name keys with it)."""
     return re.sub(r"[^\w\-. /:]", "_", name)
 
 
@@ -299,8 +301,8 @@ def flat_metrics(result: dict[str, Any]) -> dict[str, float]:
     """The MLflow metrics of a result: eval/ppl/<name>, eval/ppl_ctx/<L>, eval/<task>/<k>shot/<metric>, eval/avg/<k>shot."""
     out: dict[str, float] = {}
     for name, r in result.get("ppl", {}).items():
-        out[f"eval/ppl/{_safe(name)}"] = r["ppl"]
-        out[f"eval/bpb/{_safe(name)}"] = r["bits_per_byte"]
+        out[f"eval/ppl/{metric_name(name)}"] = r["ppl"]
+        out[f"eval/bpb/{metric_name(name)}"] = r["bits_per_byte"]
     for L, r in result.get("ppl_ctx", {}).get("lengths", {}).items():
         if "ppl" in r:
             out[f"eval/ppl_ctx/{L}"] = r["ppl"]
@@ -308,7 +310,7 @@ def flat_metrics(result: dict[str, Any]) -> dict[str, float]:
     for k, tasks in result.get("tasks", {}).items():
         for t, entry in tasks.items():
             for m, v in entry["metrics"].items():
-                out[f"eval/{_safe(t)}/{k}shot/{_safe(m)}"] = v
+                out[f"eval/{metric_name(t)}/{k}shot/{metric_name(m)}"] = v
     for k, v in result.get("avg", {}).items():
         if v is not None:
             out[f"eval/avg/{k}shot"] = v

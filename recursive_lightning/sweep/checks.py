@@ -8,7 +8,7 @@ from typing import Any
 
 from recursive_lightning.errors import ConfigError, UserError
 from recursive_lightning.evaluation.downstream import check_tasks, expand_tasks, task_manager
-from recursive_lightning.evaluation.run import _safe
+from recursive_lightning.evaluation.run import metric_name
 
 
 def _positive_int(v: Any) -> bool:
@@ -86,12 +86,12 @@ def trial_metrics(evaluate: dict) -> list[str]:
     ``evaluation.run.flat_metrics`` names them); ``eval/<task>/<k>shot/`` prefixes end in ``/``."""
     names = ["val/heldout/loss", "val/heldout/ppl"]
     for name in (evaluate.get("ppl") or {}) if isinstance(evaluate.get("ppl"), dict) else {}:
-        names += [f"eval/ppl/{_safe(str(name))}", f"eval/bpb/{_safe(str(name))}"]
+        names += [f"eval/ppl/{metric_name(str(name))}", f"eval/bpb/{metric_name(str(name))}"]
     for length in evaluate.get("context_lengths") or []:
         names += [f"eval/ppl_ctx/{length}", f"eval/ppl_ctx_last/{length}"]
     tasks, _ = expand_tasks(evaluate.get("tasks") or [])
     for k in evaluate.get("shots", [0]) if tasks else []:
-        names += [f"eval/{_safe(t)}/{k}shot/" for t in tasks] + [f"eval/avg/{k}shot"]
+        names += [f"eval/{metric_name(t)}/{k}shot/" for t in tasks] + [f"eval/avg/{k}shot"]
     return names
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from recursive_lightning.sweep.spec import SEED_AXIS
 from recursive_lightning.sweep.tables import Row, mean_std, trial_value
-from recursive_lightning.tracking import view as tracking_view
+from recursive_lightning.tracking import view
 from recursive_lightning.tracking.runs import client, log_batch
 
 
@@ -112,7 +112,7 @@ def log_ranking(
 ) -> None:
     """Write the ranking to MLflow: ``row/<metric>``, ``report/rank`` (1 = best) and a description on each
     trial's run; the parent's tags (``best_row``, ``best_trial``, ``best_trial_run_id``, ``report.metric``),
-    metric ``best/<metric>`` (the best row's mean) and description (``tracking_view.parent_note``); and the
+    metric ``best/<metric>`` (the best row's mean) and description (``tracking.view.parent_note``); and the
     experiment's ranked view of its runs table."""
     c = client(tracking_uri)
     exp_id = c.get_run(parent).info.experiment_id
@@ -126,24 +126,24 @@ def log_ranking(
                 continue
             place += 1
             if t.get("mlflow_run_id"):
-                note = tracking_view.trial_note(
+                note = view.trial_note(
                     exp_id, parent, r.name, t["params"].get(SEED_AXIS), place, metric, value, r.mean
                 )
                 log_batch(
                     tracking_uri,
                     t["mlflow_run_id"],
-                    {tracking_view.ROW_PREFIX + metric: r.mean, tracking_view.RANK: place},
-                    {tracking_view.NOTE_TAG: note},
+                    {view.ROW_PREFIX + metric: r.mean, view.RANK: place},
+                    {view.NOTE_TAG: note},
                 )
     row, trial = best(ranking)
-    tags: dict[str, Any] = {tracking_view.RANKED_TAG: metric}
+    tags: dict[str, Any] = {view.RANKED_TAG: metric}
     metrics = {}
     if row is not None:
         tags.update(best_row=row.name, best_trial=str(trial.get("key")))
         if trial.get("mlflow_run_id"):
             tags["best_trial_run_id"] = trial["mlflow_run_id"]
         metrics[f"best/{metric}"] = row.mean
-    tags[tracking_view.NOTE_TAG] = tracking_view.parent_note(
+    tags[view.NOTE_TAG] = view.parent_note(
         exp_id,
         parent,
         metric,
@@ -153,4 +153,4 @@ def log_ranking(
         [(run_name(t), t.get("mlflow_run_id")) for r in ranking for t in r.trials],
     )
     log_batch(tracking_uri, parent, metrics, tags)
-    tracking_view.publish_views(tracking_uri, [exp_id])
+    view.publish_views(tracking_uri, [exp_id])

@@ -58,7 +58,7 @@ def collect(storage_url: str, study_name: str) -> tuple[list[dict], list[dict], 
     for t in study.get_trials(deepcopy=False):
         row = {
             "number": t.number,
-            # a grid trial's point is its fixed parameters (runner.grid_point); a search trial's, its params
+            # a grid trial's point is its fixed parameters (study.grid_point); a search trial's, its params
             "params": dict(t.params)
             or dict(t.user_attrs.get("point") or t.system_attrs.get("fixed_params") or {}),
             "metrics": dict(t.user_attrs.get("metrics", {})),

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.processes import dies_with_parent, stop_group
-from recursive_lightning.tracking.runs import _sqlite_parts, absolute_uri
+from recursive_lightning.tracking.runs import absolute_uri, sqlite_parts
 from recursive_lightning.uris import mask_url, same_server
 
 CONNECT_TIMEOUT_S = 10
@@ -184,7 +184,7 @@ def recorded_study(storage_url: str, name: str, tracking_uri: str | None = None)
 def _moved_with_its_study(storage_url: str, recorded_dir: str | None) -> dict[str, str]:
     """A SQLite study inside a sweep directory that was moved or copied since it recorded ``recorded_dir``: the
     directory and tracking store are where the study lies now (its ``sweep.json``), not at the old path."""
-    parts = _sqlite_parts(absolute_uri(storage_url))
+    parts = sqlite_parts(absolute_uri(storage_url))
     if parts is None or recorded_dir is None:
         return {}
     here = Path(parts[0]).parent

@@ -18,7 +18,7 @@ RUN_ID_FILE = "mlflow_run_id"
 TRACKING_URI_FILE = "mlflow_tracking_uri"  # where that run lives (a sweep's trials log to the sweep's store)
 
 
-def _sqlite_parts(uri: str) -> tuple[str, str] | None:
+def sqlite_parts(uri: str) -> tuple[str, str] | None:
     """(path, query) of a ``sqlite:///`` URI; None for other stores and in-memory databases."""
     if not uri.startswith("sqlite:///"):
         return None
@@ -30,7 +30,7 @@ def _sqlite_parts(uri: str) -> tuple[str, str] | None:
 
 def absolute_uri(uri: str, base: str | os.PathLike | None = None) -> str:
     """``uri`` with a relative SQLite path resolved against ``base`` (default: the current directory)."""
-    parts = _sqlite_parts(uri)
+    parts = sqlite_parts(uri)
     if parts is None or os.path.isabs(parts[0]):
         return uri
     path = os.path.normpath(os.path.join(os.path.abspath(base or os.getcwd()), parts[0]))
@@ -42,7 +42,7 @@ def portable_uri(uri: str, directory: str | os.PathLike) -> str:
     its ancestors (a sweep's store, seen from a trial directory), is kept relative to the directory, so that
     moving or copying the directory (or the sweep around it) takes its tracking store along."""
     uri = absolute_uri(uri)
-    parts = _sqlite_parts(uri)
+    parts = sqlite_parts(uri)
     if parts is None:
         return uri
     d = Path(os.path.abspath(directory))
@@ -71,7 +71,7 @@ def default_tracking_uri(run_dir: str | os.PathLike) -> str:
     recorded = run_dir / TRACKING_URI_FILE
     if recorded.is_file():
         uri = absolute_uri(recorded.read_text().strip(), base=run_dir)
-        parts = _sqlite_parts(uri)
+        parts = sqlite_parts(uri)
         if parts is not None and not Path(parts[0]).exists():
             # recorded as an absolute path (before paths were kept relative) by a directory since moved: the
             # store it took along, in the directory or in the sweep directory around it
@@ -111,7 +111,7 @@ def relocate_artifacts(tracking_uri: str, root: str | os.PathLike | None = None)
 
     ``root``: the folder the roots are relative to, when the database read is a private copy of the one in
     that folder (``ui`` on a read-only directory)."""
-    parts = _sqlite_parts(tracking_uri)
+    parts = sqlite_parts(tracking_uri)
     if parts is None or tracking_uri in _relocated:
         return
     _relocated.add(tracking_uri)
@@ -147,7 +147,7 @@ def relocate_artifacts(tracking_uri: str, root: str | os.PathLike | None = None)
 
 def tracking_store_problem(tracking_uri: str) -> str | None:
     """Why a SQLite tracking store (and the artifacts beside it) cannot be written, or None."""
-    parts = _sqlite_parts(absolute_uri(tracking_uri))
+    parts = sqlite_parts(absolute_uri(tracking_uri))
     if parts is None:
         return None
     db = Path(parts[0])
@@ -179,7 +179,7 @@ def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | os.Path
     if artifact_root is not None and tracking_uri.startswith("sqlite:"):
         root = Path(artifact_root).resolve()
         location = root.as_uri()
-        parts = _sqlite_parts(tracking_uri)
+        parts = sqlite_parts(tracking_uri)
         if parts is not None and Path(parts[0]).parent in (root, *root.parents):
             tags[ARTIFACT_ROOT_TAG] = os.path.relpath(root, Path(parts[0]).parent)
     try:

@@ -3,7 +3,7 @@
 MLflow keeps absolute artifact locations in its store, so a directory copied to a laptop or moved to shared
 storage would show "No Artifacts Recorded" under a plain ``mlflow ui``. This command finds the directory's
 store (``sweep.json`` of a sweep, ``mlflow_tracking_uri`` of a run), points its artifact locations at the
-directory's current place (``tracking.relocate_artifacts``; on a read-only copy, in a private copy of the
+directory's current place (``tracking.runs.relocate_artifacts``; on a read-only copy, in a private copy of the
 database), and serves it with ``mlflow server`` on 127.0.0.1. A server-backed store (``--tracking-uri
 http://...``) is served by its own server: the command prints its address.
 """
@@ -27,10 +27,10 @@ from recursive_lightning import faults
 from recursive_lightning.errors import UserError
 from recursive_lightning.processes import dies_with_parent, stop_group
 from recursive_lightning.tracking.runs import (
-    _sqlite_parts,
     absolute_uri,
     default_tracking_uri,
     relocate_artifacts,
+    sqlite_parts,
 )
 from recursive_lightning.tracking.view import experiment_links, server_links
 
@@ -53,7 +53,7 @@ def store_of(run_dir: str | os.PathLike) -> str:
         if uri:
             return absolute_uri(uri, base=d)
     uri = default_tracking_uri(d)
-    parts = _sqlite_parts(uri)
+    parts = sqlite_parts(uri)
     if parts is not None and not Path(parts[0]).is_file():
         raise UserError(
             f"ui: '{run_dir}' holds no MLflow store (no mlflow.db, sweep.json or mlflow_tracking_uri); pass the "
@@ -65,7 +65,7 @@ def store_of(run_dir: str | os.PathLike) -> str:
 def servable(uri: str, workdir: Path) -> str:
     """``uri`` with its artifact locations pointing where the store lies now: rewritten in place, or, when
     the store cannot be written (a read-only copy), in a private copy under ``workdir``."""
-    parts = _sqlite_parts(uri)
+    parts = sqlite_parts(uri)
     if parts is None:
         return uri
     db = Path(parts[0])

@@ -31,7 +31,8 @@ def accelerator_peak_flops() -> float | None:
 
 
 class RecursiveLMModule(L.LightningModule):
-    """Wraps :class:`RecursiveLM` with the papers' optimiser, schedule, metrics and checkpoint extras.
+    """Wraps the model :func:`build_model` makes for the run (``RecursiveLM`` or ``MelaLM``) with the papers'
+    optimiser, schedule, metrics and checkpoint extras. ``run`` is ``RunConfig.to_dict()``.
 
     ``val_names`` names the validation dataloaders; each gets ``val/<name>/ppl`` and ``val/<name>/loss``.
     """

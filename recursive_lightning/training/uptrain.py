@@ -36,7 +36,7 @@ from lightning.pytorch.callbacks import Callback
 from tokenizers import Tokenizer
 
 from recursive_lightning.config import RunConfig, load_yaml
-from recursive_lightning.data.tokenizer import _ensure_eos, tokenizer_fingerprint
+from recursive_lightning.data.tokenizer import ensure_eos, tokenizer_fingerprint
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_text
 from recursive_lightning.interop import hf
@@ -170,7 +170,7 @@ def initialise_from(
 def _tokenizer_fingerprint(tok: Any) -> str | None:
     if tok is None:
         return None
-    return tokenizer_fingerprint(_ensure_eos(Tokenizer.from_str(tok.to_str())))
+    return tokenizer_fingerprint(ensure_eos(Tokenizer.from_str(tok.to_str())))
 
 
 # ---------------------------------------------------------------------------------- train integration

@@ -1,6 +1,6 @@
 """The sweep report as the papers' tables: one tiny finished sweep (two rows x two seeds, a named perplexity set
 and a local multiple-choice task), its report checked against values computed here from the trials' files,
-the accounting and the MLflow child runs."""
+`describe` and the MLflow child runs."""
 
 import json
 import math
@@ -91,7 +91,7 @@ def test_results_table_holds_the_trials_values(tiny_report_sweep):
         rec, res, d = trials[(row, 0)]
         cfg = load_run_config(d / "config.yaml")
         counted = describe(cfg.model, seq_len=cfg.data.seq_len)
-        # parameters and FLOPs: the accounting's count of the trial's config
+        # parameters and FLOPs: `describe`'s count of the trial's config
         assert cells["params (non-emb.)"] == f"{counted['params_non_embedding']:,}"
         assert table[row]["values"]["params_non_embedding"] == [counted["params_non_embedding"]] * 2
         assert table[row]["values"]["flops_per_token"][0] == pytest.approx(

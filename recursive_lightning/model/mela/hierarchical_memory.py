@@ -34,7 +34,7 @@ Which fast-weight state a block application starts from [reading, ``memory_carry
   learned M_0, as HRM/TRM restart nothing but their l and h states.
 
 ``forward`` takes and returns the states (``memory_slots``: per block or per application) so that decoding
-can feed one chunk at a time (``mela.py``); it runs chunk by chunk from the patchify on, the operations that
+can feed one chunk at a time (``model/mela/model.py``); it runs chunk by chunk from the patchify on, the operations that
 decoding runs, so cached decoding reproduces the full forward's memory rows exactly.
 """
 

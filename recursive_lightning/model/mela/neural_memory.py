@@ -18,7 +18,7 @@ which Eq. 10 makes sequential) and stays differentiable, so the outer parameters
 eta / alpha heads, the initial memory M_0) learn through every inner update.
 
 Which state a chunk reads [reading, ``memory_read``]: Eq. 9 retrieves from M_{t-1}, the state before the
-chunk. Mela's decoder must read chunk j's memory from chunks before j (``mela.py``), so decoder chunk j gets
+chunk. Mela's decoder must read chunk j's memory from chunks before j (``model/mela/model.py``), so decoder chunk j gets
 the HMM's output at chunk j-1. With ``after`` (default) that output retrieves from the memory *after* chunk
 j-1's update: decoder chunk j then reads the state built from chunks 0..j-1, the same state Eq. 9 gives
 chunk j, which is "the memory as it stood after chunk j-1" of our design notes. ``before`` applies Eq. 9
