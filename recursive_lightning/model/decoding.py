@@ -44,11 +44,10 @@ class DecodeCache:
     @classmethod
     def empty(cls, model: torch.nn.Module) -> DecodeCache:
         sites = {"prelude": len(model.prelude.layers), "coda": len(model.coda.layers)}
-        for t, core_id in enumerate(model.layout.core_index):
-            sites[f"step{t}"] = len(model.cores[core_id].layers)
-        return cls(
-            {k: [KV() for _ in range(n)] for k, n in sites.items()}, [StepCache() for _ in model.steps]
-        )
+        plan = model.loop_plan()  # one site per loop step at the model's depth (recursive/depth.py)
+        for t, s in enumerate(plan):
+            sites[f"step{t}"] = len(model.cores[model.layout.core_index[s]].layers)
+        return cls({k: [KV() for _ in range(n)] for k, n in sites.items()}, [StepCache() for _ in plan])
 
 
 def pick(

@@ -103,13 +103,12 @@ def test_noncausal_shift_is_not_cached():
 def test_generate_command_prints_the_greedy_continuation(family, tmp_path, capsys):
     from pydoc_data.topics import topics
 
-    from test_evaluation import FAMILIES
-
     from recursive_lightning.cli import main
     from recursive_lightning.config import RunConfig
     from recursive_lightning.data.tokenizer import train_bpe
     from recursive_lightning.model.build import build_model
     from recursive_lightning.training.checkpoint import save_model_checkpoint
+    from tests.evaluation.test_evaluation import FAMILIES
 
     tok = train_bpe([topics[k] for k in sorted(topics)[:5]], 300)
     arch = {"layout": "1+1x{1/4,1}+1"} if family == "multires" else FAMILIES["mela"]

@@ -156,11 +156,10 @@ def test_kill_and_resume_with_compiled_glue(tmp_path, tiny_run, monkeypatch):
     resumes to the losses of an uninterrupted run (test_training's in-process kill pattern). The regions are
     traced by dynamo + AOTAutograd and run as ATen graphs: inductor's C++ build takes minutes on this CPU;
     its kernels are checked on a GPU (tests/test_cuda.py)."""
-    from test_training import losses
-
     from recursive_lightning.config import RunConfig
     from recursive_lightning.training.module import RecursiveLMModule
     from recursive_lightning.training.run import train
+    from tests.training.test_training import losses
 
     compile_calls = []
 

@@ -183,12 +183,19 @@ class HierarchicalMemory(nn.Module):
             DualMemoryFusion(cfg) for _ in range(cfg.h_cycles if cfg.memstack else 1)
         )
         self.record: list[bool] | None = None  # tests: whether each block application carried gradients
+        # test-time depth: H' cycles instead of the trained H (model/depth.py; None: H)
+        self.h_cycles: int | None = None
+
+    @property
+    def cycles(self) -> int:
+        """H, the high-level cycles a forward runs: ``h_cycles`` when set, else the config's."""
+        return self.h_cycles or self.cfg.h_cycles
 
     @property
     def applications(self) -> list[tuple[str, int]]:
         """(module, block index) of every memory block application of one forward, in execution order."""
         cfg, out = self.cfg, []
-        for _ in range(cfg.h_cycles):
+        for _ in range(self.cycles):
             out += [("l", j) for _ in range(cfg.l_cycles) for j in range(cfg.l_layers)]
             out += [("h", j) for j in range(cfg.h_layers)]
         return out
@@ -252,9 +259,13 @@ class HierarchicalMemory(nn.Module):
             self._note(out)
             return out
 
-        for i in range(cfg.h_cycles):
-            last = i == cfg.h_cycles - 1
-            if carry and last and grad and cfg.h_cycles > 1:
+        H = self.cycles
+        # cycle i fuses through fusion i - (H - H_trained): at another depth H than trained the last cycles keep
+        # the trained fusions, ends aligned, so z(H) is always the last fusion's [reading, model/depth.py]
+        shift = H - len(self.fusions) if cfg.memstack else H - 1
+        for i in range(H):
+            last = i == H - 1
+            if carry and last and grad and H > 1:
                 # the H-1 cycles without gradients wrote constant increments into each memory; the state
                 # entering the last cycle still depends on the chunk's starting state (M_0 or the previous
                 # chunk's) through the identity [reading, as HRM's one-step gradient], so M_0 and the
@@ -266,8 +277,12 @@ class HierarchicalMemory(nn.Module):
                 for _ in range(cfg.l_cycles):
                     l_state = run(self.l_module, "l", [l_state, h_state, x_p], cfg.l_layers)
                 h_state = run(self.h_module, "h", [h_state, l_state], cfg.h_layers)
-            if cfg.memstack or last:
-                zs.append(self.fusions[i if cfg.memstack else 0](l_state, h_state))
+            if i - shift >= 0:
+                zs.append(self.fusions[i - shift](l_state, h_state))
+        if (
+            shift < 0
+        ):  # fewer cycles than trained: the fusions no cycle reached add nothing (MemStack, Eq. 13)
+            zs = [torch.zeros_like(zs[0])] * -shift + zs
         return zs, states if carry else new_states
 
     def _note(self, x: torch.Tensor) -> None:

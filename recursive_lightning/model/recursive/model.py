@@ -2,7 +2,7 @@
 
     h_emb        = sqrt(d) * E[x]                          (MeSH App. B)
     h^(0), H^(0) = topology.start(h_emb, f_pre(h_emb))
-    for t in 0..K-1:
+    for t in 0..K-1:                                       (K' at test time: ``loops``, depth.py)
         u~       = step_t(h^(t), f_core)                   full resolution: f_core(h^(t)); else Eqs. 8-22
         h^(t+1), H^(t+1) = topology.step(t, h^(t), u~, H^(t))  (SpiralFormer Eq. 4)
     logits       = head(norm(f_coda(topology.finish(h^(K)))))
@@ -23,6 +23,7 @@ from recursive_lightning.model.block import Block, Stack, make_norm
 from recursive_lightning.model.config import TOPOLOGY_TERMS, ModelConfig
 from recursive_lightning.model.decoding import DecodeCache, Generates
 from recursive_lightning.model.loss import cross_entropy
+from recursive_lightning.model.recursive.depth import loop_plan
 from recursive_lightning.model.recursive.mesh import MeSH
 from recursive_lightning.model.recursive.resolution import ResolutionStep
 from recursive_lightning.model.recursive.topology import Additive, Combination, Topology
@@ -84,6 +85,10 @@ class RecursiveLM(Generates, nn.Module):
         # off where compile, FSDP2 or activation checkpointing handle each use themselves
         self.shared_grads_in_place = True
         self.looped_cores = [i for i in range(len(self.cores)) if lay.core_index.count(i) > 1]
+        # test-time depth: K' loop steps instead of the trained K (depth.py; None: K), and truncated
+        # backpropagation: gradients through the last ``backprop_loops`` loop steps only (None: all)
+        self.loops: int | None = None
+        self.backprop_loops: int | None = None
         self.reset_parameters()
 
     # ------------------------------------------------------------------ init (MeSH App. B)
@@ -153,17 +158,21 @@ class RecursiveLM(Generates, nn.Module):
         if trace is not None:
             trace.states.append(("h(0)", h))
         looped = [self.cores[i] for i in self.looped_cores]
+        plan = self.loop_plan()
+        grad = torch.is_grad_enabled()
+        first_grad = len(plan) - self.backprop_loops if self.backprop_loops else 0
         with accumulate_weight_grads(looped, self.shared_grads_in_place):
-            for t, (step, core_id) in enumerate(zip(self.steps, self.layout.core_index)):
-                core, site = self.cores[core_id], stack_args(f"step{t}")
-                u = step(
-                    h,
-                    functools.partial(core, **site) if site else core,
-                    cache.steps[t] if cache is not None else None,
-                )
-                if trace is not None:
-                    trace.blocks.append((f"core {t + 1}", h, u))
-                h, carry = self.topology.step(t, h, u, carry)
+            for t, s in enumerate(plan):  # loop step t with the parameters of trained step s (depth.py)
+                core, site = self.cores[self.layout.core_index[s]], stack_args(f"step{t}")
+                with torch.set_grad_enabled(grad and t >= first_grad):
+                    u = self.steps[s](
+                        h,
+                        functools.partial(core, **site) if site else core,
+                        cache.steps[t] if cache is not None else None,
+                    )
+                    if trace is not None:
+                        trace.blocks.append((f"core {t + 1}", h, u))
+                    h, carry = self.topology.step(s, h, u, carry)
                 if trace is not None:
                     trace.states.append((f"h({t + 1})", h))
         h = self.topology.finish(h, carry)
@@ -231,6 +240,10 @@ class RecursiveLM(Generates, nn.Module):
             step.compile_glue(**options)
         if isinstance(self.topology, MeSH):
             self.topology.compile_glue(**options)
+
+    def loop_plan(self) -> list[int]:
+        """The trained step whose parameters each loop step uses, at the depth ``loops`` (depth.py)."""
+        return loop_plan(self.layout, self.loops)
 
     # ------------------------------------------------------------------ generation
     @property
