@@ -16,10 +16,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from recursive_lightning import formatting
 from recursive_lightning.errors import UserError
 from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.depth import at_depth
 from recursive_lightning.model.mela.hierarchical_memory import GatedAttention
 from recursive_lightning.model.mela.model import MelaLM
 from recursive_lightning.model.mela.neural_memory import NeuralMemory
 from recursive_lightning.model.recursive.mesh import MeSH
+from recursive_lightning.model.recursive.depth import loop_plan
 from recursive_lightning.model.recursive.model import RecursiveLM
 from recursive_lightning.model.recursive.topology import Combination
 
@@ -48,22 +50,24 @@ def count_parameters(model: RecursiveLM) -> dict[str, int]:
     }
 
 
-def _attention_macs(cfg: ModelConfig, seq_len: int) -> int:
+def _attention_macs(cfg: ModelConfig, seq_len: int, plan: list[int]) -> int:
     lay = cfg.parsed_layout
     macs = (lay.prelude + lay.coda) * 2 * seq_len * seq_len * cfg.d_model
-    for core_id, g in zip(lay.core_index, lay.chunk):
-        n = seq_len // g
-        macs += lay.cores[core_id] * 2 * n * n * cfg.d_model
+    for s in plan:  # the trained step each loop step runs as (model/recursive/depth.py)
+        n = seq_len // lay.chunk[s]
+        macs += lay.cores[lay.core_index[s]] * 2 * n * n * cfg.d_model
     return macs
 
 
 def _meta_forward(
-    cls: type[torch.nn.Module], cfg: ModelConfig, seq_len: int, batch_size: int
+    cls: type[torch.nn.Module], cfg: ModelConfig, seq_len: int, batch_size: int, loops: int | None = None
 ) -> tuple[torch.nn.Module, FlopCounterMode]:
-    """The model built on the meta device (no weights allocated) and the FLOPs of one forward pass."""
+    """The model built on the meta device (no weights allocated) and the FLOPs of one forward pass at depth
+    ``loops`` (None: as built)."""
     with torch.device("meta"):
         model = cls(cfg)
-    return model, _count_forward(model, seq_len, batch_size)
+    with at_depth(model, loops):
+        return model, _count_forward(model, seq_len, batch_size)
 
 
 def _signature(x: Any) -> Any:
@@ -129,25 +133,30 @@ def _count_forward(
     return counter
 
 
-def describe(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) -> dict[str, Any]:
-    """Parameter counts and forward FLOPs of one ``batch_size x seq_len`` sequence, in seconds at any size."""
+def describe(
+    cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1, loops: int | None = None
+) -> dict[str, Any]:
+    """Parameter counts and forward FLOPs of one ``batch_size x seq_len`` sequence, in seconds at any size;
+    ``loops``: at that test-time depth (K' loop steps, Mela's H' cycles; model/depth.py), None: as built."""
     for name, v in (("seq_len", seq_len), ("batch_size", batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise UserError(f"describe needs a positive --{name.replace('_', '-')}, not {v!r}.")
     if cfg.arch == "mela":
-        return describe_mela(cfg, seq_len, batch_size)
-    model, counter = _meta_forward(RecursiveLM, cfg, seq_len, batch_size)
+        return describe_mela(cfg, seq_len, batch_size, loops)
+    model, counter = _meta_forward(RecursiveLM, cfg, seq_len, batch_size, loops)
     params = count_parameters(model)
     flops = counter.get_total_flops()
-    attention = 2 * batch_size * _attention_macs(cfg, seq_len)
     lay = cfg.parsed_layout
+    plan = loop_plan(lay, loops)
+    attention = 2 * batch_size * _attention_macs(cfg, seq_len, plan)
     out: dict[str, Any] = {
         "layout": cfg.layout,
         "kind": lay.kind,
         "topology": cfg.topology,
         "d_model": cfg.d_model,
-        "n_loop": lay.n_loop,
-        "n_compute_layers": lay.n_compute,
+        "n_loop": len(plan),
+        "n_loop_trained": lay.n_loop,
+        "n_compute_layers": lay.prelude + sum(lay.cores[lay.core_index[s]] for s in plan) + lay.coda,
         "buffer": cfg.buffer_slots if cfg.topology == "mesh" else None,
         **params,
         "seq_len": seq_len,
@@ -159,7 +168,7 @@ def describe(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) -> dict
     }
     if cfg.topology == "mesh":
         # MeSH Eq. 8, fvcore units: (N_loop + 1) * 6 * bs * S * d * B
-        out["flops_mesh_eq8"] = (lay.n_loop + 1) * 6 * batch_size * seq_len * cfg.d_model * cfg.buffer_slots
+        out["flops_mesh_eq8"] = (len(plan) + 1) * 6 * batch_size * seq_len * cfg.d_model * cfg.buffer_slots
     return out
 
 
@@ -236,12 +245,22 @@ def _mela_flop_counts(
     }
 
 
-def describe_mela(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) -> dict[str, Any]:
+def describe_mela(
+    cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1, h_cycles: int | None = None
+) -> dict[str, Any]:
     """``describe`` for ``arch: mela``: parameters by part with Table 1's shares, the sequence geometry
-    (N_p, N_c, decoder length), HLR's block applications and the forward FLOPs by part."""
+    (N_p, N_c, decoder length), HLR's block applications and the forward FLOPs by part; ``h_cycles``: at that
+    test-time depth H' (None: as built)."""
     with torch.device("meta"):
         model = MelaLM(cfg)
-    counts = _mela_flop_counts(model, cfg, seq_len, batch_size)
+    with at_depth(model, h_cycles):
+        counts = _mela_flop_counts(model, cfg, seq_len, batch_size)
+        return _describe_mela(model, cfg, counts, seq_len, batch_size)
+
+
+def _describe_mela(
+    model: MelaLM, cfg: ModelConfig, counts: dict[str, dict[Any, int]], seq_len: int, batch_size: int
+) -> dict[str, Any]:
     params = _mela_parameters(model)
     by_module = {k: sum(v.values()) for k, v in counts.items()}
     flops = by_module.get("Global", 0)
@@ -261,7 +280,7 @@ def describe_mela(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) ->
     n_chunks = -(-seq_len // PC)
     hmm_chunks = n_chunks - 1  # the last chunk's memory is read by no text position
     apps = len(model.hmm.applications)
-    with_grad = apps // cfg.h_cycles
+    with_grad = apps // model.hmm.cycles
     ns = (
         _ns_flops(cfg) * apps * hmm_chunks * batch_size
         if cfg.neural_memory and cfg.memory_update == "newton_schulz"
@@ -296,6 +315,8 @@ def describe_mela(cfg: ModelConfig, seq_len: int = 4096, batch_size: int = 1) ->
         "d_model": cfg.d_model,
         "hmm_d_model": cfg.hmm_width,
         "n_loop": 0,
+        "h_cycles": model.hmm.cycles,
+        "h_cycles_trained": cfg.h_cycles,
         "n_compute_layers": len(model.layers),
         "buffer": None,
         **params,

@@ -235,3 +235,26 @@ def test_mela_h_cycles(memstack):
         check_depth(model, 2, dial="loops")
     with pytest.raises(UserError, match=">= 1"):
         check_depth(model, 0)
+
+
+@pytest.mark.parametrize("topology", ["anchor", "mesh"])
+def test_describe_counts_the_flops_of_a_depth(topology):
+    """describe(loops=k) counts the FLOPs of a model built with k loop steps (MeSH at the trained B slots)."""
+    from recursive_lightning.model.describe import describe
+
+    cfg = ModelConfig.from_dict({**TINY, "layout": "1+2R3+1", "topology": topology})
+    assert describe(cfg, seq_len=32, loops=3) == describe(cfg, seq_len=32)
+    for k in (1, 6):
+        built = dataclasses.replace(
+            cfg, layout=f"1+2R{k}+1", buffer=cfg.buffer_slots if topology == "mesh" else None
+        )
+        at, ref = describe(cfg, seq_len=32, loops=k), describe(built, seq_len=32)
+        for key in ("flops_forward", "flops_attention", "n_loop", "n_compute_layers"):
+            assert at[key] == ref[key], key
+    mela = tiny_mela()
+    assert describe(mela, seq_len=24, loops=mela.h_cycles) == describe(mela, seq_len=24)
+    two, six = describe(mela, seq_len=24, loops=2), describe(mela, seq_len=24, loops=6)
+    assert (
+        six["block_applications"] == 3 * two["block_applications"]
+        and six["flops_forward"] > two["flops_forward"]
+    )
