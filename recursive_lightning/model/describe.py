@@ -20,8 +20,8 @@ from recursive_lightning.model.depth import at_depth
 from recursive_lightning.model.mela.hierarchical_memory import GatedAttention
 from recursive_lightning.model.mela.model import MelaLM
 from recursive_lightning.model.mela.neural_memory import NeuralMemory
-from recursive_lightning.model.recursive.mesh import MeSH
 from recursive_lightning.model.recursive.depth import loop_plan
+from recursive_lightning.model.recursive.mesh import MeSH
 from recursive_lightning.model.recursive.model import RecursiveLM
 from recursive_lightning.model.recursive.topology import Combination
 
@@ -315,6 +315,7 @@ def _describe_mela(
         "d_model": cfg.d_model,
         "hmm_d_model": cfg.hmm_width,
         "n_loop": 0,
+        "n_loop_trained": 0,
         "h_cycles": model.hmm.cycles,
         "h_cycles_trained": cfg.h_cycles,
         "n_compute_layers": len(model.layers),
