@@ -40,7 +40,11 @@ def test_eval_loops_trained_count_is_the_ordinary_evaluation(ckpts, local_tasks,
     ]
     assert main([*args, "--loops", "4,1,2"]) == 0  # trained: K = 2 (1+2R2+1)
     printed = capsys.readouterr().out
-    assert "test-time depth" in printed and "2 (trained)" in printed and "by-depth.png" in printed.replace("\n", "")
+    assert (
+        "test-time depth" in printed
+        and "2 (trained)" in printed
+        and "by-depth.png" in printed.replace("\n", "")
+    )
     out = json.loads(next((tmp_path / "o").glob("eval-*.json")).read_text())
     depth = out["depth"]
     assert (depth["dial"], depth["trained"], list(depth["counts"])) == ("loops", 2, ["1", "2", "4"])
