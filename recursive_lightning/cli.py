@@ -62,6 +62,7 @@ def _generate(argv: list[str]) -> int:
 
     from recursive_lightning.evaluation.perplexity import EOS_TOKEN  # heavy
     from recursive_lightning.model.decoding import decode  # heavy
+    from recursive_lightning.model.depth import at_depth, check_depth  # heavy
     from recursive_lightning.training.checkpoint import load_checkpoint  # heavy
 
     p = argparse.ArgumentParser(
@@ -77,6 +78,15 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.add_argument("--no-cache", action="store_true", help="recompute the window at every token")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    depth = p.add_mutually_exclusive_group()
+    depth.add_argument(
+        "--loops",
+        type=int,
+        help="decode a looped model at this test-time depth (loop count; default: trained)",
+    )
+    depth.add_argument(
+        "--h-cycles", type=int, help="decode a Mela model at this many high-level cycles (default: trained)"
+    )
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, not {args.max_new_tokens}.")
@@ -89,6 +99,8 @@ def _generate(argv: list[str]) -> int:
     if loaded.tokenizer is None:
         raise UserError(f"checkpoint '{loaded.path}' carries no tokenizer, which generation needs.")
     model, tok = loaded.model.eval(), loaded.tokenizer
+    dial = "loops" if args.loops is not None else "h_cycles" if args.h_cycles is not None else None
+    k = None if dial is None else check_depth(model, getattr(args, dial), dial)  # one sentence when wrong
     eos = tok.token_to_id(EOS_TOKEN)
     ids = tok.encode(args.prompt).ids if args.prompt else []
     if not ids:
@@ -110,14 +122,15 @@ def _generate(argv: list[str]) -> int:
         top_k=args.top_k,
         generator=torch.Generator(device=idx.device).manual_seed(args.seed),
     )
-    for nxt in tokens:
-        token = int(nxt[0])
-        if token == eos:
-            break
-        out.append(token)
-        text = tok.decode(out)
-        print(text[len(shown) :], end="", flush=True)
-        shown = text
+    with at_depth(model, k):  # the decoding cache follows the depth (DecodeCache.empty: model.loop_plan())
+        for nxt in tokens:
+            token = int(nxt[0])
+            if token == eos:
+                break
+            out.append(token)
+            text = tok.decode(out)
+            print(text[len(shown) :], end="", flush=True)
+            shown = text
     seconds = time.perf_counter() - t0
     print(flush=True)
     print(

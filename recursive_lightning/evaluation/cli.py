@@ -4,6 +4,7 @@ prints.
     python -m recursive_lightning eval runs/looped-mesh                       # the default tasks, 0/5-shot
     python -m recursive_lightning eval runs/x/checkpoints/last.ckpt --ppl wiki=wiki.txt \\
         --context-lengths 256,512,1024,2048 --tasks lambada_openai,piqa --shots 0 --limit 200
+    python -m recursive_lightning eval runs/looped-mesh --ppl wiki=wiki.txt --tasks none --loops 1,2,4,8
 
 CHECKPOINT is a ``.ckpt`` file or a run directory (its newest good checkpoint); what is evaluated and where the
 results go: evaluation/run.py. Without ``--tasks`` the tasks are ``DEFAULT_TASKS`` (evaluation/downstream.py); a
@@ -66,6 +67,7 @@ def print_report(result: dict[str, Any]) -> None:
                 *[fmt.accuracy(result["avg"][k]) if result["avg"][k] is not None else "-" for k in shots],
             )
         )
+    rows_depth, header_depth = _depth_rows(result)
     title = f"{result['run_name']} @ step {result['global_step']} ({Path(result['checkpoint']).name})"
     tables = [
         ("perplexity", ("set", "ppl", "bits/byte", "tokens"), rows_ppl),
@@ -75,6 +77,7 @@ def print_report(result: dict[str, Any]) -> None:
             rows_ctx,
         ),
         ("downstream accuracy (%)", ("task", "metric", *[f"{k}-shot" for k in shots]), rows_task),
+        ("test-time depth", header_depth, rows_depth),
     ]
     try:
         from rich.console import Console  # optional
@@ -91,8 +94,8 @@ def print_report(result: dict[str, Any]) -> None:
                     table.add_row(*map(str, r))
                 console.print(table)
         console.print(f"results: {result['json_path']}")
-        if result.get("ppl_ctx", {}).get("plot"):
-            console.print(f"plot: {result['ppl_ctx']['plot']}")
+        for plot in _plots(result):
+            console.print(f"plot: {plot}")
         if result.get("mlflow"):
             console.print(f"MLflow run {result['mlflow']['run_id']} in {result['mlflow']['tracking_uri']}")
     except ImportError:
@@ -103,8 +106,38 @@ def print_report(result: dict[str, Any]) -> None:
                 for r in rows:
                     print("\t".join(map(str, r)))
         print(f"results: {result['json_path']}")
-        if result.get("ppl_ctx", {}).get("plot"):
-            print(f"plot: {result['ppl_ctx']['plot']}")
+        for plot in _plots(result):
+            print(f"plot: {plot}")
+
+
+def _plots(result: dict[str, Any]) -> list[str]:
+    return [p for p in (result.get("ppl_ctx", {}).get("plot"), (result.get("depth") or {}).get("plot")) if p]
+
+
+def _depth_rows(result: dict[str, Any]) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
+    """The test-time depth table: one row per count (the trained one starred), its forward FLOPs per token,
+    the perplexity of every set and the average accuracy at every few-shot count."""
+    depth = result.get("depth") or {}
+    counts = depth.get("counts", {})
+    if not counts:
+        return [], ()
+    sets = list(next(iter(counts.values()))["ppl"])
+    shots = list(next(iter(counts.values())).get("avg", {}))
+    header = (depth["dial"].replace("_", "-"), "FLOPs/token", *[f"ppl {s}" for s in sets])
+    header += tuple(f"acc {k}-shot" for k in shots)
+    rows = []
+    for k, e in counts.items():
+        star = " (trained)" if int(k) == depth["trained"] else ""
+        acc = [fmt.accuracy(e["avg"][s]) if e["avg"][s] is not None else "-" for s in shots]
+        rows.append(
+            (
+                f"{k}{star}",
+                fmt.flops(e["flops_forward_per_token"]),
+                *[fmt.ppl(e["ppl"][s]["ppl"]) for s in sets],
+                *acc,
+            )
+        )
+    return rows, header
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -192,6 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="window / context in tokens (default: the model's max_seq_len)",
     )
+    p.add_argument(
+        "--loops",
+        default=None,
+        help="test-time depth of a looped model: loop counts, e.g. 1,2,4,8 (each --ppl set and task again at "
+        "each; README 'Test-time depth')",
+    )
+    p.add_argument(
+        "--h-cycles",
+        default=None,
+        help="test-time depth of a Mela model: high-level cycle counts H', e.g. 1,2,4",
+    )
     p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass (default 16)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--out", default=None, help="folder of the JSON result (default <run_dir>/eval)")
@@ -237,6 +281,8 @@ def options_from_args(args: argparse.Namespace) -> EvalOptions:
         out_dir=args.out,
         tracking_uri=args.tracking_uri,
         mlflow=not args.no_mlflow,
+        loops=None if args.loops is None else _ints(args.loops, "--loops"),
+        h_cycles=None if args.h_cycles is None else _ints(args.h_cycles, "--h-cycles"),
     )
 
 

@@ -25,6 +25,8 @@ SWEEP_FIELDS = {
     "ctx_max_tokens": "ctx_max_tokens",
     "ctx_block": "ctx_block",
     "ctx_mode": "ctx_mode",
+    "loops": "loops",
+    "h_cycles": "h_cycles",
 }
 CTX_MODES = ("stream", "documents")
 
@@ -36,7 +38,10 @@ class EvalOptions:
     (``perplexity.perplexity_by_context_length``: last blocks of ``ctx_block`` tokens, at most
     ``ctx_max_tokens`` scored per length, ``ctx_mode`` stream or documents); ``tasks`` are lm-eval task names
     (local ones with ``include_path``; ``default`` stands for ``DEFAULT_TASKS``), each run at every ``shots``
-    value on at most ``limit`` examples. ``stride`` / ``max_length``: the sliding window (default: the model's
+    value on at most ``limit`` examples. ``loops`` / ``h_cycles``: test-time depths (evaluation/depth.py), each
+    set and task evaluated again at each loop count (a looped model) or each count of Mela's high-level
+    cycles; ``depth_where_it_applies`` (a sweep's trials): a model whose dial was not given is evaluated only
+    as trained, where the ``eval`` command refuses it. ``stride`` / ``max_length``: the sliding window (default: the model's
     max_seq_len, disjoint). Results go to ``out_dir`` (default ``<run_dir>/eval``) and, unless ``mlflow`` is
     False, the checkpoint's MLflow run in ``tracking_uri`` (default: the run directory's store)."""
 
@@ -57,6 +62,9 @@ class EvalOptions:
     out_dir: str | os.PathLike | None = None
     tracking_uri: str | None = None
     mlflow: bool = True
+    loops: Sequence[int] | None = None
+    h_cycles: Sequence[int] | None = None
+    depth_where_it_applies: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_length", "stride", "ctx_block", "ctx_max_tokens"):
@@ -67,6 +75,8 @@ class EvalOptions:
             self.context_lengths = check_context_lengths(self.context_lengths)
         if self.ctx_mode not in CTX_MODES:
             raise UserError(f"--ctx-mode must be stream or documents, not {self.ctx_mode!r}.")
+        self.loops = check_depths(self.loops, "--loops")
+        self.h_cycles = check_depths(self.h_cycles, "--h-cycles")
         self.shots = [int(s) for s in self.shots]
         if any(s < 0 for s in self.shots):
             raise UserError(f"shots must be >= 0, not {self.shots}.")
@@ -96,6 +106,9 @@ class EvalOptions:
             ctx_max_tokens=evaluate.get("ctx_max_tokens"),
             ctx_block=evaluate.get("ctx_block", 128),
             ctx_mode=evaluate.get("ctx_mode", "stream"),
+            loops=evaluate.get("loops"),
+            h_cycles=evaluate.get("h_cycles"),
+            depth_where_it_applies=True,
         )
 
 
@@ -127,3 +140,16 @@ def check_context_lengths(lengths: Sequence[int]) -> list[int]:
             f"--context-lengths must be positive numbers of tokens, not {bad[0]!r}; e.g. --context-lengths 256,1024."
         )
     return out
+
+
+def check_depths(counts: Sequence[int] | None, flag: str) -> list[int] | None:
+    """``counts`` (loop or cycle counts) as a sorted list without repeats, or one sentence naming ``flag``."""
+    if counts is None:
+        return None
+    example = f"e.g. {flag} 1,2,4,8" if flag.startswith("--") else f"e.g. {flag}: [1, 2, 4, 8]"
+    if isinstance(counts, str | bytes) or not isinstance(counts, Sequence) or not counts:
+        raise UserError(f"{flag} must be a non-empty list of whole counts >= 1, not {counts!r}; {example}.")
+    bad = [k for k in counts if isinstance(k, bool) or not isinstance(k, int) or k < 1]
+    if bad:
+        raise UserError(f"{flag} must be whole counts >= 1, not {bad[0]!r}; {example}.")
+    return sorted(set(counts))

@@ -5,7 +5,9 @@ lm-eval accuracy, as ``EvalOptions`` say (evaluation/options.py; the ``eval`` co
 CHECKPOINT is a ``.ckpt`` file or a run directory (its newest good checkpoint). Results go to a JSON file
 (``<run_dir>/eval/eval-<checkpoint>.json`` unless ``out_dir``) and the checkpoint's MLflow run (``eval/ppl/<name>``,
 ``eval/ppl_ctx/<L>``, ``eval/<task>/<shots>shot/<metric>``, ``eval/avg/<shots>shot``, step = the checkpoint's
-global step, the JSON as an artifact under ``eval/``).
+global step, the JSON as an artifact under ``eval/``). With ``loops`` / ``h_cycles`` the sets and tasks again at
+each test-time depth (evaluation/depth.py): the JSON's ``depth`` section, ``eval/loops_<k>/...`` (Mela:
+``eval/h_cycles_<k>/...``) and ``<json stem>-by-depth.png``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning.errors import UserError
+from recursive_lightning.evaluation.depth import depth_prefix, depth_request, evaluate_depths
 from recursive_lightning.evaluation.downstream import (
     NOT_ACCURACY,
     check_tasks,
@@ -76,6 +79,7 @@ def evaluate_checkpoint(
     ckpt = Path(loaded.path).resolve()
     run_dir = run_dir_of(ckpt)
     out = Path(o.out_dir) if o.out_dir else run_dir / "eval"
+    depths = depth_request(loaded.model, o)  # a dial the model lacks: one sentence, nothing written
     # where the results go must be writable before anything is computed
     check_outputs(
         "eval",
@@ -133,10 +137,22 @@ def evaluate_checkpoint(
         result["ppl_ctx"] = _by_context_length(lm, loaded, texts, sets, o)
     if tasks:
         _downstream(result, lm, tm, tasks, shots, o.limit)
+    if depths:
+
+        def measure(k: int) -> dict[str, Any]:
+            entry: dict[str, Any] = {"ppl": _perplexities(lm, texts, sets, o, f" at {depths[0]}={k}")}
+            if tasks:
+                entry.update(tasks={}, headline={}, avg={})
+                _downstream(entry, lm, tm, tasks, shots, o.limit)
+                entry.pop("lm_eval_version", None)
+            return entry
+
+        result["depth"] = evaluate_depths(model, lm.max_length, *depths, measure)
 
     json_path = out / f"eval-{ckpt.stem if ckpt.is_file() else ckpt.name}.json"
     result["json_path"] = str(json_path)
     _plot_by_context_length(result, loaded, json_path)
+    _plot_by_depth(result, loaded, json_path)
     if o.mlflow:
         result["mlflow"] = _mlflow_target(loaded, run_dir, o.tracking_uri)
     atomic_write_text(json_path, to_json(result))
@@ -177,7 +193,7 @@ def _runnable_tasks(
 
 
 def _perplexities(
-    lm: Any, texts: dict[str, list[str]], sets: dict[str, str], o: EvalOptions
+    lm: Any, texts: dict[str, list[str]], sets: dict[str, str], o: EvalOptions, at: str = ""
 ) -> dict[str, Any]:
     from recursive_lightning.evaluation.perplexity import perplexity  # heavy
 
@@ -190,7 +206,7 @@ def _perplexities(
             lm.max_length,
             o.stride,
             lm.batch_size,
-            label=f"eval perplexity {name}",
+            label=f"eval perplexity {name}{at}",
         )
         out[name] = {**r, "path": str(sets[name])}
     return out
@@ -262,6 +278,21 @@ def _plot_by_context_length(result: dict[str, Any], loaded: Any, json_path: Path
     result["ppl_ctx"]["plot"] = str(png)
 
 
+def _plot_by_depth(result: dict[str, Any], loaded: Any, json_path: Path) -> None:
+    if not result.get("depth"):
+        return
+    from recursive_lightning.evaluation.depth_plot import plot_by_depth  # heavy
+
+    section = result["depth"]
+    png = plot_by_depth(
+        section,
+        json_path.with_name(json_path.stem + "-by-depth.png"),
+        title=f"{loaded.run.name} @ step {loaded.global_step}: test-time depth ({section['dial']})",
+    )
+    if png is not None:
+        section["plot"] = str(png)
+
+
 # ---------------------------------------------------------------------------------------------- MLflow
 def _mlflow_target(loaded: Any, run_dir: Path, tracking_uri: str | None) -> dict[str, Any]:
     """The checkpoint's training run in the tracking store, or a new run tagged with the checkpoint."""
@@ -297,23 +328,29 @@ def metric_name(name: str) -> str:
     return re.sub(r"[^\w\-. /:]", "_", name)
 
 
-def flat_metrics(result: dict[str, Any]) -> dict[str, float]:
-    """The MLflow metrics of a result: eval/ppl/<name>, eval/ppl_ctx/<L>, eval/<task>/<k>shot/<metric>, eval/avg/<k>shot."""
+def flat_metrics(result: dict[str, Any], prefix: str = "eval") -> dict[str, float]:
+    """The MLflow metrics of a result: eval/ppl/<name>, eval/ppl_ctx/<L>, eval/<task>/<k>shot/<metric>,
+    eval/avg/<k>shot; at each test-time depth k the same under eval/loops_<k>/ (Mela: eval/h_cycles_<k>/), and
+    eval/loops_<k>/flops_forward_per_token."""
     out: dict[str, float] = {}
+    depth = result.get("depth") or {}
+    for k, entry in depth.get("counts", {}).items():
+        out.update(flat_metrics(entry, depth_prefix(depth["dial"], k)))
+        out[f"{depth_prefix(depth['dial'], k)}/flops_forward_per_token"] = entry["flops_forward_per_token"]
     for name, r in result.get("ppl", {}).items():
-        out[f"eval/ppl/{metric_name(name)}"] = r["ppl"]
-        out[f"eval/bpb/{metric_name(name)}"] = r["bits_per_byte"]
+        out[f"{prefix}/ppl/{metric_name(name)}"] = r["ppl"]
+        out[f"{prefix}/bpb/{metric_name(name)}"] = r["bits_per_byte"]
     for L, r in result.get("ppl_ctx", {}).get("lengths", {}).items():
         if "ppl" in r:
-            out[f"eval/ppl_ctx/{L}"] = r["ppl"]
-            out[f"eval/ppl_ctx_last/{L}"] = r["ppl_last"]
+            out[f"{prefix}/ppl_ctx/{L}"] = r["ppl"]
+            out[f"{prefix}/ppl_ctx_last/{L}"] = r["ppl_last"]
     for k, tasks in result.get("tasks", {}).items():
         for t, entry in tasks.items():
             for m, v in entry["metrics"].items():
-                out[f"eval/{metric_name(t)}/{k}shot/{metric_name(m)}"] = v
+                out[f"{prefix}/{metric_name(t)}/{k}shot/{metric_name(m)}"] = v
     for k, v in result.get("avg", {}).items():
         if v is not None:
-            out[f"eval/avg/{k}shot"] = v
+            out[f"{prefix}/avg/{k}shot"] = v
     return {k: v for k, v in out.items() if isinstance(v, int | float) and math.isfinite(v)}
 
 
@@ -324,7 +361,8 @@ def _log_mlflow(result: dict[str, Any], json_path: Path) -> None:
     if result.get("skipped_tasks"):
         set_tags(uri, run_id, {"eval.skipped_tasks": ", ".join(result["skipped_tasks"])})
     log_artifact(uri, run_id, json_path, subdir="eval")
-    if result.get("ppl_ctx", {}).get("plot"):
-        log_artifact(uri, run_id, result["ppl_ctx"]["plot"], subdir="eval")
+    for plot in (result.get("ppl_ctx", {}).get("plot"), (result.get("depth") or {}).get("plot")):
+        if plot:
+            log_artifact(uri, run_id, plot, subdir="eval")
     if target.get("created"):
         set_terminated(uri, run_id)

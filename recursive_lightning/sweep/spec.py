@@ -18,7 +18,8 @@
     workers: 2                                    # worker processes (default 1; --workers overrides)
     pruning: {enabled: false, warmup_steps: 100}
     evaluate: {ppl: {name: path}, tasks: [], limit: 50, shots: [0],   # after each trial (evaluation/options.py)
-               context_lengths: [256, 1024, 4096], ctx_set: name, ctx_max_tokens: 16384}
+               context_lengths: [256, 1024, 4096], ctx_set: name, ctx_max_tokens: 16384,
+               loops: [1, 2, 4, 8], h_cycles: [1, 2, 4]}   # test-time depths (looped / Mela trials)
     report: {plot: line, x: model.buffer,         # hints for the report's figures; baseline: the row the
              baseline: anchor}                    # report's paired differences (same seed) are taken to
 
@@ -36,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning.config import RunConfig, check_model_types, load_yaml, set_dotted
-from recursive_lightning.errors import ConfigError
-from recursive_lightning.evaluation.options import SWEEP_FIELDS
+from recursive_lightning.errors import ConfigError, UserError
+from recursive_lightning.evaluation.options import SWEEP_FIELDS, check_depths
 
 TOP_KEYS = {
     "name",
@@ -248,6 +249,11 @@ def load_sweep(path: str | Path, relative_to: str | Path | None = None) -> Sweep
             raise ConfigError(
                 f"{where}: evaluate.context_lengths needs a text set: add evaluate.ppl {{name: path}} (and ctx_set)."
             )
+    for dial in ("loops", "h_cycles"):
+        try:
+            check_depths(evaluate.get(dial), f"evaluate.{dial}")
+        except UserError as e:
+            raise ConfigError(f"{where}: {e}") from None
     tasks = evaluate.get("tasks")
     if tasks is not None and not (
         isinstance(tasks, str) or (isinstance(tasks, list) and all(isinstance(t, str) and t for t in tasks))

@@ -516,6 +516,9 @@ def test_eval_options_check_their_fields_and_read_a_sweep_block(tmp_path):
         ({"context_lengths": []}, "--context-lengths is empty"),
         ({"shots": [0, -1]}, "shots must be >= 0"),
         ({"ctx_mode": "windows"}, "--ctx-mode must be stream or documents"),
+        ({"loops": [2, 0]}, "--loops must be whole counts >= 1, not 0"),
+        ({"h_cycles": []}, "--h-cycles must be a non-empty list"),
+        ({"loops": [1.5]}, "--loops must be whole counts"),
     ):
         with pytest.raises(UserError, match=match):
             EvalOptions(**bad)
@@ -531,4 +534,7 @@ def test_eval_options_check_their_fields_and_read_a_sweep_block(tmp_path):
     assert o.ppl_sets == {"t": str(tmp_path / "t.txt"), "h": "embedded:heldout"}
     assert o.include_path == str(tmp_path / "tasks") and o.tasks == [] and o.shots == [0]
     assert (o.ctx_block, o.ctx_mode, o.tracking_uri, o.mlflow) == (64, "stream", "sqlite:///x.db", True)
+    assert EvalOptions(loops=[8, 1, 2, 2]).loops == [1, 2, 8] and o.loops is None
+    o = EvalOptions.from_sweep({"loops": [4, 1], "h_cycles": [2]}, tmp_path, "sqlite:///x.db")
+    assert (o.loops, o.h_cycles, o.depth_where_it_applies) == ([1, 4], [2], True)
     assert set(SWEEP_FIELDS.values()) <= set(EvalOptions.__dataclass_fields__)

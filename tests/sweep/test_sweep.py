@@ -184,7 +184,9 @@ def test_ui_serves_a_copied_sweep_directory(two_worker_sweep, tmp_path):
 
 
 def test_sweep_evaluates_finished_trials(tmp_path, data_cache):
-    """evaluate: perplexity on a named text set and a local lm-eval task for every finished trial."""
+    """evaluate: perplexity on a named text set and a local lm-eval task for every finished trial, again at
+    each of evaluate.loops in the looped trial's MLflow run (the trained K = 2 as the ordinary numbers); a
+    vanilla trial, which has no loop to run, is evaluated as trained."""
     data = ROOT / "tests" / "fixtures"
     tasks = tmp_path / "tasks"
     tasks.mkdir()
@@ -196,7 +198,8 @@ def test_sweep_evaluates_finished_trials(tmp_path, data_cache):
     (tasks / "tiny_mc.yaml").write_text(yaml.safe_dump(cfg))
     text = tmp_path / "wiki.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    spec = sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}}, steps=4)
+    rows = {"mesh": {"model.topology": "mesh"}, "vanilla": {"model.layout": "3", "model.topology": "base"}}
+    spec = sweep_file(tmp_path, data_cache, rows, steps=4)
     raw = yaml.safe_load(spec.read_text())
     raw["evaluate"] = {
         "ppl": {"wiki": str(text)},
@@ -204,15 +207,25 @@ def test_sweep_evaluates_finished_trials(tmp_path, data_cache):
         "include_path": str(tasks),
         "limit": 4,
         "shots": [0],
+        "loops": [1, 2],
+        "h_cycles": [1],  # no Mela trial here: unused
     }
     spec.write_text(yaml.safe_dump(raw))
     run_dir = tmp_path / "sweep"
     p = run_sweep([spec, "--run-dir", run_dir])
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out
-    (trial,) = study_trials(run_dir)
-    m = trial.user_attrs["metrics"]
+    trials = study_trials(run_dir)
+    assert len(trials) == 2
+    (m,) = [t.user_attrs["metrics"] for t in trials if "eval/loops_1/ppl/wiki" in t.user_attrs["metrics"]]
     assert m["eval/ppl/wiki"] > 1 and 0 <= m["eval/tiny_mc/0shot/acc"] <= 1
+    _, _, children = child_runs(run_dir)
+    runs = {r.data.params["axis.variant"]: r for r in children}
+    logged = runs["mesh"].data.metrics
+    assert logged["eval/loops_2/ppl/wiki"] == logged["eval/ppl/wiki"] != logged["eval/loops_1/ppl/wiki"]
+    assert logged["eval/loops_2/tiny_mc/0shot/acc"] == logged["eval/tiny_mc/0shot/acc"]
+    assert not any(k.startswith("eval/loops_") for k in runs["vanilla"].data.metrics)
+    assert "eval/ppl/wiki" in runs["vanilla"].data.metrics
     report = (run_dir / "report.md").read_text()
     assert "eval/ppl/wiki" in report and "eval/tiny_mc/0shot/acc" in report
 

@@ -69,6 +69,8 @@ def test_context_lengths_need_a_text_set(tmp_path, data_cache):
         ({"context_lengths": [64]}, "needs a text set"),
         ({"ppl": {"a": "x"}, "context_lengths": [0]}, "positive token counts"),
         ({"ppl": {"a": "x"}, "context_length": [64]}, "evaluate.context_length is not an evaluate field"),
+        ({"ppl": {"a": "x"}, "loops": [1, 0]}, "evaluate.loops must be whole counts >= 1, not 0"),
+        ({"ppl": {"a": "x"}, "h_cycles": 2}, "evaluate.h_cycles must be a non-empty list"),
     ):
         raw["evaluate"] = evaluate
         spec.write_text(yaml.safe_dump(raw))
