@@ -63,6 +63,11 @@ def _generate(argv: list[str]) -> int:
     from recursive_lightning.evaluation.perplexity import EOS_TOKEN  # heavy
     from recursive_lightning.model.decoding import decode  # heavy
     from recursive_lightning.model.depth import at_depth, check_depth  # heavy
+    from recursive_lightning.model.recursive.adaptive_exit import (  # heavy
+        ExitStats,
+        check_adaptive_exit,
+        decode_adaptive,
+    )
     from recursive_lightning.training.checkpoint import load_checkpoint  # heavy
 
     p = argparse.ArgumentParser(
@@ -87,9 +92,20 @@ def _generate(argv: list[str]) -> int:
     depth.add_argument(
         "--h-cycles", type=int, help="decode a Mela model at this many high-level cycles (default: trained)"
     )
+    p.add_argument(
+        "--exit-kl",
+        type=float,
+        metavar="KL",
+        help="adaptive exit: stop a token's loop steps once two successive steps' next-token distributions "
+        "differ by less than KL nats (e.g. 5e-4); prints the mean loop steps used",
+    )
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, not {args.max_new_tokens}.")
+    if args.exit_kl is not None and args.no_cache:
+        raise UserError(
+            "--exit-kl decodes with the cache (exited tokens share their keys/values); drop --no-cache."
+        )
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), not {args.temperature}.")
     if args.top_k is not None and args.top_k < 1:
@@ -101,6 +117,8 @@ def _generate(argv: list[str]) -> int:
     model, tok = loaded.model.eval(), loaded.tokenizer
     dial = "loops" if args.loops is not None else "h_cycles" if args.h_cycles is not None else None
     k = None if dial is None else check_depth(model, getattr(args, dial), dial)  # one sentence when wrong
+    if args.exit_kl is not None:
+        check_adaptive_exit(model, args.exit_kl)
     eos = tok.token_to_id(EOS_TOKEN)
     ids = tok.encode(args.prompt).ids if args.prompt else []
     if not ids:
@@ -113,15 +131,16 @@ def _generate(argv: list[str]) -> int:
     print(args.prompt, end="", flush=True)
     out: list[int] = []
     shown, t0 = "", time.perf_counter()
-    tokens = decode(
-        model,
-        idx,
-        args.max_new_tokens,
-        use_cache=not args.no_cache,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        generator=torch.Generator(device=idx.device).manual_seed(args.seed),
-    )
+    sampling = {
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "generator": torch.Generator(device=idx.device).manual_seed(args.seed),
+    }
+    stats = ExitStats()
+    if args.exit_kl is None:
+        tokens = decode(model, idx, args.max_new_tokens, use_cache=not args.no_cache, **sampling)
+    else:
+        tokens = decode_adaptive(model, idx, args.max_new_tokens, args.exit_kl, stats, **sampling)
     with at_depth(model, k):  # the decoding cache follows the depth (DecodeCache.empty: model.loop_plan())
         for nxt in tokens:
             token = int(nxt[0])
@@ -133,8 +152,9 @@ def _generate(argv: list[str]) -> int:
             shown = text
     seconds = time.perf_counter() - t0
     print(flush=True)
+    loops = f", {stats.mean_loops:.2f} of {stats.max_loops} loop steps per token" if stats.loops else ""
     print(
-        f"[{len(out)} tokens in {seconds:.2f}s, {len(out) / max(seconds, 1e-9):.1f} tokens/s]",
+        f"[{len(out)} tokens in {seconds:.2f}s, {len(out) / max(seconds, 1e-9):.1f} tokens/s{loops}]",
         file=sys.stderr,
     )
     return 0

@@ -121,3 +121,26 @@ def test_generate_at_depth(ckpts, capsys):  # noqa: F811
     assert main(["generate", str(ckpts["mela"]), "--loops", "2"]) == 2
     assert "--loops does not apply" in capsys.readouterr().err
     assert main(["generate", str(ckpts["mela"]), *prompt, "--h-cycles", "3"]) == 0
+
+
+def test_generate_with_adaptive_exit(ckpts, capsys):  # noqa: F811
+    """--exit-kl 0 is ordinary decoding at that depth and uses every loop step; a large threshold exits at the
+    first check (two steps); the mean is printed; a bad request is one sentence."""
+    ckpt = str(ckpts["looped-mesh"])
+    prompt = ["--prompt", "The with statement", "--max-new-tokens", "12", "--loops", "4"]
+    assert main(["generate", ckpt, *prompt]) == 0
+    plain = capsys.readouterr().out
+    assert main(["generate", ckpt, *prompt, "--exit-kl", "0"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain and "4.00 of 4 loop steps per token" in out.err
+    assert main(["generate", ckpt, *prompt, "--exit-kl", "1e9"]) == 0
+    assert "2.00 of 4 loop steps per token" in capsys.readouterr().err
+    for flags, words in (
+        (["--exit-kl", "-1"], ">= 0"),
+        (["--exit-kl", "1e-3", "--no-cache"], "drop --no-cache"),
+    ):
+        assert main(["generate", ckpt, *prompt, *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert words in err and len(err.splitlines()) == 1
+    assert main(["generate", str(ckpts["mela"]), "--exit-kl", "1e-3"]) == 2
+    assert "H cycles" in capsys.readouterr().err
