@@ -136,9 +136,8 @@ class LoopSchedule:
             return rng.randint(self.low, self.high)
         if self.mean == 1.0:
             return 1
-        tau = rng.gauss(
-            math.log(self.mean - 1.0) - self.sigma**2 / 2, self.sigma
-        )  # Huginn Eq. 2, r_bar = M-1
+        r_bar = self.mean - 1.0  # E[r] = r_bar + 1 = M (module docstring)
+        tau = rng.gauss(math.log(r_bar) - self.sigma**2 / 2, self.sigma)  # Huginn Eq. 2
         return 1 + _poisson(rng, math.exp(tau))  # Eq. 3
 
     # ------------------------------------------------------------------ the distribution
