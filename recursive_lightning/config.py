@@ -320,7 +320,9 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = data
     for p in parts[:-1]:
-        node = node.setdefault(p, {})
+        if node.get(p) is None:  # absent, or null in a resolved config (train.loops: null)
+            node[p] = {}
+        node = node[p]
         if not isinstance(node, dict):
             raise ConfigError(f"override '{key}': '{p}' is not a section.")
     node[parts[-1]] = value
