@@ -201,3 +201,23 @@ def _killed_and_resumed(cfg: dict, run: RunConfig, tmp_path: Path) -> None:
     assert p.returncode == -9, p.stdout + p.stderr
     assert (killed / "checkpoints" / "step=000004.ckpt").exists()
     train(run, killed, resume=True)
+
+
+def test_mfu_counts_each_steps_own_flops(tmp_path, tiny_run, monkeypatch):
+    from recursive_lightning.training import module
+
+    monkeypatch.setattr(module, "accelerator_peak_flops", lambda: 1e12)  # MFU on the CPU too
+    cfg = tiny_run(topology="anchor")
+    cfg["train"].update(
+        max_steps=6, val_every=6, loops={"distribution": "uniform", "low": 1, "high": 4, "backprop": 1}
+    )
+    run = RunConfig.from_dict(cfg)
+    train(run, tmp_path / "run")
+    loops, tps, mfu = (
+        _history(tmp_path / "run", k) for k in ("train/loops", "train/tokens_per_sec", "train/mfu")
+    )
+    assert sorted(mfu) == list(range(1, 6)) and len({loops[s] for s in mfu}) > 1  # the first step: warm-up
+    flops = LoopFlops(run.model, run.data.seq_len, backprop=1)
+    for s in mfu:  # MFU = tokens/s x the step's FLOPs per token at its sampled depth / peak
+        per_token = flops.training(int(loops[s])) / run.data.seq_len
+        assert mfu[s] == pytest.approx(tps[s] * per_token / 1e12, rel=1e-6), s
