@@ -13,12 +13,14 @@ from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import apply_overrides, check_model_types, load_yaml
 from recursive_lightning.errors import Terminated, UserError
 from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.sampled_loops import check_train_loops, format_training, parse_text
 from recursive_lightning.uris import mask_url
 from recursive_lightning.validation import check_device
 
 
 def _describe(argv: list[str]) -> int:
     from recursive_lightning.model.describe import describe, format_description  # heavy
+    from recursive_lightning.training.loop_flops import expected_training_flops  # heavy
 
     p = argparse.ArgumentParser(
         prog="recursive_lightning describe",
@@ -36,11 +38,28 @@ def _describe(argv: list[str]) -> int:
         help="tokens per sequence the FLOPs are counted at (default 4096)",
     )
     p.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass (default 1)")
+    p.add_argument(
+        "--train-loops",
+        metavar="SPEC",
+        help="training with a sampled loop count (train.loops): poisson-lognormal:MEAN[:SIGMA] or "
+        "uniform:LOW-HIGH; adds the expected training FLOPs per token (a run --config's train.loops is read too)",
+    )
+    p.add_argument(
+        "--train-backprop",
+        type=int,
+        metavar="K",
+        help="with --train-loops: gradients through the last K loop steps",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args, rest = p.parse_known_args(argv)
     data: dict = {}
+    loops = None
+    if args.train_backprop is not None and args.train_loops is None:
+        raise UserError("--train-backprop needs --train-loops (e.g. --train-loops poisson-lognormal:4).")
     if args.config:
         raw = load_yaml(args.config)
+        if isinstance(raw.get("train"), dict):
+            loops = raw["train"].get("loops")
         section = raw.get("model", raw)
         if not isinstance(section, dict):
             raise UserError(
@@ -53,7 +72,13 @@ def _describe(argv: list[str]) -> int:
     data = apply_overrides({"model": data}, rest, sections=("model",))["model"]
     cfg = ModelConfig.from_dict(check_model_types(data))  # `--model.memstack maybe` is refused, as in train
     d = describe(cfg, seq_len=args.seq_len, batch_size=args.batch_size)
-    print(json.dumps(d) if args.json else format_description(d))
+    if args.train_loops is not None:
+        loops = parse_text(args.train_loops, args.train_backprop)
+    text = format_description(d)
+    if loops is not None:  # per token: a batch of one sequence of --seq-len
+        d.update(expected_training_flops(cfg, args.seq_len, check_train_loops(loops, cfg)))
+        text += "\n" + format_training(d)
+    print(json.dumps(d) if args.json else text)
     return 0
 
 

@@ -20,6 +20,7 @@ import yaml
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.interop.init import parse_strategy
 from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.sampled_loops import check_train_loops
 
 # train.train_only part -> parameter-name prefixes of RecursiveLM (model/recursive/model.py; training/partial.py)
 PARTS: dict[str, tuple[str, ...]] = {
@@ -111,6 +112,9 @@ class TrainConfig:
     # train only these parts for the first train_only_steps steps, then everything (training/partial.py)
     train_only: list[str] | None = None  # of embed, prelude, core, coda, norm, head, topology, resolution
     train_only_steps: int = 0
+    # a sampled loop count per step (Huginn; sampled_loops.py), None: the layout's K every step, e.g.
+    # {distribution: poisson-lognormal, mean: 4, sigma: 0.5, backprop: 2} or {distribution: uniform, low: 2, high: 6}
+    loops: dict[str, Any] | None = None
 
 
 @dataclass
@@ -205,6 +209,7 @@ class RunConfig:
             parse_strategy(t.init_strategy)
         if t.train_only is not None or t.train_only_steps:
             check_train_only(t.train_only, t.train_only_steps, t.max_steps)
+        t.loops = check_train_loops(t.loops, self.model)
         if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):
             raise ConfigError(
                 f"train.precision '{t.precision}' is unknown; choose auto, 32-true, bf16-mixed, 16-mixed or bf16-true."
@@ -315,7 +320,9 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = data
     for p in parts[:-1]:
-        node = node.setdefault(p, {})
+        if node.get(p) is None:  # absent, or null in a resolved config (train.loops: null)
+            node[p] = {}
+        node = node[p]
         if not isinstance(node, dict):
             raise ConfigError(f"override '{key}': '{p}' is not a section.")
     node[parts[-1]] = value

@@ -102,6 +102,35 @@ CASES: list[tuple[str, list[str], str]] = [
         "trian",
     ),
     (
+        "describe-train-loops-unknown",
+        ["describe", "--preset", "cpu-tiny", "--layout", "1+2R2+1", "--train-loops", "gamma:4"],
+        "--train-loops 'gamma:4'",
+    ),
+    (
+        "describe-train-backprop-alone",
+        ["describe", "--preset", "cpu-tiny", "--layout", "1+2R2+1", "--train-backprop", "2"],
+        "--train-backprop needs --train-loops",
+    ),
+    (
+        "train-loops-low-above-high",
+        [
+            "train",
+            "--config",
+            "{run}/config.yaml",
+            "--train.loops",
+            "{distribution: uniform, low: 5, high: 2}",
+        ]
+        + ["--run-dir", "{out}/r"],
+        "train.loops.low 5 exceeds train.loops.high 2",
+    ),
+    (
+        "train-loops-vanilla",
+        ["train", "--config", "{run}/config.yaml", "--model.layout", "4", "--model.topology", "base"]
+        + ["--train.loops.distribution", "uniform", "--train.loops.low", "1", "--train.loops.high", "3"]
+        + ["--run-dir", "{out}/r"],
+        "train.loops needs a looped layout",
+    ),
+    (
         "train-lr-neg",
         ["train", "--config", "{run}/config.yaml", "--train.lr", "-1", "--run-dir", "{out}/r"],
         "lr",

@@ -34,6 +34,7 @@ from recursive_lightning.tracking.runs import (
     set_terminated,
     to_json,
 )
+from recursive_lightning.training.loop_flops import expected_training_flops
 
 
 def open_run(
@@ -71,6 +72,8 @@ def open_run(
         record_tracking_uri(run_dir, tracking_uri)  # before the id: eval / resume find the run
         atomic_write_text(id_file, run_id)
         stats = describe(cfg.model, seq_len=cfg.data.seq_len)
+        if cfg.train.loops is not None:  # sampled-loop training: expected training FLOPs per token
+            stats.update(expected_training_flops(cfg.model, cfg.data.seq_len, cfg.train.loops))
         log_params(tracking_uri, run_id, {**run_params(cfg, stats), **(params or {})})
         log_artifact_text(tracking_uri, run_id, "config.yaml", cfg.to_yaml())
         log_artifact_text(tracking_uri, run_id, "describe.json", to_json(stats))

@@ -10,11 +10,14 @@ import torch
 from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics.text import Perplexity
 
+from recursive_lightning import faults
 from recursive_lightning.config import RunConfig
 from recursive_lightning.model.build import build_model
 from recursive_lightning.model.describe import describe
 from recursive_lightning.model.loss import cross_entropy
+from recursive_lightning.sampled_loops import LoopSchedule
 from recursive_lightning.training import parallel
+from recursive_lightning.training.loop_flops import LoopFlops
 from recursive_lightning.training.optim import build_optimizer
 
 # dense bf16 peak FLOP/s of known accelerators, for MFU
@@ -55,6 +58,15 @@ class RecursiveLMModule(L.LightningModule):
         seq = self.run_cfg.data.seq_len
         stats = describe(self.run_cfg.model, seq_len=seq)
         self.flops_per_token = 3 * stats["flops_forward"] / seq  # forward + backward (2x)
+        # train.loops: a loop count per optimizer step (sampled_loops.py), its FLOPs counted per depth
+        t = self.run_cfg.train
+        self.loop_schedule = LoopSchedule.parse(t.loops) if t.loops is not None else None
+        self.loop_flops = (
+            LoopFlops(self.run_cfg.model, seq, self.loop_schedule.backprop).warm()
+            if self.loop_schedule
+            else None
+        )
+        self._step_flops_per_token = self.flops_per_token
         self.peak_flops = accelerator_peak_flops()
         self._clock = time.perf_counter  # tests substitute a deterministic clock
         self._t_ref: float | None = None  # when the interval of the next step's tokens/s began
@@ -95,8 +107,35 @@ class RecursiveLMModule(L.LightningModule):
         loss = cross_entropy(logits, y, overwrite_logits=training)  # training reads no logits after backward
         return loss, logits, y
 
+    def sampled_loops(self) -> int | None:
+        """The loop count of this optimizer step under ``train.loops`` (None: the layout's K): a function of
+        (train.seed, global step) only, so every rank and micro-batch of the step, and a resumed run, draw it
+        alike."""
+        if self.loop_schedule is None:
+            return None
+        return self.loop_schedule.sample(self.run_cfg.train.seed, self.global_step)
+
+    def training_loss(self, batch: torch.Tensor, loops: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, targets) of a training forward at ``loops`` loop steps with gradients through the last
+        ``train.loops.backprop`` (None: as built); the model is back at its layout's K afterwards, so
+        validation and checkpoints see the trained depth."""
+        if loops is None:
+            loss, _, y = self._loss(batch, training=True)
+            return loss, y
+        model = self.model
+        model.loops, model.backprop_loops = loops, self.loop_schedule.backprop
+        try:
+            loss, _, y = self._loss(batch, training=True)
+        finally:  # the backward needs no flag: the graph (and which steps it holds) is built by now
+            model.loops = model.backprop_loops = None
+        return loss, y
+
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss, _, y = self._loss(batch, training=True)
+        faults.point("training_step")  # tests: a kill -9 in the middle of a step (faults.py)
+        loops = self.sampled_loops()
+        loss, y = self.training_loss(batch, loops)
+        if loops is not None:
+            self._step_flops_per_token = self.loop_flops.training(loops) / self.run_cfg.data.seq_len
         tokens = y.numel() * self.trainer.world_size
         step = self.global_step + 1
         metrics: dict[str, Any] = {
@@ -104,6 +143,8 @@ class RecursiveLMModule(L.LightningModule):
             "train/lr": self.trainer.optimizers[0].param_groups[0]["lr"],
             "train/tokens": float(step * tokens * self.run_cfg.train.accumulate),
         }
+        if loops is not None:
+            metrics["train/loops"] = float(loops)
         for name, value in metrics.items():
             shown = name == "train/loss"
             self.log(name, value, prog_bar=shown, on_step=True, on_epoch=False, sync_dist=False)
@@ -123,7 +164,9 @@ class RecursiveLMModule(L.LightningModule):
             tps = self._step_tokens / max(now - self._t_ref, 1e-9)
             extra = {"train/tokens_per_sec": tps}
             if self.peak_flops:
-                extra["train/mfu"] = tps * self.flops_per_token / (self.peak_flops * self.trainer.world_size)
+                # the step's own FLOPs: at its sampled depth under train.loops (training/loop_flops.py)
+                mfu = tps * self._step_flops_per_token / (self.peak_flops * self.trainer.world_size)
+                extra["train/mfu"] = mfu
             for name, value in extra.items():
                 self.log(name, value, prog_bar=name == "train/tokens_per_sec", on_step=True, on_epoch=False)
             self._step_metrics.update(extra)
