@@ -19,8 +19,14 @@ BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 forwards
 
 
 def training_flops(trial: dict[str, Any]) -> float | None:
-    per_token = trial_value(trial, "flops_per_token")
+    """3 × forward FLOPs/token × tokens; with sampled loop steps (``train.loops``) the expected training FLOPs
+    per token over the distribution (``training/loop_flops.py``: forward at the sampled depth, backward over the
+    differentiated part) × tokens."""
     tokens = trial.get("tokens")
+    sampled = (trial.get("describe") or {}).get("flops_train_per_token_expected")
+    if sampled and tokens:
+        return float(sampled) * tokens
+    per_token = trial_value(trial, "flops_per_token")
     return BACKWARD_FACTOR * per_token * tokens if per_token and tokens else None
 
 
@@ -56,7 +62,7 @@ def plot(
     best = min(pts, key=lambda p: p["metric"][0])["row"]
     colors = plt.get_cmap("tab10")
     for ax, key, label in (
-        (axes[0], "flops", "training FLOPs (3 × forward FLOPs/token × tokens)"),
+        (axes[0], "flops", "training FLOPs (3 × forward FLOPs/token × tokens; sampled loops: expected)"),
         (axes[1], "seconds", "wall-clock (s, the trial's train command)"),
     ):
         shown = [p for p in pts if p[key]]

@@ -83,10 +83,18 @@ def _trial_config(trial_dir: Path, row: dict[str, Any], spec: Any):
 def _describe(cfg: Any, cache: dict[str, dict]) -> dict[str, Any] | None:
     from recursive_lightning.model.describe import describe  # heavy
 
-    key = json.dumps([cfg.to_dict()["model"], cfg.data.seq_len], sort_keys=True, default=str)
+    key = json.dumps(
+        [cfg.to_dict()["model"], cfg.data.seq_len, cfg.to_dict()["train"].get("loops")],
+        sort_keys=True,
+        default=str,
+    )
     if key not in cache:
         try:
             cache[key] = describe(cfg.model, seq_len=cfg.data.seq_len)
+            if cfg.train.loops is not None:  # sampled-loop training: its expected training FLOPs per token
+                from recursive_lightning.training.loop_flops import expected_training_flops  # heavy
+
+                cache[key].update(expected_training_flops(cfg.model, cfg.data.seq_len, cfg.train.loops))
         except Exception:  # a config the counter cannot build: the columns stay missing
             cache[key] = None
     return cache[key]

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import yaml
-from conftest import ROOT, run_sweep, sweep_file
+from conftest import ROOT, run_sweep, sweep_file, tiny_config
 from mlflow.tracking import MlflowClient
 from scipy import stats
 
@@ -225,3 +225,24 @@ def test_learning_curves_and_html_report_are_logged_to_the_parent_run(tiny_repor
         assert sorted(val) == [2 * tokens, 4 * tokens, 5 * tokens] and res["steps"] == 5
         assert val[res["tokens"]] == pytest.approx(rec["metrics"]["val/heldout/ppl"])
         assert max(against_tokens(entry, "train/loss")) == res["tokens"]
+
+
+def test_training_flops_of_a_sampled_loop_row_are_its_expected_flops(data_cache):
+    """The cost section's training FLOPs: 3 × forward FLOPs/token × tokens at a fixed depth; with
+    ``train.loops`` the expected training FLOPs per token over the distribution × tokens, as the run's describe."""
+    from recursive_lightning.config import RunConfig
+    from recursive_lightning.sweep.cost import training_flops
+    from recursive_lightning.sweep.tables import _describe
+    from recursive_lightning.training.loop_flops import expected_training_flops
+
+    fixed = RunConfig.from_dict(tiny_config(data_cache, layout="1+1R2+1", topology="anchor"))
+    raw = fixed.to_dict()
+    raw["train"]["loops"] = {"distribution": "uniform", "low": 1, "high": 5, "backprop": 2}
+    sampled = RunConfig.from_dict(raw)
+    cache: dict = {}
+    d_fixed, d_sampled = _describe(fixed, cache), _describe(sampled, cache)
+    seq = fixed.data.seq_len
+    assert training_flops({"describe": d_fixed, "tokens": 1000}) == 3 * d_fixed["flops_forward"] / seq * 1000
+    want = expected_training_flops(sampled.model, seq, sampled.train.loops)["flops_train_per_token_expected"]
+    assert training_flops({"describe": d_sampled, "tokens": 1000}) == pytest.approx(want * 1000, rel=1e-12)
+    assert want * seq != 3 * d_fixed["flops_forward"]
