@@ -1,20 +1,19 @@
 """``train.loops``: training with a sampled number of loop steps per optimizer step (issue 33; Huginn, Geiping
 et al. 2025, "Scaling up test-time compute with latent reasoning: a recurrent depth approach", Sec. 3.3).
 
-Huginn samples the iteration count r of every training step from a log-normal Poisson distribution (Eq. 2-3),
+Huginn samples the iteration count r of every training step from a log-normal Poisson distribution (as we read
+its Sec. 3.3; the paper's text was not at hand to check equation numbers and wording),
 
     tau ~ N(log(r_bar) - sigma^2 / 2, sigma),        r ~ Poisson(e^tau) + 1,
 
 with sigma = 1/2, and backpropagates through the last k iterations only (truncated backpropagation; the
-first r - k run without gradients). Since E[e^tau] = r_bar, E[r] = r_bar + 1 (the paper's "targeted mean
-recurrence r_bar + 1"). Our readings:
+first r - k run without gradients). Since E[e^tau] = r_bar, E[r] = r_bar + 1. Our readings:
 
 - ``mean: M`` is the mean loop count E[r] itself, so we draw with r_bar = M - 1 (M = 1: r = 1 always).
 - ``uniform: low..high``: r uniform over the whole numbers low..high, both included.
 - ``backprop: k`` (None: every loop step) is Huginn's k: the last min(r, k) loop steps get gradients.
 - r of optimizer step s is a pure function of (train.seed, s): every rank draws the same r (FSDP2 needs the
-  same layer calls on every rank) and a resumed run draws again what the killed one drew. Huginn's code seeds
-  a generator with the step as well; each rank of its data-parallel runs draws on its own.
+  same layer calls on every rank) and a resumed run draws again what the killed one drew.
 - every micro-batch of one optimizer step (``train.accumulate``) runs at that step's r.
 
 ``LoopSchedule.pmf()`` is the distribution itself, to 1e-9: the expectations of ``describe`` (training FLOPs
@@ -137,7 +136,7 @@ class LoopSchedule:
         if self.mean == 1.0:
             return 1
         r_bar = self.mean - 1.0  # E[r] = r_bar + 1 = M (module docstring)
-        tau = rng.gauss(math.log(r_bar) - self.sigma**2 / 2, self.sigma)  # Huginn Eq. 2
+        tau = rng.gauss(math.log(r_bar) - self.sigma**2 / 2, self.sigma)  # Huginn Sec. 3.3
         return 1 + _poisson(rng, math.exp(tau))  # Eq. 3
 
     # ------------------------------------------------------------------ the distribution
