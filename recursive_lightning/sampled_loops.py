@@ -137,7 +137,7 @@ class LoopSchedule:
             return 1
         r_bar = self.mean - 1.0  # E[r] = r_bar + 1 = M (module docstring)
         tau = rng.gauss(math.log(r_bar) - self.sigma**2 / 2, self.sigma)  # Huginn Sec. 3.3
-        return 1 + _poisson(rng, math.exp(tau))  # Eq. 3
+        return 1 + _poisson(rng, math.exp(tau))  # r ~ Poisson(e^tau) + 1
 
     # ------------------------------------------------------------------ the distribution
     @cached_property
