@@ -6,6 +6,7 @@ request is one sentence, exit 2, nothing on disk."""
 
 from __future__ import annotations
 
+# ruff: noqa: F811  (the ckpts, doc and tokenizer fixtures are imported, then named as arguments)
 import json
 import math
 
@@ -50,7 +51,7 @@ def _by_hand(ckpt, text: str, depth: int, threshold: float) -> tuple[float, list
     return nll, loops
 
 
-def test_eval_exit_kl(ckpts, doc, tmp_path, capsys):  # noqa: F811
+def test_eval_exit_kl(ckpts, doc, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -85,7 +86,11 @@ def test_eval_exit_kl(ckpts, doc, tmp_path, capsys):  # noqa: F811
     )
     # a huge threshold: every decoded token exits at the first check, after two loop steps
     nll, loops = _by_hand(ckpts["looped-mesh"], doc.read_text(), 4, 1e9)
-    assert huge["mean_loops"] == 2 and set(loops) == {2} and huge["ppl"]["doc"]["loop_steps"] == sum(loops)
+    assert (
+        huge["mean_loops"] == huge["ppl"]["doc"]["mean_loops"] == 2
+        and set(loops) == {2}
+        and huge["ppl"]["doc"]["loop_steps"] == sum(loops)
+    )
     assert huge["ppl"]["doc"]["nll"] == pytest.approx(nll, rel=1e-6)
     assert section["sets"]["doc"]["tokens_at_full_depth"] == tokens - len(loops)
     assert abs(huge["ppl"]["doc"]["nll"] - zero["ppl"]["doc"]["nll"]) > 1e-3  # exiting changes the scores
@@ -98,7 +103,7 @@ def test_eval_exit_kl(ckpts, doc, tmp_path, capsys):  # noqa: F811
     assert m == pytest.approx(flat_metrics(out)) and "eval/exit_kl_0/bpb/doc" in m
 
 
-def test_exit_max_tokens_cuts_the_windows_in_order(ckpts, doc, tmp_path):  # noqa: F811
+def test_exit_max_tokens_cuts_the_windows_in_order(ckpts, doc, tmp_path):
     """At most N tokens of a set, the first ones; with a stride every window's context is prefilled, and
     threshold 0 is still the ordinary score of those tokens."""
     from recursive_lightning.evaluation.perplexity import encode, eos_id_of, plan_windows, score_sequences
@@ -150,7 +155,7 @@ def test_threshold_key(value, key):
 )
 def test_bad_exit_request_is_one_sentence_and_nothing_on_disk(
     family, flags, message, ckpts, doc, tmp_path, capsys
-):  # noqa: F811
+):
     out, db = tmp_path / "o", tmp_path / "m.db"
     args = ["eval", str(ckpts[family]), "--ppl", f"doc={doc}", "--tasks", "none", "--out", str(out)]
     assert main([*args, "--tracking-uri", f"sqlite:///{db}", *flags]) == 2
@@ -159,7 +164,7 @@ def test_bad_exit_request_is_one_sentence_and_nothing_on_disk(
     assert not out.exists() and not db.exists()
 
 
-def test_exit_kl_needs_a_text_set(ckpts, tmp_path, capsys):  # noqa: F811
+def test_exit_kl_needs_a_text_set(ckpts, tmp_path, capsys):
     args = ["eval", str(ckpts["looped-mesh"]), "--tasks", "none", "--no-mlflow", "--out", str(tmp_path / "o")]
     assert main([*args, "--exit-kl", "5e-4"]) == 2
     assert "--exit-kl scores text sets token by token: pass one with --ppl" in capsys.readouterr().err
