@@ -5,6 +5,7 @@ prints.
     python -m recursive_lightning eval runs/x/checkpoints/last.ckpt --ppl wiki=wiki.txt \\
         --context-lengths 256,512,1024,2048 --tasks lambada_openai,piqa --shots 0 --limit 200
     python -m recursive_lightning eval runs/looped-mesh --ppl wiki=wiki.txt --tasks none --loops 1,2,4,8
+    python -m recursive_lightning eval runs/looped-mesh --ppl wiki=wiki.txt --tasks none --loops 8 --exit-kl 5e-4,1e-3
 
 CHECKPOINT is a ``.ckpt`` file or a run directory (its newest good checkpoint); what is evaluated and where the
 results go: evaluation/run.py. Without ``--tasks`` the tasks are ``DEFAULT_TASKS`` (evaluation/downstream.py); a
@@ -24,7 +25,7 @@ from typing import Any
 from recursive_lightning import formatting as fmt
 from recursive_lightning.errors import UserError
 from recursive_lightning.evaluation.downstream import DEFAULT_ALIAS, DEFAULT_TASKS, NOT_ACCURACY, PAPER_METRIC
-from recursive_lightning.evaluation.options import EvalOptions, check_context_lengths
+from recursive_lightning.evaluation.options import EXIT_MAX_TOKENS, EvalOptions, check_context_lengths
 from recursive_lightning.evaluation.run import evaluate_checkpoint
 
 
@@ -68,6 +69,7 @@ def print_report(result: dict[str, Any]) -> None:
             )
         )
     rows_depth, header_depth = _depth_rows(result)
+    rows_exit, header_exit, title_exit = _exit_rows(result)
     title = f"{result['run_name']} @ step {result['global_step']} ({Path(result['checkpoint']).name})"
     tables = [
         ("perplexity", ("set", "ppl", "bits/byte", "tokens"), rows_ppl),
@@ -78,6 +80,7 @@ def print_report(result: dict[str, Any]) -> None:
         ),
         ("downstream accuracy (%)", ("task", "metric", *[f"{k}-shot" for k in shots]), rows_task),
         ("test-time depth", header_depth, rows_depth),
+        (title_exit, header_exit, rows_exit),
     ]
     try:
         from rich.console import Console  # optional
@@ -138,6 +141,31 @@ def _depth_rows(result: dict[str, Any]) -> tuple[list[tuple[str, ...]], tuple[st
             )
         )
     return rows, header
+
+
+def _exit_rows(result: dict[str, Any]) -> tuple[list[tuple[str, ...]], tuple[str, ...], str]:
+    """The adaptive exit table: the reference (no exit, every loop step) and one row per threshold, its mean
+    loop steps per token and the perplexity of every set on the same tokens."""
+    section = result.get("adaptive_exit") or {}
+    if not section:
+        return [], (), ""
+    sets = list(section["reference"])
+    header = ("exit KL", "loop steps/token", *[f"ppl {s}" for s in sets])
+    rows = [("none", str(section["max_loops"]), *[fmt.ppl(section["reference"][s]["ppl"]) for s in sets])]
+    for key, e in section["thresholds"].items():
+        rows.append((key, f"{e['mean_loops']:.2f}", *[fmt.ppl(e["ppl"][s]["ppl"]) for s in sets]))
+    tokens = ", ".join(f"{s} {n['tokens']}" for s, n in section["sets"].items())
+    title = f"adaptive exit (at most {section['max_loops']} loop steps; tokens scored: {tokens})"
+    return rows, header, title
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in str(text).replace(" ", "").split(",") if x]
+    except ValueError:
+        raise UserError(
+            f"{what} must be a comma-separated list of KL thresholds in nats, not '{text}'; e.g. {what} 5e-4,1e-3."
+        ) from None
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -236,6 +264,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="test-time depth of a Mela model: high-level cycle counts H', e.g. 1,2,4",
     )
+    p.add_argument(
+        "--exit-kl",
+        default=None,
+        metavar="KL[,KL...]",
+        help="adaptive exit of a looped model: KL thresholds in nats, e.g. 5e-4,1e-3; each --ppl set scored token "
+        "by token with each, at most --loops loop steps (default: trained), beside the same tokens without exit",
+    )
+    p.add_argument(
+        "--exit-max-tokens",
+        type=int,
+        default=EXIT_MAX_TOKENS,
+        help=f"tokens of each --ppl set scored with --exit-kl (default {EXIT_MAX_TOKENS}; token by token: slow)",
+    )
     p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass (default 16)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--out", default=None, help="folder of the JSON result (default <run_dir>/eval)")
@@ -283,6 +324,8 @@ def options_from_args(args: argparse.Namespace) -> EvalOptions:
         mlflow=not args.no_mlflow,
         loops=None if args.loops is None else _ints(args.loops, "--loops"),
         h_cycles=None if args.h_cycles is None else _ints(args.h_cycles, "--h-cycles"),
+        exit_kl=None if args.exit_kl is None else _floats(args.exit_kl, "--exit-kl"),
+        exit_max_tokens=args.exit_max_tokens,
     )
 
 

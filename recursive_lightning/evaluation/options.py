@@ -27,8 +27,11 @@ SWEEP_FIELDS = {
     "ctx_mode": "ctx_mode",
     "loops": "loops",
     "h_cycles": "h_cycles",
+    "exit_kl": "exit_kl",
+    "exit_max_tokens": "exit_max_tokens",
 }
 CTX_MODES = ("stream", "documents")
+EXIT_MAX_TOKENS = 4096  # tokens per set scored with adaptive exit (token by token: slow)
 
 
 @dataclass
@@ -41,7 +44,9 @@ class EvalOptions:
     value on at most ``limit`` examples. ``loops`` / ``h_cycles``: test-time depths (evaluation/depth.py), each
     set and task evaluated again at each loop count (a looped model) or each count of Mela's high-level
     cycles; ``depth_where_it_applies`` (a sweep's trials): a model whose dial was not given is evaluated only
-    as trained, where the ``eval`` command refuses it. ``stride`` / ``max_length``: the sliding window (default: the model's
+    as trained, where the ``eval`` command refuses it. ``exit_kl``: KL thresholds of adaptive exit
+    (evaluation/adaptive_exit.py), the first ``exit_max_tokens`` tokens of each set scored token by token at
+    each (a sweep's trial that cannot exit early is evaluated without). ``stride`` / ``max_length``: the sliding window (default: the model's
     max_seq_len, disjoint). Results go to ``out_dir`` (default ``<run_dir>/eval``) and, unless ``mlflow`` is
     False, the checkpoint's MLflow run in ``tracking_uri`` (default: the run directory's store)."""
 
@@ -64,10 +69,12 @@ class EvalOptions:
     mlflow: bool = True
     loops: Sequence[int] | None = None
     h_cycles: Sequence[int] | None = None
+    exit_kl: Sequence[float] | None = None
+    exit_max_tokens: int = EXIT_MAX_TOKENS
     depth_where_it_applies: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "max_length", "stride", "ctx_block", "ctx_max_tokens"):
+        for name in ("batch_size", "max_length", "stride", "ctx_block", "ctx_max_tokens", "exit_max_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, not {value}.")
@@ -77,6 +84,7 @@ class EvalOptions:
             raise UserError(f"--ctx-mode must be stream or documents, not {self.ctx_mode!r}.")
         self.loops = check_depths(self.loops, "--loops")
         self.h_cycles = check_depths(self.h_cycles, "--h-cycles")
+        self.exit_kl = check_thresholds(self.exit_kl, "--exit-kl")
         self.shots = [int(s) for s in self.shots]
         if any(s < 0 for s in self.shots):
             raise UserError(f"shots must be >= 0, not {self.shots}.")
@@ -108,6 +116,8 @@ class EvalOptions:
             ctx_mode=evaluate.get("ctx_mode", "stream"),
             loops=evaluate.get("loops"),
             h_cycles=evaluate.get("h_cycles"),
+            exit_kl=evaluate.get("exit_kl"),
+            exit_max_tokens=evaluate.get("exit_max_tokens", EXIT_MAX_TOKENS),
             depth_where_it_applies=True,
         )
 
@@ -153,3 +163,23 @@ def check_depths(counts: Sequence[int] | None, flag: str) -> list[int] | None:
     if bad:
         raise UserError(f"{flag} must be whole counts >= 1, not {bad[0]!r}; {example}.")
     return sorted(set(counts))
+
+
+def check_thresholds(values: Sequence[float] | None, flag: str) -> list[float] | None:
+    """``values`` (adaptive exit's KL thresholds, nats) as a sorted list without repeats, or one sentence naming
+    ``flag``."""
+    if values is None:
+        return None
+    example = f"e.g. {flag} 5e-4,1e-3" if flag.startswith("--") else f"e.g. {flag}: [5.0e-4, 1.0e-3]"
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence) or not values:
+        raise UserError(
+            f"{flag} must be a non-empty list of KL thresholds >= 0 in nats, not {values!r}; {example}."
+        )
+    bad = [
+        v
+        for v in values
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < float("inf")
+    ]
+    if bad:
+        raise UserError(f"{flag} must be finite KL thresholds >= 0 in nats, not {bad[0]!r}; {example}.")
+    return sorted({float(v) for v in values})

@@ -7,7 +7,8 @@ CHECKPOINT is a ``.ckpt`` file or a run directory (its newest good checkpoint). 
 ``eval/ppl_ctx/<L>``, ``eval/<task>/<shots>shot/<metric>``, ``eval/avg/<shots>shot``, step = the checkpoint's
 global step, the JSON as an artifact under ``eval/``). With ``loops`` / ``h_cycles`` the sets and tasks again at
 each test-time depth (evaluation/depth.py): the JSON's ``depth`` section, ``eval/loops_<k>/...`` (Mela:
-``eval/h_cycles_<k>/...``) and ``<json stem>-by-depth.png``.
+``eval/h_cycles_<k>/...``) and ``<json stem>-by-depth.png``. With ``exit_kl`` the sets scored with adaptive exit
+(evaluation/adaptive_exit.py): the JSON's ``adaptive_exit`` section, ``eval/exit_kl_<thr>/...``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning.errors import UserError
+from recursive_lightning.evaluation.adaptive_exit import evaluate_adaptive_exit, exit_metrics, exit_request
 from recursive_lightning.evaluation.depth import depth_prefix, depth_request, evaluate_depths
 from recursive_lightning.evaluation.downstream import (
     NOT_ACCURACY,
@@ -80,6 +82,7 @@ def evaluate_checkpoint(
     run_dir = run_dir_of(ckpt)
     out = Path(o.out_dir) if o.out_dir else run_dir / "eval"
     depths = depth_request(loaded.model, o)  # a dial the model lacks: one sentence, nothing written
+    exits = exit_request(loaded.model, o)  # a model that cannot exit early: the same
     # where the results go must be writable before anything is computed
     check_outputs(
         "eval",
@@ -148,6 +151,10 @@ def evaluate_checkpoint(
             return entry
 
         result["depth"] = evaluate_depths(model, lm.max_length, *depths, measure)
+    if exits:
+        result["adaptive_exit"] = evaluate_adaptive_exit(
+            model, lm.tokenizer, texts, exits, lm.max_length, o.stride, o.exit_max_tokens, lm.batch_size
+        )
 
     json_path = out / f"eval-{ckpt.stem if ckpt.is_file() else ckpt.name}.json"
     result["json_path"] = str(json_path)
@@ -331,8 +338,9 @@ def metric_name(name: str) -> str:
 def flat_metrics(result: dict[str, Any], prefix: str = "eval") -> dict[str, float]:
     """The MLflow metrics of a result: eval/ppl/<name>, eval/ppl_ctx/<L>, eval/<task>/<k>shot/<metric>,
     eval/avg/<k>shot; at each test-time depth k the same under eval/loops_<k>/ (Mela: eval/h_cycles_<k>/), and
-    eval/loops_<k>/flops_forward_per_token."""
-    out: dict[str, float] = {}
+    eval/loops_<k>/flops_forward_per_token; with adaptive exit eval/exit_kl_<thr>/... and eval/exit_reference/...
+    (``adaptive_exit.exit_metrics``)."""
+    out: dict[str, float] = exit_metrics(result.get("adaptive_exit"), metric_name, prefix)
     depth = result.get("depth") or {}
     for k, entry in depth.get("counts", {}).items():
         out.update(flat_metrics(entry, depth_prefix(depth["dial"], k)))

@@ -19,7 +19,8 @@
     pruning: {enabled: false, warmup_steps: 100}
     evaluate: {ppl: {name: path}, tasks: [], limit: 50, shots: [0],   # after each trial (evaluation/options.py)
                context_lengths: [256, 1024, 4096], ctx_set: name, ctx_max_tokens: 16384,
-               loops: [1, 2, 4, 8], h_cycles: [1, 2, 4]}   # test-time depths (looped / Mela trials)
+               loops: [1, 2, 4, 8], h_cycles: [1, 2, 4],   # test-time depths (looped / Mela trials)
+               exit_kl: [5.0e-4, 1.0e-3], exit_max_tokens: 2048}  # adaptive exit (full-resolution looped)
     report: {plot: line, x: model.buffer,         # hints for the report's figures; baseline: the row the
              baseline: anchor}                    # report's paired differences (same seed) are taken to
 
@@ -38,7 +39,7 @@ from typing import Any
 
 from recursive_lightning.config import RunConfig, check_model_types, load_yaml, set_dotted
 from recursive_lightning.errors import ConfigError, UserError
-from recursive_lightning.evaluation.options import SWEEP_FIELDS, check_depths
+from recursive_lightning.evaluation.options import SWEEP_FIELDS, check_depths, check_thresholds
 
 TOP_KEYS = {
     "name",
@@ -254,6 +255,17 @@ def load_sweep(path: str | Path, relative_to: str | Path | None = None) -> Sweep
             check_depths(evaluate.get(dial), f"evaluate.{dial}")
         except UserError as e:
             raise ConfigError(f"{where}: {e}") from None
+    try:
+        check_thresholds(evaluate.get("exit_kl"), "evaluate.exit_kl")
+    except UserError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if evaluate.get("exit_kl") and not evaluate.get("ppl"):
+        raise ConfigError(f"{where}: evaluate.exit_kl scores text sets: add evaluate.ppl {{name: path}}.")
+    most = evaluate.get("exit_max_tokens", 1)
+    if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+        raise ConfigError(
+            f"{where}: evaluate.exit_max_tokens must be a whole number of tokens >= 1, not {most!r}."
+        )
     tasks = evaluate.get("tasks")
     if tasks is not None and not (
         isinstance(tasks, str) or (isinstance(tasks, list) and all(isinstance(t, str) and t for t in tasks))

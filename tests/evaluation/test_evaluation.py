@@ -519,6 +519,10 @@ def test_eval_options_check_their_fields_and_read_a_sweep_block(tmp_path):
         ({"loops": [2, 0]}, "--loops must be whole counts >= 1, not 0"),
         ({"h_cycles": []}, "--h-cycles must be a non-empty list"),
         ({"loops": [1.5]}, "--loops must be whole counts"),
+        ({"exit_kl": [1e-3, True]}, "--exit-kl must be finite KL thresholds >= 0 in nats, not True"),
+        ({"exit_kl": [float("inf")]}, "--exit-kl must be finite"),
+        ({"exit_kl": []}, "--exit-kl must be a non-empty list"),
+        ({"exit_max_tokens": 0}, "--exit-max-tokens must be >= 1"),
     ):
         with pytest.raises(UserError, match=match):
             EvalOptions(**bad)
@@ -537,4 +541,9 @@ def test_eval_options_check_their_fields_and_read_a_sweep_block(tmp_path):
     assert EvalOptions(loops=[8, 1, 2, 2]).loops == [1, 2, 8] and o.loops is None
     o = EvalOptions.from_sweep({"loops": [4, 1], "h_cycles": [2]}, tmp_path, "sqlite:///x.db")
     assert (o.loops, o.h_cycles, o.depth_where_it_applies) == ([1, 4], [2], True)
+    assert (o.exit_kl, o.exit_max_tokens) == (None, 4096) and EvalOptions(
+        exit_kl=[1e-3, 0, 1e-3]
+    ).exit_kl == [0, 1e-3]
+    o = EvalOptions.from_sweep({"exit_kl": [5e-4], "exit_max_tokens": 64}, tmp_path, "sqlite:///x.db")
+    assert (o.exit_kl, o.exit_max_tokens) == ([5e-4], 64)
     assert set(SWEEP_FIELDS.values()) <= set(EvalOptions.__dataclass_fields__)

@@ -185,8 +185,9 @@ def test_ui_serves_a_copied_sweep_directory(two_worker_sweep, tmp_path):
 
 def test_sweep_evaluates_finished_trials(tmp_path, data_cache):
     """evaluate: perplexity on a named text set and a local lm-eval task for every finished trial, again at
-    each of evaluate.loops in the looped trial's MLflow run (the trained K = 2 as the ordinary numbers); a
-    vanilla trial, which has no loop to run, is evaluated as trained."""
+    each of evaluate.loops in the looped trial's MLflow run (the trained K = 2 as the ordinary numbers) and with
+    adaptive exit at each of evaluate.exit_kl (at most max(loops) steps); a vanilla trial, which has no loop to
+    run, is evaluated as trained, without exit."""
     data = ROOT / "tests" / "fixtures"
     tasks = tmp_path / "tasks"
     tasks.mkdir()
@@ -209,6 +210,8 @@ def test_sweep_evaluates_finished_trials(tmp_path, data_cache):
         "shots": [0],
         "loops": [1, 2],
         "h_cycles": [1],  # no Mela trial here: unused
+        "exit_kl": [0, 5.0e-4],
+        "exit_max_tokens": 40,
     }
     spec.write_text(yaml.safe_dump(raw))
     run_dir = tmp_path / "sweep"
@@ -224,7 +227,10 @@ def test_sweep_evaluates_finished_trials(tmp_path, data_cache):
     logged = runs["mesh"].data.metrics
     assert logged["eval/loops_2/ppl/wiki"] == logged["eval/ppl/wiki"] != logged["eval/loops_1/ppl/wiki"]
     assert logged["eval/loops_2/tiny_mc/0shot/acc"] == logged["eval/tiny_mc/0shot/acc"]
-    assert not any(k.startswith("eval/loops_") for k in runs["vanilla"].data.metrics)
+    assert logged["eval/exit_kl_0/mean_loops"] == 2 == logged["eval/exit_reference/loops"]
+    assert logged["eval/exit_kl_0/ppl/wiki"] == pytest.approx(logged["eval/exit_reference/ppl/wiki"], rel=1e-5)
+    assert "eval/exit_kl_5e-04/ppl/wiki" in logged and "eval/exit_kl_5e-04/mean_loops" in logged
+    assert not any(k.startswith(("eval/loops_", "eval/exit_")) for k in runs["vanilla"].data.metrics)
     assert "eval/ppl/wiki" in runs["vanilla"].data.metrics
     report = (run_dir / "report.md").read_text()
     assert "eval/ppl/wiki" in report and "eval/tiny_mc/0shot/acc" in report

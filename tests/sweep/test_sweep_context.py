@@ -71,6 +71,10 @@ def test_context_lengths_need_a_text_set(tmp_path, data_cache):
         ({"ppl": {"a": "x"}, "context_length": [64]}, "evaluate.context_length is not an evaluate field"),
         ({"ppl": {"a": "x"}, "loops": [1, 0]}, "evaluate.loops must be whole counts >= 1, not 0"),
         ({"ppl": {"a": "x"}, "h_cycles": 2}, "evaluate.h_cycles must be a non-empty list"),
+        ({"ppl": {"a": "x"}, "exit_kl": [5e-4, -1]}, "evaluate.exit_kl must be finite KL thresholds >= 0"),
+        ({"ppl": {"a": "x"}, "exit_kl": "5e-4"}, "evaluate.exit_kl must be a non-empty list"),
+        ({"exit_kl": [5e-4]}, "evaluate.exit_kl scores text sets"),
+        ({"ppl": {"a": "x"}, "exit_kl": [0], "exit_max_tokens": 0}, "evaluate.exit_max_tokens must be"),
     ):
         raw["evaluate"] = evaluate
         spec.write_text(yaml.safe_dump(raw))

@@ -86,8 +86,8 @@ def hidden_adaptive(
     h, carry = model.topology.start(h_emb, model.prelude(h_emb, kv=kv["prelude"]))
     plan = model.loop_plan()
     b = token.shape[0]
-    used = torch.full((b,), len(plan), dtype=torch.long)
-    done = torch.zeros(b, dtype=torch.bool)
+    used = torch.full((b,), len(plan), dtype=torch.long, device=token.device)
+    done = torch.zeros(b, dtype=torch.bool, device=token.device)
     logits = prev = coda = None
     for t, s in enumerate(plan):
         core = functools.partial(model.cores[model.layout.core_index[s]], kv=kv[f"step{t}"])
