@@ -187,7 +187,8 @@ def test_sweep_evaluates_finished_trials(tmp_path, data_cache):
     """evaluate: perplexity on a named text set and a local lm-eval task for every finished trial, again at
     each of evaluate.loops in the looped trial's MLflow run (the trained K = 2 as the ordinary numbers) and with
     adaptive exit at each of evaluate.exit_kl (at most max(loops) steps); a vanilla trial, which has no loop to
-    run, is evaluated as trained, without exit."""
+    run, is evaluated as trained, without exit. The looped row trains with a sampled loop count per step
+    (train.loops), logged as train/loops."""
     data = ROOT / "tests" / "fixtures"
     tasks = tmp_path / "tasks"
     tasks.mkdir()
@@ -199,7 +200,11 @@ def test_sweep_evaluates_finished_trials(tmp_path, data_cache):
     (tasks / "tiny_mc.yaml").write_text(yaml.safe_dump(cfg))
     text = tmp_path / "wiki.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    rows = {"mesh": {"model.topology": "mesh"}, "vanilla": {"model.layout": "3", "model.topology": "base"}}
+    sampled = {"distribution": "uniform", "low": 1, "high": 3, "backprop": 2}
+    rows = {
+        "mesh": {"model.topology": "mesh", "train.loops": sampled},
+        "vanilla": {"model.layout": "3", "model.topology": "base"},
+    }
     spec = sweep_file(tmp_path, data_cache, rows, steps=4)
     raw = yaml.safe_load(spec.read_text())
     raw["evaluate"] = {
@@ -228,9 +233,17 @@ def test_sweep_evaluates_finished_trials(tmp_path, data_cache):
     assert logged["eval/loops_2/ppl/wiki"] == logged["eval/ppl/wiki"] != logged["eval/loops_1/ppl/wiki"]
     assert logged["eval/loops_2/tiny_mc/0shot/acc"] == logged["eval/tiny_mc/0shot/acc"]
     assert logged["eval/exit_kl_0/mean_loops"] == 2 == logged["eval/exit_reference/loops"]
-    assert logged["eval/exit_kl_0/ppl/wiki"] == pytest.approx(logged["eval/exit_reference/ppl/wiki"], rel=1e-5)
+    assert logged["eval/exit_kl_0/ppl/wiki"] == pytest.approx(
+        logged["eval/exit_reference/ppl/wiki"], rel=1e-5
+    )
     assert "eval/exit_kl_5e-04/ppl/wiki" in logged and "eval/exit_kl_5e-04/mean_loops" in logged
     assert not any(k.startswith(("eval/loops_", "eval/exit_")) for k in runs["vanilla"].data.metrics)
+    from mlflow.tracking import MlflowClient  # heavy
+
+    tracking = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    history = tracking.get_metric_history(runs["mesh"].info.run_id, "train/loops")
+    assert len(history) == 4 and {m.value for m in history} <= {1, 2, 3}
+    assert "train/loops" not in runs["vanilla"].data.metrics
     assert "eval/ppl/wiki" in runs["vanilla"].data.metrics
     report = (run_dir / "report.md").read_text()
     assert "eval/ppl/wiki" in report and "eval/tiny_mc/0shot/acc" in report
