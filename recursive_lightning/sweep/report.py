@@ -401,7 +401,10 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     if spec is None:
         origin = info.get("sweep_dir")
-        spec = load_sweep(run_dir / "sweep.yaml", origin if origin and Path(origin).is_dir() else None)
+        # the sweep file's base: config may stay behind when the directory moves; the trials hold their configs
+        spec = load_sweep(
+            run_dir / "sweep.yaml", origin if origin and Path(origin).is_dir() else None, base_needed=False
+        )
     rows, failed, attrs = collect(storage_url, info["name"])
     unfinished = attrs.pop("_unfinished", 0)
     faults.point("during_report")

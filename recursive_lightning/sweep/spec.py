@@ -182,23 +182,30 @@ def _parse_axis(name: str, values: Any, where: str) -> Axis:
     return Axis(name, labels, {v: {name: v} for v in labels})
 
 
-def load_sweep(path: str | Path, relative_to: str | Path | None = None) -> SweepSpec:
+def load_sweep(
+    path: str | Path, relative_to: str | Path | None = None, base_needed: bool = True
+) -> SweepSpec:
     """``relative_to``: the folder a relative ``base:`` resolves from, when the file is a copy kept elsewhere
-    (a run directory's sweep.yaml); default the file's own folder."""
+    (a run directory's sweep.yaml); default the file's own folder. ``base_needed`` False: a ``base:`` file that
+    is not there (a sweep directory moved to another machine) reads as an empty base; what reads the spec
+    then (the report) takes each trial's config from its own directory."""
     path = Path(path)
     raw = load_yaml(path)
     where = f"sweep file '{path}'"
     unknown = sorted(set(raw) - TOP_KEYS)
     if unknown:
         raise ConfigError(f"{where}: '{unknown[0]}' is not a sweep field; use {', '.join(sorted(TOP_KEYS))}.")
-    base = raw.get("base")
+    base, missing = raw.get("base"), False
     if isinstance(base, str):
         base_path = (Path(relative_to or path.parent) / base).resolve()
-        if not base_path.is_file():
+        if base_path.is_file():
+            base = load_yaml(base_path)
+        elif base_needed:
             raise ConfigError(
                 f"{where}: base config '{base}' does not exist (paths are relative to the sweep file)."
             )
-        base = load_yaml(base_path)
+        else:
+            base, missing = {}, True
     elif base is None:
         base = {}
     elif not isinstance(base, dict):
@@ -302,4 +309,5 @@ def load_sweep(path: str | Path, relative_to: str | Path | None = None) -> Sweep
         report=dict(report),
         workers=workers,
     )
-    return spec.validate()
+    # without its base a grid point's config is incomplete: nothing to validate (the trials hold theirs)
+    return spec if missing else spec.validate()
