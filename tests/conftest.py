@@ -214,3 +214,18 @@ def sweep_file(tmp_path: Path, cache: str, rows: dict, seeds=(0,), steps: int = 
         "train.checkpoint_every": 4,
     }
     return write_sweep(tmp_path / "sweep.yaml", cache, "tiny-sweep", {"variant": rows}, seeds, overrides)
+
+
+def assert_eval_refused(
+    ckpt: Path, text: Path, flags: list[str], message: str, out_root: Path, capsys
+) -> None:
+    """``eval ckpt --ppl doc=text ... flags`` exits 2 with one sentence holding ``message`` and leaves nothing
+    on disk: neither its output folder nor its tracking database (tests/evaluation: --loops, --exit-kl)."""
+    from recursive_lightning.cli import main
+
+    out, db = out_root / "o", out_root / "m.db"
+    args = ["eval", str(ckpt), "--ppl", f"doc={text}", "--tasks", "none", "--out", str(out)]
+    assert main([*args, "--tracking-uri", f"sqlite:///{db}", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists() and not db.exists()

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_eval_refused
 
 from recursive_lightning.cli import main
 from recursive_lightning.evaluation.adaptive_exit import threshold_key
@@ -156,12 +157,7 @@ def test_threshold_key(value, key):
 def test_bad_exit_request_is_one_sentence_and_nothing_on_disk(
     family, flags, message, ckpts, doc, tmp_path, capsys
 ):
-    out, db = tmp_path / "o", tmp_path / "m.db"
-    args = ["eval", str(ckpts[family]), "--ppl", f"doc={doc}", "--tasks", "none", "--out", str(out)]
-    assert main([*args, "--tracking-uri", f"sqlite:///{db}", *flags]) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
-    assert not out.exists() and not db.exists()
+    assert_eval_refused(ckpts[family], doc, flags, message, tmp_path, capsys)
 
 
 def test_exit_kl_needs_a_text_set(ckpts, tmp_path, capsys):

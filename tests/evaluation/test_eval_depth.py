@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from conftest import assert_eval_refused
 
 from recursive_lightning.cli import main
 from recursive_lightning.evaluation.run import flat_metrics
@@ -93,12 +94,7 @@ def test_eval_h_cycles_of_mela(ckpts, doc, tmp_path, capsys):  # noqa: F811
     ],
 )
 def test_bad_depth_is_one_sentence_and_nothing_on_disk(family, flags, message, ckpts, doc, tmp_path, capsys):  # noqa: F811
-    out, db = tmp_path / "o", tmp_path / "m.db"
-    args = ["eval", str(ckpts[family]), "--ppl", f"doc={doc}", "--tasks", "none", "--out", str(out)]
-    assert main([*args, "--tracking-uri", f"sqlite:///{db}", *flags]) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
-    assert not out.exists() and not db.exists()
+    assert_eval_refused(ckpts[family], doc, flags, message, tmp_path, capsys)
 
 
 def test_generate_at_depth(ckpts, capsys):  # noqa: F811
