@@ -83,8 +83,9 @@ def _trial_config(trial_dir: Path, row: dict[str, Any], spec: Any):
 def _describe(cfg: Any, cache: dict[str, dict]) -> dict[str, Any] | None:
     from recursive_lightning.model.describe import describe  # heavy
 
+    d = cfg.to_dict()
     key = json.dumps(
-        [cfg.to_dict()["model"], cfg.data.seq_len, cfg.to_dict()["train"].get("loops")],
+        [d["model"], cfg.data.seq_len, d["train"].get("loops")],
         sort_keys=True,
         default=str,
     )
