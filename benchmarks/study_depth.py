@@ -20,34 +20,17 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
-
-import yaml
 
 os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from studies import run_study_sweep  # noqa: E402  (benchmarks/ is the script's folder)
+
 SWEEP = ROOT / "ablations" / "cpu" / "test-time-depth.yaml"
 LABELS = {"fixed": "fixed K = 4 in training", "sampled": "sampled, mean 4 (Poisson-lognormal, backprop 4)"}
-
-
-def run_sweep(out: Path, steps: int | None) -> tuple[Path, dict]:
-    raw = yaml.safe_load(SWEEP.read_text())
-    raw["base"] = str((SWEEP.parent / raw["base"]).resolve())
-    if steps is not None:  # a smoke run
-        raw["overrides"].update({"train.max_steps": steps, "train.warmup_steps": 1, "train.val_every": steps})
-        raw["overrides"]["train.checkpoint_every"] = steps
-    spec = out / "sweep.yaml"
-    out.mkdir(parents=True, exist_ok=True)
-    spec.write_text(yaml.safe_dump(raw, sort_keys=False))
-    run_dir = out / "sweep"
-    cmd = [sys.executable, "-m", "recursive_lightning", "sweep", str(spec), "--run-dir", str(run_dir)]
-    print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    return run_dir, raw
 
 
 def trials(run_dir: Path, loops: list[int]) -> list[dict]:
@@ -132,7 +115,7 @@ def main() -> int:
     p.add_argument("--figure", help="also write the figure here (default: only in --out)")
     args = p.parse_args()
     out = Path(args.out).resolve()
-    run_dir, raw = run_sweep(out, args.steps)
+    run_dir, raw = run_study_sweep(SWEEP, out, args.steps)
     loops = list(raw["evaluate"]["loops"])
     rows = trials(run_dir, loops)
     summary = summarise(rows)

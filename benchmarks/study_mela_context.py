@@ -24,16 +24,15 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
-
-import yaml
 
 os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from studies import run_study_sweep  # noqa: E402  (benchmarks/ is the script's folder)
+
 SWEEP = ROOT / "ablations" / "cpu" / "mela-context.yaml"
 LABELS = {"mela": "Mela (cpu-mela)", "transformerpp": "Transformer++ (cpu-transformerpp)"}
 
@@ -75,20 +74,8 @@ def idle_user_guide() -> str:
 
 
 def run_sweep(out: Path, steps: int | None, lengths: list[int], max_tokens: int) -> Path:
-    raw = yaml.safe_load(SWEEP.read_text())
-    raw["base"] = str((SWEEP.parent / raw["base"]).resolve())
-    raw["evaluate"].update(context_lengths=lengths, ctx_max_tokens=max_tokens)
-    if steps is not None:  # a smoke run
-        raw["overrides"].update({"train.max_steps": steps, "train.warmup_steps": 1, "train.val_every": steps})
-        raw["overrides"]["train.checkpoint_every"] = steps
-    spec = out / "sweep.yaml"
-    out.mkdir(parents=True, exist_ok=True)
-    spec.write_text(yaml.safe_dump(raw, sort_keys=False))
-    run_dir = out / "sweep"
-    cmd = [sys.executable, "-m", "recursive_lightning", "sweep", str(spec), "--run-dir", str(run_dir)]
-    print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    return run_dir
+    evaluate = {"context_lengths": lengths, "ctx_max_tokens": max_tokens}
+    return run_study_sweep(SWEEP, out, steps, evaluate)[0]
 
 
 def trials(run_dir: Path) -> list[dict]:
