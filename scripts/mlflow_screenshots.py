@@ -67,12 +67,13 @@ def main(sweep_dir: str, out: str) -> int:
     try:
         lines = [ui.stdout.readline() for _ in range(3)]
         table, parent = (ln.split(": ", 1)[1].strip() for ln in lines[1:3])
-        base, rest = parent.split("/#/experiments/", 1)
+        entry, rest = parent.split("#/experiments/", 1)  # entry: the server's page that opens the route
+        base, page = entry.split("/", 3)[:3], "/" + entry.split("/", 3)[3]
         exp_id, parent_id = rest.split("/runs/")[0], rest.split("/runs/")[1].split("?")[0]
         best = client(store_of(sweep_dir)).get_run(parent_id).data.tags["best_trial_run_id"]
         shoot(table, out_dir / "runs-table.png", 1700, 620)
         shoot(parent, out_dir / "parent-run.png", 1700, 1400, crop=1000)
-        shoot(run_url(base, exp_id, best), out_dir / "trial-run.png", 1700, 1000)
+        shoot(run_url("/".join(base), exp_id, best, page=page), out_dir / "trial-run.png", 1700, 1000)
     finally:
         os.killpg(ui.pid, signal.SIGTERM)
         ui.wait(timeout=60)

@@ -21,18 +21,20 @@ import sys
 import tempfile
 import time
 import urllib.request
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from recursive_lightning import faults
 from recursive_lightning.errors import UserError
 from recursive_lightning.processes import dies_with_parent, stop_group
+from recursive_lightning.tracking.mlflow_app import APP_NAME
 from recursive_lightning.tracking.runs import (
     absolute_uri,
     default_tracking_uri,
     relocate_artifacts,
     sqlite_parts,
 )
-from recursive_lightning.tracking.view import experiment_links, server_links
+from recursive_lightning.tracking.view import entry_page, experiment_links, server_links
 
 DEFAULT_DIRS = (Path("runs") / "sweeps" / "default",)
 
@@ -104,6 +106,15 @@ def free_port(host: str, preferred: int) -> int:
         return s.getsockname()[1]
 
 
+def app_args() -> list[str]:
+    """``--app-name recursive-lightning`` (``mlflow_app.py``: the page that opens the classic view) where the
+    package is installed with its entry point; MLflow's plain server otherwise (links then carry only
+    ``workflowType``)."""
+    if any(e.name == APP_NAME for e in entry_points(group="mlflow.app")):
+        return ["--app-name", APP_NAME]
+    return []
+
+
 def start_server(uri: str, host: str, port: int, workdir: Path) -> subprocess.Popen:
     """``mlflow server`` on ``uri`` at host:port, returned once it answers (or raising if it exits)."""
     cmd = [
@@ -119,6 +130,7 @@ def start_server(uri: str, host: str, port: int, workdir: Path) -> subprocess.Po
         str(port),
         "--workers",
         "1",
+        *app_args(),
         # artifacts logged through this server (none by this package) go beside the store
         "--artifacts-destination",
         str(workdir / "served-artifacts"),
@@ -224,7 +236,7 @@ def main(argv: list[str]) -> int:
         proc = start_server(uri, args.host, port, workdir)
         base = f"http://{args.host}:{port}"
         print(f"MLflow UI at {base}  (store {uri}; Ctrl-C to stop)", flush=True)
-        for line in experiment_links(uri, base):
+        for line in experiment_links(uri, base, entry_page(base)):
             print(line, flush=True)
         try:
             proc.wait()

@@ -8,7 +8,10 @@ Only MLflow's own mechanisms are used, no patched UI:
   the search facets ``searchFilter``, ``orderByKey``, ``orderByAsc`` and the table state ``selectedColumns`` and
   ``columnOrder`` from it (column keys ``params.`name``` / ``metrics.`name```); the rest keeps its defaults.
 - ``workflowType=machine_learning`` on every link: MLflow 3.17 opens an experiment or a run in its GenAI view
-  otherwise (the browser's last choice, GenAI on a first visit), whatever the experiment's kind tag says.
+  otherwise (the browser's last choice, GenAI on a first visit), whatever the experiment's kind tag says. On a
+  server that runs our MLflow app (``ui`` does; ``mlflow_app.py``), the printed links open through its page
+  ``/recursive-lightning/classic``, which also stores the classic view as the browser's choice for that
+  address, so that runs opened from MLflow's own table (whose links carry no ``workflowType``) stay classic.
 - the parent run's description (tag ``mlflow.note.content``, markdown): the report's table and a link to
   ``report.html`` among the run's artifacts.
 """
@@ -16,16 +19,19 @@ Only MLflow's own mechanisms are used, no patched UI:
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import quote
 
+from recursive_lightning.tracking.mlflow_app import CLASSIC_PAGE, WORKFLOW_KEY
 from recursive_lightning.tracking.runs import client, set_experiment_tag, ui_command
 
 SHARED_VIEW_TAG = "mlflow.sharedViewState."  # MLflow's experiment tag prefix of a shared runs-table view
 VIEW_KEY = "ranked"  # our share key: the runs table ranked by the report's metric
 ML_VIEW = "workflowType=machine_learning"
 NOTE_TAG = "mlflow.note.content"  # a run's description in MLflow's UI (markdown)
+TRAIN_NOTE_HEAD = "**Trained to step "  # how a `train` run's own description begins (train_note)
 RANKED_TAG = "report.metric"  # on a sweep's parent run: the metric the report ranks by (lower is better)
 ROW_PREFIX = "row/"  # on a trial's run: ``row/<ranked>``, the mean of the metric over its grid point's seeds
 RANK = "report/rank"  # on a trial's run: its place in the report's order (1: the best row's best seed)
@@ -48,16 +54,26 @@ def metric_column(name: str) -> str:
     return f"metrics.`{name}`"
 
 
-def experiment_url(base: str, experiment_id: str, view_key: str | None = VIEW_KEY) -> str:
-    """The experiment's runs table (``base`` = the server's address, "" for a link inside the UI)."""
+def experiment_url(base: str, experiment_id: str, view_key: str | None = VIEW_KEY, page: str = "/") -> str:
+    """The experiment's runs table (``base`` = the server's address, "" for a link inside the UI; ``page``:
+    the server's page that opens the UI's route, ``CLASSIC_PAGE`` on a server that has it)."""
     share = f"viewStateShareKey={quote(view_key)}&" if view_key else ""
-    return f"{base}/#/experiments/{experiment_id}/runs?{share}{ML_VIEW}"
+    return f"{base}{page}#/experiments/{experiment_id}/runs?{share}{ML_VIEW}"
 
 
-def run_url(base: str, experiment_id: str, run_id: str, artifact: str | None = None) -> str:
+def run_url(base: str, experiment_id: str, run_id: str, artifact: str | None = None, page: str = "/") -> str:
     """A run's page, or one of its artifacts opened in the artifact viewer, in the classic view."""
     path = f"/artifacts/{quote(artifact)}" if artifact else ""
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}{path}?{ML_VIEW}"
+    return f"{base}{page}#/experiments/{experiment_id}/runs/{run_id}{path}?{ML_VIEW}"
+
+
+def entry_page(base: str) -> str:
+    """``CLASSIC_PAGE`` where the server at ``base`` runs our MLflow app, else "/" (MLflow's own page)."""
+    try:
+        with urllib.request.urlopen(f"{base}{CLASSIC_PAGE}", timeout=10) as r:
+            return CLASSIC_PAGE if r.status == 200 and WORKFLOW_KEY.encode() in r.read() else "/"
+    except OSError:
+        return "/"
 
 
 def _is_sweep_parent(run: Any) -> bool:
@@ -159,9 +175,9 @@ def publish_views(tracking_uri: str, experiment_ids: Iterable[str] | None = None
     return out
 
 
-def experiment_links(tracking_uri: str, base_url: str) -> list[str]:
+def experiment_links(tracking_uri: str, base_url: str, page: str = "/") -> list[str]:
     """The lines ``ui`` prints: each experiment's ranked runs table and, for a sweep, its parent run (the page
-    that leads to the report); views published first (``publish_views``)."""
+    that leads to the report); views published first (``publish_views``). ``page``: see :func:`entry_page`."""
     c = client(tracking_uri)
     try:
         keys: dict[str, str | None] = dict(publish_views(tracking_uri))
@@ -175,13 +191,14 @@ def experiment_links(tracking_uri: str, base_url: str) -> list[str]:
     for exp in c.search_experiments():
         if exp.experiment_id not in keys:
             continue
-        lines.append(f"  {exp.name}: {experiment_url(base_url, exp.experiment_id, keys[exp.experiment_id])}")
+        url = experiment_url(base_url, exp.experiment_id, keys[exp.experiment_id], page)
+        lines.append(f"  {exp.name}: {url}")
         parents = c.search_runs([exp.experiment_id], filter_string="tags.kind = 'sweep'", max_results=10)
         shown = parents or c.search_runs([exp.experiment_id], max_results=MAX_RUN_LINKS + 1)
         for r in shown[:MAX_RUN_LINKS]:
             what = " (the report)" if _is_sweep_parent(r) else ""
             lines.append(
-                f"    {r.info.run_name}{what}: {run_url(base_url, exp.experiment_id, r.info.run_id)}"
+                f"    {r.info.run_name}{what}: {run_url(base_url, exp.experiment_id, r.info.run_id, page=page)}"
             )
     return lines
 
@@ -250,9 +267,29 @@ def trial_note(
     )
 
 
+def train_note(metrics: dict[str, float], steps: int, tokens: int, seconds: float) -> str:
+    """A `train` run's description: what it reached, above MLflow's metrics table (which lists a run's
+    ``system/*`` metrics before its model metrics): the validation metrics, ranking metrics first."""
+    first = [k for k in RANKING_FALLBACK if k in metrics and k.startswith("val/")]
+    shown = first + sorted(k for k in metrics if k.startswith("val/") and k not in first)
+    values = ", ".join(
+        f"`{k}` **{metrics[k]:.4g}**" if i == 0 else f"`{k}` {metrics[k]:.4g}" for i, k in enumerate(shown)
+    )
+    return f"{TRAIN_NOTE_HEAD}{steps:,}** ({tokens:,} tokens in {seconds:,.0f} s)" + (
+        f". Validation: {values}." if values else "; no validation yet."
+    )
+
+
+def ours_to_replace(note: str | None) -> bool:
+    """Whether a run's description may be (re)written by ``train``: none yet, or a :func:`train_note` (a
+    sweep's trial note or the researcher's own text stays)."""
+    return not note or note.startswith(TRAIN_NOTE_HEAD)
+
+
 def server_links(tracking_uri: str) -> list[str]:
     """For a store served by its own tracking server (``http(s)://``): the ranked links on that server."""
-    return experiment_links(tracking_uri, tracking_uri.rstrip("/"))
+    base = tracking_uri.rstrip("/")
+    return experiment_links(tracking_uri, base, entry_page(base))
 
 
 def ui_hint(run_dir: str, tracking_uri: str) -> str:

@@ -17,6 +17,7 @@ from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import ConfigError, Terminated
 from recursive_lightning.files import atomic_write_text
 from recursive_lightning.model.describe import describe
+from recursive_lightning.tracking import view
 from recursive_lightning.tracking.runs import (
     RUN_ID_FILE,
     absolute_uri,
@@ -155,7 +156,13 @@ def _system_metrics(tracking_uri: str, run_id: str, resumed: bool) -> Any:
     return monitor
 
 
-def finish_run(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
-    """The final validation metrics as ``final/<metric>`` at ``step``; the run FINISHED."""
+def finish_run(
+    tracking_uri: str, run_id: str, metrics: dict[str, float], step: int, tokens: int, seconds: float
+) -> None:
+    """The final validation metrics as ``final/<metric>`` at ``step``, the run's description saying what it
+    reached (``tracking.view.train_note``; a description of a sweep's or the researcher's own stays); the run
+    FINISHED."""
     log_metrics(tracking_uri, run_id, {f"final/{k}": v for k, v in metrics.items()}, step=step)
+    if view.ours_to_replace(client(tracking_uri).get_run(run_id).data.tags.get(view.NOTE_TAG)):
+        set_tags(tracking_uri, run_id, {view.NOTE_TAG: view.train_note(metrics, step, tokens, seconds)})
     set_terminated(tracking_uri, run_id, "FINISHED")

@@ -210,8 +210,6 @@ def _summarise(
     from recursive_lightning.training.trainer import best_checkpoint, val_metrics  # heavy
 
     metrics = val_metrics(trainer) or run_dir_state.previous_metrics(run_dir, trainer.global_step)
-    if trainer.is_global_zero:
-        mlflow_run.finish_run(tracking_uri, run_id, metrics, trainer.global_step)
     last = run_dir / "checkpoints" / "last.ckpt"
     d, steps = cfg.data, trainer.global_step
     result = TrainResult(
@@ -229,6 +227,7 @@ def _summarise(
         segments=clock.segments + 1,
     )
     if trainer.is_global_zero:
+        mlflow_run.finish_run(tracking_uri, run_id, metrics, steps, result.tokens, result.seconds)
         atomic_write_text(run_dir / "result.json", json.dumps(result.to_dict(), indent=2))
     return result
 

@@ -18,8 +18,15 @@ from pathlib import Path
 import pytest
 from conftest import ENV, run_sweep, sweep_file
 
+from recursive_lightning.tracking.mlflow_app import CLASSIC_PAGE
 from recursive_lightning.tracking.runs import client
-from recursive_lightning.tracking.view import SHARED_VIEW_TAG, VIEW_KEY
+from recursive_lightning.tracking.view import (
+    NOTE_TAG,
+    SHARED_VIEW_TAG,
+    VIEW_KEY,
+    ours_to_replace,
+    train_note,
+)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = [
@@ -121,9 +128,11 @@ def test_report_plots_the_ranking_metric_against_flops_and_wall_clock(ranked_swe
         assert float(cells[4].split("±")[0]) == pytest.approx(sum(seconds) / 2, rel=5e-3, abs=1e-3)
 
 
-def _dom(url: str, width: int = 2400) -> str:
-    """The page as headless Chromium renders it (a fresh profile: a first visit, GenAI MLflow's default)."""
-    with tempfile.TemporaryDirectory() as profile:
+def _dom(url: str, width: int = 2400, profile: Path | None = None) -> str:
+    """The page as headless Chromium renders it: in a fresh profile (a first visit, GenAI MLflow's default),
+    or in ``profile``, a browser that keeps what earlier pages stored."""
+    with tempfile.TemporaryDirectory() as fresh:
+        profile = profile or fresh
         out = subprocess.run(
             [
                 CHROMIUM,
@@ -188,8 +197,10 @@ def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep)
         parent_url = lines[2].split(": ", 1)[1].strip()
         assert "viewStateShareKey=" in table_url and "workflowType=machine_learning" in table_url
         assert lines[2].strip().startswith("sweep:") and "workflowType=machine_learning" in parent_url
+        base, route = table_url.split(f"{CLASSIC_PAGE}#/", 1)  # every printed link opens through our page
 
-        dom = _dom(table_url)
+        browser = run_dir.parent / "browser"  # one profile: the table first, then a run clicked in it
+        dom = _dom(table_url, profile=browser)
         names = [r["run"] for r in runs]
         assert ">axis.variant<" in dom, "no axis column"
         assert ">val/heldout/ppl<" in dom, "no column of the ranking metric"
@@ -197,6 +208,16 @@ def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep)
         assert sorted(order.values()) == sorted(names), order
         assert [order[i] for i in sorted(order)] == names  # the report's order: best first
         assert order[min(order)] == runs[0]["run"] and runs[0]["row"] == best_row
+        # a run opened from MLflow's own table: its link carries no workflowType, yet it opens classic because
+        # the printed link stored the choice; the same link in a fresh browser opens GenAI (the control)
+        row = re.search(
+            r'href="/?(#/experiments/\d+/runs/\w+)">(<span[^>]*>)?' + re.escape(names[0]) + "<", dom
+        )
+        assert row, "the runs table links the best trial's run"
+        clicked = f"{base}/{row.group(1)}"
+        assert "Evaluation runs" in _dom(clicked, width=1600), "control: a first visit opens GenAI"
+        page = _dom(clicked, width=1600, profile=browser)
+        assert "Evaluation runs" not in page and "Model registry" in page and names[0] in page
 
         page = _dom(parent_url, width=1600)
         assert "Evaluation runs" not in page and "Model registry" in page  # the classic view's side bar
@@ -212,7 +233,6 @@ def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep)
             page,
         )
         assert child, "the description links the best trial's run"
-        base = table_url.split("/#/", 1)[0]
         # the same store behind a tracking server: `ui --tracking-uri http://...` prints the same links there
         served = subprocess.run(
             [sys.executable, "-m", "recursive_lightning", "ui", "--tracking-uri", base],
@@ -223,7 +243,7 @@ def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep)
         )
         assert served.returncode == 0, served.stderr
         assert table_url in served.stdout and parent_url in served.stdout, served.stdout
-        trial_page = _dom(f"{base}/{child.group(1)}", width=1600)
+        trial_page = _dom(f"{base}/{child.group(1)}", width=1600)  # a fresh browser, the link's workflowType
         assert "Evaluation runs" not in trial_page and names[0] in trial_page and "axis.variant" in trial_page
     finally:
         os.killpg(ui.pid, signal.SIGTERM)
@@ -251,6 +271,24 @@ def test_a_train_run_experiment_gets_a_ranked_view(tmp_path, tiny_run):
         == f"  tiny: http://host:1/#/experiments/{exp.experiment_id}/runs?viewStateShareKey={VIEW_KEY}&workflowType=machine_learning"
     )
     assert lines[1].endswith(f"/runs/{r.mlflow_run_id}?workflowType=machine_learning")
+    # its page opens on what it reached (MLflow lists system/* metrics first in its metrics table)
+    note = client(r.tracking_uri).get_run(r.mlflow_run_id).data.tags[NOTE_TAG]
+    ppl = r.metrics["val/heldout/ppl"]
+    assert note.startswith("**Trained to step 4** (") and f"`val/heldout/ppl` **{ppl:.4g}**" in note, note
+
+
+def test_train_note_ranks_first_and_keeps_a_description_it_did_not_write():
+    metrics = {"val/heldout/loss": 5.0, "val/idle/ppl": 300.0, "val/heldout/ppl": 148.41}
+    note = train_note(metrics, 300, 614400, 92.4)
+    assert note == (
+        "**Trained to step 300** (614,400 tokens in 92 s). Validation: `val/heldout/ppl` **148.4**, "
+        "`val/heldout/loss` 5, `val/idle/ppl` 300."
+    )
+    assert train_note({}, 0, 0, 0.2).endswith("; no validation yet.")
+    assert ours_to_replace(None) and ours_to_replace("") and ours_to_replace(note)
+    assert not ours_to_replace("Grid point **`base`**, seed 0: rank **1**") and not ours_to_replace(
+        "my notes"
+    )
 
 
 def test_the_best_trial_belongs_to_the_best_row():
