@@ -1,5 +1,6 @@
 """The README's MLflow screenshots: serve a finished sweep directory with ``ui``, open the links it prints in
-headless Chromium and save the runs table, the parent run's page and the best trial's page as small PNGs.
+headless Chromium and save the runs table, its chart view, the parent run's page and the best trial's page as
+small PNGs.
 
     .venv/bin/python scripts/mlflow_screenshots.py SWEEP_DIR docs/mlflow
 """
@@ -72,6 +73,7 @@ def main(sweep_dir: str, out: str) -> int:
         exp_id, parent_id = rest.split("/runs/")[0], rest.split("/runs/")[1].split("?")[0]
         best = client(store_of(sweep_dir)).get_run(parent_id).data.tags["best_trial_run_id"]
         shoot(table, out_dir / "runs-table.png", 1700, 620)
+        shoot(f"{table}&compareRunsMode=CHART", out_dir / "chart-view.png", 1700, 1100, crop=900)
         shoot(parent, out_dir / "parent-run.png", 1700, 1400, crop=1000)
         shoot(run_url("/".join(base), exp_id, best, page=page), out_dir / "trial-run.png", 1700, 1000)
     finally:

@@ -150,7 +150,59 @@ def runs_view(runs: Sequence[Any]) -> dict[str, Any] | None:
     # above it (MLflow 3.17 leaves a shared view's runsExpanded out, so the view does not set it)
     if order is not None:
         view.update(orderByKey=metric_column(order), orderByAsc=True)
+    if ranked is not None:
+        view.update(ranking_charts(ranked, _axis_params(runs), have))
     return view
+
+
+def ranking_charts(ranked: str, axes: Sequence[str], have: set[str]) -> dict[str, Any]:
+    """The chart view's first section (MLflow's ``compareRunCharts`` / ``compareRunSections`` view state, what
+    its chart view saves): the ranking metric per run, each axis against it (parallel coordinates), its curve
+    and the training loss's. MLflow adds its own charts of every other metric in sections after it."""
+    section = "rl-ranking"
+    base = {"runsCountToCompare": 10, "metricSectionId": section, "deleted": False, "isGenerated": False}
+    charts: list[dict[str, Any]] = [
+        {**base, "uuid": "rl-bar", "type": "BAR", "metricKey": ranked, "displayName": ranked},
+        {
+            **base,
+            "uuid": "rl-axes",
+            "type": "PARALLEL",
+            "selectedParams": list(axes),
+            "selectedMetrics": [ranked],
+            "showAllRuns": False,
+            "displayName": f"grid axes → {ranked}",
+        },
+    ]
+    for key in (ranked, "train/loss"):
+        if key in have:
+            charts.append(
+                {
+                    **base,
+                    "uuid": f"rl-curve-{key}",
+                    "type": "LINE",
+                    "metricKey": key,
+                    "displayName": key,
+                    "lineSmoothness": 0,
+                    "scaleType": "linear",
+                    "xAxisKey": "step",
+                    "xAxisScaleType": "linear",
+                    "useGlobalXaxisKey": True,
+                    "useGlobalLineSmoothing": True,
+                }
+            )
+    sections = [
+        {
+            "uuid": section,
+            "name": f"Ranking: {ranked}",
+            "display": True,
+            "isReordered": False,
+            "deleted": False,
+            "isGenerated": False,
+        }
+    ]
+    # isAccordionReordered: MLflow keeps the sections in this order (else it sorts them by name) and adds its
+    # own after them
+    return {"compareRunCharts": charts, "compareRunSections": sections, "isAccordionReordered": True}
 
 
 def publish_views(tracking_uri: str, experiment_ids: Iterable[str] | None = None) -> dict[str, str]:

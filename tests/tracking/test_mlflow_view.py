@@ -208,6 +208,14 @@ def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep)
         assert sorted(order.values()) == sorted(names), order
         assert [order[i] for i in sorted(order)] == names  # the report's order: best first
         assert order[min(order)] == runs[0]["run"] and runs[0]["row"] == best_row
+        # its chart view (MLflow's compare mode) opens on the ranking: the metric per run, the axes against it
+        charts = _dom(f"{table_url}&compareRunsMode=CHART", profile=browser)
+        first = charts.find("Ranking: val/heldout/ppl")
+        assert first != -1, "no ranking section in the chart view"
+        assert all(first < charts.find(s) for s in (">train<", ">val/heldout<", "final/val/heldout")), (
+            "not first"
+        )
+        assert "Parallel Coordinates" in charts and "axis.variant" in charts[first:]
         # a run opened from MLflow's own table: its link carries no workflowType, yet it opens classic because
         # the printed link stored the choice; the same link in a fresh browser opens GenAI (the control)
         row = re.search(
@@ -266,6 +274,9 @@ def test_a_train_run_experiment_gets_a_ranked_view(tmp_path, tiny_run):
     view = json.loads(exp.tags[SHARED_VIEW_TAG + VIEW_KEY])
     assert view["orderByKey"] == "metrics.`val/heldout/ppl`" and view["orderByAsc"] is True
     assert "metrics.`train/tokens_per_sec`" in view["selectedColumns"]
+    charts = {c["type"]: c for c in view["compareRunCharts"]}  # the chart view's first section: the ranking
+    assert charts["BAR"]["metricKey"] == "val/heldout/ppl" and view["isAccordionReordered"] is True
+    assert charts["PARALLEL"]["selectedMetrics"] == ["val/heldout/ppl"]
     assert (
         lines[0]
         == f"  tiny: http://host:1/#/experiments/{exp.experiment_id}/runs?viewStateShareKey={VIEW_KEY}&workflowType=machine_learning"
