@@ -16,6 +16,12 @@ from recursive_lightning.cli import main as cli
 LEGACY = Path(__file__).resolve().parents[1] / "fixtures" / "legacy"
 OLD_PPL = 289.5119948313246  # `eval run --ppl doc=doc.txt` by the old code
 OLD_GENERATION = "un\n un\n un\n "  # `generate run --prompt "The shared core" --max-new-tokens 12`
+# CPU_ROUNDING: the figures are bit for bit on a CPU like the one that wrote them; on another one (AVX-512 against
+# AVX2 matmul kernels) fp32 sums round differently: the perplexity moved by 2.6e-9 relative and the resumed
+# weights by up to 3.6e-6 (an AVX-512 Xeon against the fixture's machine). Far tighter than a real fault: a
+# checkpoint resumed without its optimizer state or at the wrong step moves weights by about lr (1e-3).
+METRIC_REL = 1e-6
+WEIGHT_ATOL = 5e-5
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +44,7 @@ def test_old_checkpoint_evaluates_to_the_old_perplexity(legacy, home):
     assert cli(["eval", str(legacy / "run"), "--ppl", f"doc={LEGACY / 'doc.txt'}", "--tasks", "none",
                 "--no-mlflow", "--out", str(out)]) == 0  # fmt: skip
     (result,) = out.glob("eval-*.json")
-    assert json.loads(result.read_text())["ppl"]["doc"]["ppl"] == pytest.approx(OLD_PPL, rel=1e-9)
+    assert json.loads(result.read_text())["ppl"]["doc"]["ppl"] == pytest.approx(OLD_PPL, rel=METRIC_REL)
 
 
 def test_old_checkpoint_generates_the_old_text(legacy, home, capsys):
@@ -58,10 +64,10 @@ def test_old_run_resumes_to_the_same_weights(legacy, home):
     old = torch.load(legacy / "run" / "checkpoints" / "step=000006.ckpt", weights_only=False)["state_dict"]
     new = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert old.keys() == new.keys()
-    for key in old:
-        assert torch.equal(old[key], new[key]), key
+    for key in old:  # CPU_ROUNDING: 3.6e-6 seen; an optimizer state not restored moves weights by ~lr
+        torch.testing.assert_close(new[key], old[key], rtol=0, atol=WEIGHT_ATOL, msg=key)
     new_result = json.loads((run / "result.json").read_text())
-    assert new_result["metrics"] == old_result["metrics"]
+    assert new_result["metrics"] == pytest.approx(old_result["metrics"], rel=METRIC_REL)
     assert new_result["tracking_uri"] == f"sqlite:///{run / 'mlflow.db'}"  # the moved directory's store
     db = sqlite3.connect(run / "mlflow.db")
     assert db.execute("select run_uuid from runs").fetchall() == [(old_result["mlflow_run_id"],)]
