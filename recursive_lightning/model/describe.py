@@ -8,6 +8,7 @@ included, element-wise work ignored. MeSH Table 7 uses fvcore instead (1 per MAC
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -78,6 +79,8 @@ def _signature(x: Any) -> Any:
         return (type(x).__name__, tuple(_signature(v) for v in x))
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):  # Mela's MemoryState: its tensors' shapes
+        return (type(x).__name__, tuple(_signature(getattr(x, f.name)) for f in dataclasses.fields(x)))
     return ("object", id(x))  # anything else: never equal to another call's
 
 

@@ -114,7 +114,9 @@ def test_report_and_ui_read_the_server_backed_sweep(grid, tracking, capsys):
     assert all(v in text for v in ("anchor", "mesh", "base")) and "not finished" not in text
     capsys.readouterr()
     assert ui.main([str(grid["run_dir"])]) == 0
-    assert tracking in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # a plain `mlflow server` (not our MLflow app): MLflow's own page, the links carrying workflowType
+    assert f"{tracking}/#/experiments/" in out and "workflowType=machine_learning" in out, out
 
 
 def test_a_sigkilled_workers_trial_is_resumed_by_another_worker(grid, pg, tracking, tmp_path, data_cache):

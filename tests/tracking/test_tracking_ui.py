@@ -161,8 +161,8 @@ def test_ui_leaves_no_server_behind(finished, sig):
         server = psutil.Process(ui.pid).children(recursive=True)
         assert any("uvicorn" in " ".join(p.cmdline()) for p in server)
         ui.send_signal(sig)
-        ui.wait(timeout=60)
-        _, alive = psutil.wait_procs(server, timeout=60)
+        ui.wait(timeout=300)  # bounds, not timings: stopping uvicorn on a loaded machine takes its time
+        _, alive = psutil.wait_procs(server, timeout=300)
         assert not alive, [" ".join(p.cmdline()) for p in alive]
     finally:
         ui.kill()
