@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
 FLAGS = [
     "--headless=new",
@@ -68,14 +69,15 @@ def main(sweep_dir: str, out: str) -> int:
     try:
         lines = [ui.stdout.readline() for _ in range(3)]
         table, parent = (ln.split(": ", 1)[1].strip() for ln in lines[1:3])
-        entry, rest = parent.split("#/experiments/", 1)  # entry: the server's page that opens the route
-        base, page = entry.split("/", 3)[:3], "/" + entry.split("/", 3)[3]
+        entry, rest = parent.split("#/experiments/", 1)
+        server = urlsplit(entry)  # its path: the server's page that opens the route
         exp_id, parent_id = rest.split("/runs/")[0], rest.split("/runs/")[1].split("?")[0]
         best = client(store_of(sweep_dir)).get_run(parent_id).data.tags["best_trial_run_id"]
         shoot(table, out_dir / "runs-table.png", 1700, 620)
         shoot(f"{table}&compareRunsMode=CHART", out_dir / "chart-view.png", 1700, 1100, crop=900)
         shoot(parent, out_dir / "parent-run.png", 1700, 1400, crop=1000)
-        shoot(run_url("/".join(base), exp_id, best, page=page), out_dir / "trial-run.png", 1700, 1000)
+        origin = f"{server.scheme}://{server.netloc}"
+        shoot(run_url(origin, exp_id, best, page=server.path), out_dir / "trial-run.png", 1700, 1000)
     finally:
         os.killpg(ui.pid, signal.SIGTERM)
         ui.wait(timeout=60)

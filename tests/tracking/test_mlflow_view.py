@@ -197,7 +197,8 @@ def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep)
         parent_url = lines[2].split(": ", 1)[1].strip()
         assert "viewStateShareKey=" in table_url and "workflowType=machine_learning" in table_url
         assert lines[2].strip().startswith("sweep:") and "workflowType=machine_learning" in parent_url
-        base, route = table_url.split(f"{CLASSIC_PAGE}#/", 1)  # every printed link opens through our page
+        assert f"{CLASSIC_PAGE}#/" in table_url and f"{CLASSIC_PAGE}#/" in parent_url  # through our page
+        base = table_url.split(CLASSIC_PAGE, 1)[0]
 
         browser = run_dir.parent / "browser"  # one profile: the table first, then a run clicked in it
         dom = _dom(table_url, profile=browser)
