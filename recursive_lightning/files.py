@@ -12,6 +12,15 @@ from pathlib import Path
 from typing import Any
 
 
+def default_cache_dir() -> Path:
+    """The cache folder: ``$RECURSIVE_LIGHTNING_CACHE``, else ``$XDG_CACHE_HOME/recursive_lightning`` (default
+    ``~/.cache/recursive_lightning``); a run's ``data.cache_dir`` takes its place for its data."""
+    return Path(
+        os.environ.get("RECURSIVE_LIGHTNING_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "recursive_lightning"
+    )
+
+
 def read_json(path: str | os.PathLike) -> dict[str, Any] | None:
     """A JSON object from ``path``; None when it is missing, unreadable, damaged or not an object."""
     try:

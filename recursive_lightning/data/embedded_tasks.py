@@ -36,7 +36,7 @@ from typing import Any
 
 from recursive_lightning.data.corpus import embedded_corpus_documents, embedded_corpus_fingerprint
 from recursive_lightning.errors import UserError
-from recursive_lightning.files import atomic_write_text
+from recursive_lightning.files import atomic_write_text, default_cache_dir
 
 __all__ = [
     "EMBEDDED_TASKS",
@@ -170,14 +170,6 @@ def build_items(
             "train": [{"id": i, **x} for i, x in enumerate(fewshot)],
         }
     return out
-
-
-def default_cache_dir() -> Path:
-    """``$RECURSIVE_LIGHTNING_CACHE``, else ``$XDG_CACHE_HOME/recursive_lightning`` (as ``train`` resolves it)."""
-    return Path(
-        os.environ.get("RECURSIVE_LIGHTNING_CACHE")
-        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "recursive_lightning"
-    )
 
 
 def _cache_key(fingerprint: str, fraction: float, seed: int, test_items: int, fewshot_items: int) -> str:

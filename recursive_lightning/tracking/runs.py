@@ -12,6 +12,7 @@ from typing import Any
 
 from recursive_lightning.errors import UserError
 from recursive_lightning.files import atomic_write_text, writable_dir_problem
+from recursive_lightning.tracking.sqlite_store import create_store
 from recursive_lightning.uris import mask_url
 
 RUN_ID_FILE = "mlflow_run_id"
@@ -162,6 +163,9 @@ def client(tracking_uri: str):
     import mlflow  # heavy
     from mlflow.tracking import MlflowClient  # heavy
 
+    parts = sqlite_parts(absolute_uri(tracking_uri))
+    if parts is not None and not os.path.exists(parts[0]):
+        create_store(parts[0])  # a copy of a migrated empty store instead of MLflow's migrations
     relocate_artifacts(tracking_uri)
     mlflow.set_tracking_uri(tracking_uri)
     return MlflowClient(tracking_uri=tracking_uri)

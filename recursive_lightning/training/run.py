@@ -32,7 +32,7 @@ from recursive_lightning import formatting as fmt
 from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig, load_run_config
 from recursive_lightning.errors import ConfigError
-from recursive_lightning.files import atomic_write_text
+from recursive_lightning.files import atomic_write_text, default_cache_dir
 from recursive_lightning.tracking.runs import default_tracking_uri, ui_command
 from recursive_lightning.training.host import keep_freed_memory
 from recursive_lightning.validation import undo_on_refusal
@@ -113,11 +113,7 @@ def build_datamodule(cfg: RunConfig, run_dir: str | os.PathLike | None = None):
     from recursive_lightning.training import uptrain  # heavy
 
     d = cfg.data
-    cache = (
-        d.cache_dir
-        or os.environ.get("RECURSIVE_LIGHTNING_CACHE")
-        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "recursive_lightning"
-    )
+    cache = d.cache_dir or default_cache_dir()
     return TextDataModule(
         data=d.path,
         tokenizer=d.tokenizer if run_dir is None else uptrain.tokenizer_spec(cfg, Path(run_dir)),
