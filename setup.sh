@@ -16,6 +16,9 @@ else
   .venv/bin/python -m pip install -q --no-deps -r requirements.lock
 fi
 .venv/bin/python -m pip install -q --no-deps -e .
+# pip compiles the locked packages; the editable package's bytecode is written here once, so that each
+# process (a sweep's workers, the tests' commands) does not compile it again where PYTHONDONTWRITEBYTECODE is set
+.venv/bin/python -m compileall -q -j 0 recursive_lightning >/dev/null
 # lm-eval 0.4 does not read entry points: a start-up hook registers ours so `lm_eval --model recursive_lightning` works
 .venv/bin/python -m recursive_lightning.evaluation.harness_hook install
 .venv/bin/python -c "import torch, lightning, litdata, mlflow, optuna, lm_eval, psycopg; print('recursive_lightning environment ready: torch', torch.__version__)"

@@ -281,3 +281,16 @@ def test_all_names_only_public_names_that_exist(name):
     problems += [f"'{n}' is private (starts with _)" for n in names if n.startswith("_")]
     problems += [f"'{n}' does not exist in the module" for n in names if not hasattr(module, n)]
     assert not problems, f"{modules()[name].relative_to(ROOT)} __all__: " + "; ".join(problems)
+
+
+def test_reading_a_checkpoint_does_not_import_lightning():
+    """`generate`, `eval` and `probe` load checkpoints without Lightning (about 4 s of every such command's
+    start); only training builds a Trainer (``training/trainer.py``)."""
+    code = (
+        "import sys; import recursive_lightning.training.checkpoint, recursive_lightning.evaluation.run, "
+        "recursive_lightning.probes.run, recursive_lightning.cli; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'torchmetrics')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout[:500]

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.plugins.io import TorchCheckpointIO
 from tokenizers import Tokenizer
 
 from recursive_lightning import threads as thread_policy
@@ -30,25 +29,16 @@ class CheckpointError(UserError):
     """A checkpoint is missing, truncated or not one of ours."""
 
 
-class AtomicCheckpointIO(TorchCheckpointIO):
+def save_atomic(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     """torch.save to ``<path>.tmp``, fsync, then os.replace: readers see the old or the new file, never half."""
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None
-    ) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-
-    def load_checkpoint(
-        self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        return read_checkpoint(path, map_location=map_location or "cpu")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(checkpoint, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _step_of(p: Path) -> int:
@@ -196,5 +186,5 @@ def save_model_checkpoint(
             "format": 1,
         },
     }
-    AtomicCheckpointIO().save_checkpoint(ckpt, path)
+    save_atomic(ckpt, path)
     return path

@@ -13,14 +13,30 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import Terminated
 from recursive_lightning.training import parallel
-from recursive_lightning.training.checkpoint import AtomicCheckpointIO
+from recursive_lightning.training.checkpoint import read_checkpoint, save_atomic
 
 BEST = "best"  # the best checkpoint's file name (best.ckpt)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writes through :func:`~recursive_lightning.training.checkpoint.save_atomic`
+    (never half a file) and reads through ``read_checkpoint`` (one sentence for a damaged file)."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None
+    ) -> None:
+        save_atomic(checkpoint, path)
+
+    def load_checkpoint(
+        self, path: str | Path, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        return read_checkpoint(path, map_location=map_location or "cpu")
 
 
 def build_trainer(
