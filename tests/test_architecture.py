@@ -294,3 +294,22 @@ def test_reading_a_checkpoint_does_not_import_lightning():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout[:500]
+
+
+def test_a_sweeps_coordinator_prepares_the_data_without_lightning(tmp_path, data_cache):
+    """`sweep --workers N` builds the tokenizer and shards once, then only waits for its workers and reports:
+    it never imports Lightning (each worker does)."""
+    from conftest import ENV, write_sweep
+
+    spec = write_sweep(tmp_path / "sweep.yaml", data_cache, "coordinator", {"model.topology": ["mesh"]})
+    code = (
+        "import sys; from recursive_lightning.sweep import runner; from recursive_lightning.sweep.spec import "
+        f"load_sweep; runner.quiet_libraries(trains=False); runner.prepare_data(load_sweep({str(spec)!r})); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'torchmetrics')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+    assert list(Path(data_cache, "shards").glob("*/meta.json"))  # it did build them

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +24,14 @@ from litdata import StreamingDataLoader
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, Dataset
 
+from recursive_lightning.data.prepare import HF_MAX_DOCUMENTS, build_corpus, prebuilt_dir
 from recursive_lightning.data.shards import (
     DEFAULT_VAL_FRACTION,
-    TOKENIZER_FILE,
     ShardInfo,
-    ensure_token_shards,
-    is_complete,
     iter_chunk_tokens,
     streaming_dataset,
 )
-from recursive_lightning.data.sources import DataError, DataSource, load_documents, resolve_source
-from recursive_lightning.data.tokenizer import load_tokenizer
+from recursive_lightning.data.sources import DataError, resolve_source
 
 __all__ = ["TextDataModule", "collate_long"]
 
@@ -106,7 +102,7 @@ class TextDataModule(L.LightningDataModule):
         val_batches: int | None = 16,
         num_workers: int = 0,
         val_fraction: float = DEFAULT_VAL_FRACTION,
-        hf_max_documents: int | None = 100_000,
+        hf_max_documents: int | None = HF_MAX_DOCUMENTS,
     ) -> None:
         super().__init__()
         if seq_len < 1 or batch_size < 1:
@@ -129,49 +125,12 @@ class TextDataModule(L.LightningDataModule):
 
     # ----------------------------------------------------------------------------------------- building
     def _prebuilt_dir(self) -> Path | None:
-        if self.data is None or self.data.startswith("hf:"):
-            return None
-        path = Path(self.data).expanduser()
-        return path if path.is_dir() and is_complete(path) else None
+        return prebuilt_dir(self.data)
 
     def _build(self) -> tuple[Tokenizer, ShardInfo]:
-        prebuilt = self._prebuilt_dir()
-        if prebuilt is not None:
-            return Tokenizer.from_file(str(prebuilt / TOKENIZER_FILE)), ShardInfo(path=prebuilt, built=False)
-        source = resolve_source(self.data, embedded_dir=self.cache_dir / "corpus")
-        documents_fn = self._memoised_documents(source)
-        fingerprint = source.fingerprint()
-        if source.kind == "hf":  # the streamed sample depends on the cap
-            fingerprint = f"{fingerprint}-{self.hf_max_documents}"
-        tokenizer = load_tokenizer(
-            self.tokenizer_spec, documents_fn, self.cache_dir / "tokenizers", corpus_fingerprint=fingerprint
+        return build_corpus(
+            self.data, self.tokenizer_spec, self.cache_dir, self.val_fraction, self.hf_max_documents
         )
-        try:
-            shards = ensure_token_shards(
-                documents_fn,
-                tokenizer,
-                self.cache_dir / "shards",
-                corpus_fingerprint=fingerprint,
-                val_fraction=self.val_fraction,
-            )
-        except ValueError as err:
-            if isinstance(err, DataError):
-                raise
-            raise DataError(
-                f"The data {source.spec} cannot be split into train and validation ({err}); add more documents."
-            ) from None
-        return tokenizer, shards
-
-    def _memoised_documents(self, source: DataSource) -> Callable[[], list[str]]:
-        cache: list[list[str]] = []
-        limit = self.hf_max_documents if source.kind == "hf" else None
-
-        def documents() -> list[str]:
-            if not cache:
-                cache.append(load_documents(source, limit=limit))
-            return cache[0]
-
-        return documents
 
     def corpus_summary(self) -> dict[str, Any]:
         """What the run trains on, for the tracking store (available after :meth:`setup`): name, source kind

@@ -28,6 +28,7 @@ __all__ = [
 ]
 
 EOS_TOKEN = "<|endoftext|>"
+INIT_TOKENIZER = "init"  # data.tokenizer value: the tokenizer of train.init_from (training/uptrain.py)
 BPE_FORMAT_VERSION = 1
 _MIN_BPE_VOCAB = 257  # 256 byte symbols + EOS
 

@@ -27,6 +27,7 @@ import warnings
 from pathlib import Path
 
 from recursive_lightning import faults
+from recursive_lightning.data.tokenizer import INIT_TOKENIZER
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import writable_dir_problem
 from recursive_lightning.sweep.checks import check_late_fields
@@ -53,7 +54,7 @@ from recursive_lightning.sweep.study import (
 from recursive_lightning.sweep.trial import POLL_S, requeue_dead_local, worker
 from recursive_lightning.tracking.runs import default_tracking_uri
 from recursive_lightning.tracking.view import ui_hint
-from recursive_lightning.training.run import build_datamodule
+from recursive_lightning.training.run import prepare_corpus
 from recursive_lightning.uris import mask_url
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,10 +63,11 @@ EXIT_FAILED = 1  # a grid point failed after its retries (the MLflow parent run 
 EXIT_UNFINISHED = 3  # trials are left (a worker crashed, or trials run elsewhere): re-run or wait
 
 
-def quiet_libraries() -> None:
-    """Sweeps print one line per trial; silence the libraries' per-run banners."""
-    # lightning sets its loggers to INFO on import: import it first, then override
-    import lightning.pytorch  # noqa: F401  # heavy
+def quiet_libraries(trains: bool = True) -> None:
+    """Sweeps print one line per trial; silence the libraries' per-run banners. ``trains``: this process
+    trains trials (a process that only coordinates workers never imports Lightning)."""
+    if trains:  # lightning sets its loggers to INFO on import: import it first, then override
+        import lightning.pytorch  # noqa: F401  # heavy
 
     for name in ("lightning.pytorch", "lightning.fabric", "mlflow", "alembic", "litdata"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -109,8 +111,6 @@ def check_devices(spec: SweepSpec, pool: list[str]) -> None:
 
 def prepare_data(spec: SweepSpec) -> None:
     """Build the tokenizer and token shards of every distinct data section of the grid, once."""
-    from recursive_lightning.training.uptrain import INIT_TOKENIZER  # heavy
-
     seen = set()
     for point in spec.grid() if spec.search is None else [{}]:
         cfg = spec.trial_config(point)
@@ -119,7 +119,7 @@ def prepare_data(spec: SweepSpec) -> None:
             continue  # an uptraining trial's tokenizer is its source's, copied when the trial starts
         if key not in seen:
             seen.add(key)
-            build_datamodule(cfg).prepare_data()
+            prepare_corpus(cfg)
 
 
 def _wait_for_local_trials(spec: SweepSpec, storage_url: str) -> bool:
@@ -188,7 +188,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-trials", type=int, help="stop this worker after N trials")
     p.add_argument("--no-report", action="store_true", help="skip the report at the end")
     args = p.parse_args(argv)
-    quiet_libraries()
+    quiet_libraries(trains=False)
     if args.worker or not sys.stderr.isatty():
         # per-request progress bars (lm-eval, our evaluator) of parallel workers interleave into noise in a
         # log; the sweep prints one line per trial instead
@@ -231,6 +231,9 @@ def main(argv: list[str]) -> int:
     workers = args.workers if args.workers is not None else spec.workers
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, not {workers}.")
+    # Lightning's banners silenced where this process trains; one that spawns workers or only prepares does not
+    # import it
+    quiet_libraries(trains=args.worker or (workers == 1 and not args.prepare))
     t0 = time.time()
     if args.worker:
         die_with_parent(int(os.environ.get(PARENT_ENV) or os.getppid()))

@@ -127,6 +127,15 @@ def build_datamodule(cfg: RunConfig, run_dir: str | os.PathLike | None = None):
     )
 
 
+def prepare_corpus(cfg: RunConfig) -> None:
+    """Build (or find in the cache) the tokenizer and token shards ``build_datamodule(cfg)`` reads, without
+    importing Lightning (a sweep's coordinating process)."""
+    from recursive_lightning.data.prepare import build_corpus  # heavy
+
+    d = cfg.data
+    build_corpus(d.path, d.tokenizer, d.cache_dir or default_cache_dir(), d.val_fraction)
+
+
 def train(
     cfg: RunConfig,
     run_dir: str | os.PathLike,

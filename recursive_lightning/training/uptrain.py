@@ -36,7 +36,7 @@ from lightning.pytorch.callbacks import Callback
 from tokenizers import Tokenizer
 
 from recursive_lightning.config import RunConfig, load_yaml
-from recursive_lightning.data.tokenizer import ensure_eos, tokenizer_fingerprint
+from recursive_lightning.data.tokenizer import INIT_TOKENIZER, ensure_eos, tokenizer_fingerprint
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_text
 from recursive_lightning.interop import hf
@@ -45,7 +45,6 @@ from recursive_lightning.model.recursive.model import RecursiveLM
 from recursive_lightning.tracking.runs import log_artifact_text, log_params, set_tags
 from recursive_lightning.training.checkpoint import load_checkpoint
 
-INIT_TOKENIZER = "init"  # data.tokenizer value: the tokenizer of train.init_from
 TOKENIZER_FILE = "init_tokenizer.json"  # the source's tokenizer, kept in the run directory for --resume
 CHECKPOINT_KEY = "uptrain"
 
