@@ -283,17 +283,24 @@ def test_all_names_only_public_names_that_exist(name):
     assert not problems, f"{modules()[name].relative_to(ROOT)} __all__: " + "; ".join(problems)
 
 
+def lightning_modules_after(code: str, env: dict | None = None) -> str:
+    """The Lightning and torchmetrics modules a fresh interpreter holds after running ``code`` (printed list)."""
+    code += "; import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'torchmetrics')))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
 def test_reading_a_checkpoint_does_not_import_lightning():
     """`generate`, `eval` and `probe` load checkpoints without Lightning (about 4 s of every such command's
     start); only training builds a Trainer (``training/trainer.py``)."""
-    code = (
-        "import sys; import recursive_lightning.training.checkpoint, recursive_lightning.evaluation.run, "
-        "recursive_lightning.probes.run, recursive_lightning.cli; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'torchmetrics')))"
+    imported = lightning_modules_after(
+        "import recursive_lightning.training.checkpoint, recursive_lightning.evaluation.run, "
+        "recursive_lightning.probes.run, recursive_lightning.cli"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", out.stdout[:500]
+    assert imported == "[]", imported[:500]
 
 
 def test_a_sweeps_coordinator_prepares_the_data_without_lightning(tmp_path, data_cache):
@@ -302,14 +309,10 @@ def test_a_sweeps_coordinator_prepares_the_data_without_lightning(tmp_path, data
     from conftest import ENV, write_sweep
 
     spec = write_sweep(tmp_path / "sweep.yaml", data_cache, "coordinator", {"model.topology": ["mesh"]})
-    code = (
-        "import sys; from recursive_lightning.sweep import runner; from recursive_lightning.sweep.spec import "
-        f"load_sweep; runner.quiet_libraries(trains=False); runner.prepare_data(load_sweep({str(spec)!r})); "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'torchmetrics')))"
+    imported = lightning_modules_after(
+        "from recursive_lightning.sweep import runner; from recursive_lightning.sweep.spec import load_sweep; "
+        f"runner.quiet_libraries(trains=False); runner.prepare_data(load_sweep({str(spec)!r}))",
+        env=ENV,
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+    assert imported == "[]", imported[:500]
     assert list(Path(data_cache, "shards").glob("*/meta.json"))  # it did build them

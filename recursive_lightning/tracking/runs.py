@@ -164,8 +164,8 @@ def client(tracking_uri: str):
     from mlflow.tracking import MlflowClient  # heavy
 
     parts = sqlite_parts(absolute_uri(tracking_uri))
-    if parts is not None and not os.path.exists(parts[0]):
-        create_store(parts[0])  # a copy of a migrated empty store instead of MLflow's migrations
+    if parts is not None:  # a new store: a copy of a migrated empty one instead of MLflow's migrations
+        create_store(parts[0])
     relocate_artifacts(tracking_uri)
     mlflow.set_tracking_uri(tracking_uri)
     return MlflowClient(tracking_uri=tracking_uri)

@@ -7,7 +7,6 @@ complete. Nothing here depends on timing: the kill happens at the named instant 
 """
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,28 +65,20 @@ def mlflow_runs(run_dir: Path):
     return parents, children
 
 
-@pytest.fixture(scope="module")
-def empty_store(tmp_path_factory) -> Path:
-    """An empty MLflow SQLite store, created once: each faulted sweep starts from a copy of it instead of
-    running MLflow's schema migrations again (seconds per sweep; the sweep takes an existing store as is)."""
-    db = tmp_path_factory.mktemp("store") / "mlflow.db"
-    MlflowClient(f"sqlite:///{db}").search_experiments()
-    return db
-
-
-def fresh_run_dir(tmp: Path, empty_store: Path) -> Path:
+def fresh_run_dir(tmp: Path) -> Path:
+    """A new run directory: the sweep makes its stores (the MLflow one a copy of a migrated empty store,
+    ``tracking/sqlite_store.py``)."""
     run_dir = tmp / "run"
     run_dir.mkdir()
-    shutil.copyfile(empty_store, run_dir / "mlflow.db")
     return run_dir
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, data_cache, empty_store):
+def baseline(tmp_path_factory, data_cache):
     """The uninterrupted sweep every faulted one must reproduce."""
     tmp = tmp_path_factory.mktemp("baseline")
     spec = fault_sweep(tmp, data_cache)
-    code, out = sweep(spec, fresh_run_dir(tmp, empty_store))
+    code, out = sweep(spec, fresh_run_dir(tmp))
     assert code == 0, out
     got = values(tmp / "run")
     assert len(got) == 2
@@ -124,11 +115,9 @@ FAULTS = [
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-def test_sweep_killed_at_a_named_point_resumes_to_the_same_results(
-    fault, baseline, tmp_path, data_cache, empty_store
-):
+def test_sweep_killed_at_a_named_point_resumes_to_the_same_results(fault, baseline, tmp_path, data_cache):
     spec = fault_sweep(tmp_path, data_cache)
-    run_dir = fresh_run_dir(tmp_path, empty_store)
+    run_dir = fresh_run_dir(tmp_path)
     code, out = sweep(spec, run_dir, fault)
     assert code == -9, out  # it was killed there (SIGKILL: no cleanup ran)
     (parent,), _ = mlflow_runs(run_dir)
@@ -171,15 +160,13 @@ def test_a_finished_trials_last_checkpoint_validates_to_its_result(tmp_path, tin
 
 
 @pytest.mark.parametrize("fault", ["after_result_write:2", "before_tell:2"])
-def test_a_sweep_killed_then_moved_resumes_where_it_lies_now(
-    fault, baseline, tmp_path, data_cache, empty_store
-):
+def test_a_sweep_killed_then_moved_resumes_where_it_lies_now(fault, baseline, tmp_path, data_cache):
     """Killed after a trial's result was written, the sweep directory moved (to shared storage, a laptop),
     the same command re-run on the new path: the finished trial's checkpoint is found where it lies now (its
     `evaluate:` reads it; result.json and sweep_result.json recorded the old path), and the study and the
     child run name the new one."""
     spec = fault_sweep(tmp_path, data_cache, evaluate={"ppl": {"heldout": "embedded:heldout"}})
-    run_dir = fresh_run_dir(tmp_path, empty_store)
+    run_dir = fresh_run_dir(tmp_path)
     code, out = sweep(spec, run_dir, fault)
     assert code == -9, out
     moved = tmp_path / "elsewhere" / "run"
@@ -206,13 +193,13 @@ def test_a_sweep_killed_then_moved_resumes_where_it_lies_now(
 
 @pytest.mark.parametrize("fault", ["mid_training:1", "after_result_write:1"])
 def test_spawned_workers_killed_at_a_named_point_resume_to_the_same_results(
-    fault, baseline, tmp_path, data_cache, empty_store
+    fault, baseline, tmp_path, data_cache
 ):
     """`--workers 2`: each worker process SIGKILLs itself at the named point of its first trial; the sweep
     command says a worker died and exits non-zero, and the same command run again finishes every grid point
     once with the uninterrupted metrics."""
     spec = fault_sweep(tmp_path, data_cache)
-    run_dir = fresh_run_dir(tmp_path, empty_store)
+    run_dir = fresh_run_dir(tmp_path)
     code, out = sweep(spec, run_dir, fault, "--workers", "2")
     assert code not in (0, -9), out  # the command itself was not killed: it reports its dead workers
     assert "exited with code" in out
