@@ -19,7 +19,11 @@ from recursive_lightning.validation import check_device
 
 
 def _describe(argv: list[str]) -> int:
-    from recursive_lightning.model.describe import describe, format_description  # heavy
+    from recursive_lightning.model.describe import (  # heavy
+        describe,
+        format_description,
+        without_loading_the_compiler,
+    )
     from recursive_lightning.training.loop_flops import expected_training_flops  # heavy
 
     p = argparse.ArgumentParser(
@@ -71,12 +75,13 @@ def _describe(argv: list[str]) -> int:
             data[key] = getattr(args, key)
     data = apply_overrides({"model": data}, rest, sections=("model",))["model"]
     cfg = ModelConfig.from_dict(check_model_types(data))  # `--model.memstack maybe` is refused, as in train
-    d = describe(cfg, seq_len=args.seq_len, batch_size=args.batch_size)
+    d = without_loading_the_compiler(lambda: describe(cfg, seq_len=args.seq_len, batch_size=args.batch_size))
     if args.train_loops is not None:
         loops = parse_text(args.train_loops, args.train_backprop)
     text = format_description(d)
     if loops is not None:  # per token: a batch of one sequence of --seq-len
-        d.update(expected_training_flops(cfg, args.seq_len, check_train_loops(loops, cfg)))
+        schedule = check_train_loops(loops, cfg)
+        d.update(without_loading_the_compiler(lambda: expected_training_flops(cfg, args.seq_len, schedule)))
         text += "\n" + format_training(d)
     print(json.dumps(d) if args.json else text)
     return 0

@@ -9,13 +9,17 @@ included, element-wise work ignored. MeSH Table 7 uses fvcore instead (1 per MAC
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import sys
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from recursive_lightning import formatting
 from recursive_lightning.errors import UserError
+from recursive_lightning.model.build import build_on_meta
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.model.depth import at_depth
 from recursive_lightning.model.mela.hierarchical_memory import GatedAttention
@@ -51,6 +55,46 @@ def count_parameters(model: RecursiveLM) -> dict[str, int]:
     }
 
 
+_T = TypeVar("_T")
+
+
+def without_loading_the_compiler(count: Callable[[], _T]) -> _T:
+    """``count()`` on the meta device without importing torch's compiler (1-2 s of a 3 s ``describe``).
+
+    torch's Python meta kernels (``torch._refs``: ``cat``, ``where``, ``pow``, ...) and
+    ``FlopCounterMode.__torch_dispatch__`` are wrapped in ``torch._disable_dynamo``, whose first call imports
+    ``torch._dynamo`` only to mark the function as one the compiler must not trace (torch/_compile.py). A
+    count compiles nothing: while it runs, and only if ``torch._dynamo`` is not loaded yet, a stand-in
+    answers ``disable(fn)`` with ``fn``. On return the stand-in leaves, with the marks it made, so a later
+    ``torch.compile`` loads the compiler and marks these functions itself. Should a torch version ask the
+    stand-in for more than ``disable``, the count runs again with the compiler. For a process that only
+    counts (the ``describe`` command): another thread would see the stand-in meanwhile."""
+    if "torch._dynamo" in sys.modules:
+        return count()
+    marked: list[Any] = []
+
+    def disable(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        marked.append(fn)
+        return fn
+
+    stand_in = types.ModuleType("torch._dynamo", "a stand-in while describe counts (model/describe.py)")
+    stand_in.disable = disable  # type: ignore[attr-defined]
+    sys.modules["torch._dynamo"], torch._dynamo = stand_in, stand_in
+    try:
+        return count()
+    except (ImportError, AttributeError) as e:
+        if "_dynamo" not in str(e):
+            raise
+    finally:
+        if sys.modules.get("torch._dynamo") is stand_in:
+            del sys.modules["torch._dynamo"]
+        if vars(torch).get("_dynamo") is stand_in:
+            del torch._dynamo
+        for fn in marked:
+            getattr(fn, "__dict__", {}).pop("__dynamo_disable", None)
+    return count()
+
+
 def _attention_macs(cfg: ModelConfig, seq_len: int, plan: list[int]) -> int:
     lay = cfg.parsed_layout
     macs = (lay.prelude + lay.coda) * 2 * seq_len * seq_len * cfg.d_model
@@ -65,8 +109,7 @@ def _meta_forward(
 ) -> tuple[torch.nn.Module, FlopCounterMode]:
     """The model built on the meta device (no weights allocated) and the FLOPs of one forward pass at depth
     ``loops`` (None: as built)."""
-    with torch.device("meta"):
-        model = cls(cfg)
+    model = build_on_meta(cls, cfg)
     with at_depth(model, loops):
         return model, _count_forward(model, seq_len, batch_size)
 
@@ -84,34 +127,63 @@ def _signature(x: Any) -> Any:
     return ("object", id(x))  # anything else: never equal to another call's
 
 
-class _Replay:
-    """Modules called again with the same input shapes during a meta-device count: the first call runs,
-    later ones add its FLOPs (per module path) and return its outputs. Meta tensors hold no values, so a
-    replayed output is exactly what a rerun would give; Mela's HLR calls its L-module l_cycles * h_cycles
-    times and its H-module h_cycles times per forward (Sec. 3.2), all with one input shape."""
+def _structure(module: torch.nn.Module) -> Any:
+    """What a module's FLOPs depend on besides its inputs: the class, parameter and buffer shapes and plain
+    attributes of it and of every submodule (equal for two layers of one stack, which hold other weights)."""
+    return tuple(
+        (
+            name,
+            type(m),
+            tuple(
+                (k, _signature(v))
+                for k, v in sorted(vars(m).items())
+                if not k.startswith("_") and k != "forward"
+            ),
+            tuple((k, _signature(t)) for k, t in (*m._parameters.items(), *m._buffers.items())),
+        )
+        for name, m in module.named_modules()
+    )
 
-    def __init__(self, counter: FlopCounterMode, modules: list[torch.nn.Module]) -> None:
+
+class _Replay:
+    """Calls that repeat one already counted during a meta-device count: the first call runs, later ones add
+    its FLOPs (per module path, moved to their own path) and return its outputs. A call repeats another when
+    both modules have one structure (``_structure``) and their inputs one signature: the same module called
+    again, or another layer of the same stack. Meta tensors hold no values, so a replayed output is exactly
+    what a rerun would give. Mela's HLR calls its L-module l_cycles * h_cycles times and its H-module h_cycles
+    times per forward (Sec. 3.2), all with one input shape; its decoder is a stack of identical layers."""
+
+    def __init__(
+        self, counter: FlopCounterMode, root: torch.nn.Module, modules: list[torch.nn.Module]
+    ) -> None:
         self.counter, self.modules = counter, modules
-        self.seen: dict[Any, tuple[Any, dict[str, dict[Any, int]]]] = {}
+        # the names FlopCounterMode's module tracker gives (torch/utils/module_tracker.py)
+        self.paths = {id(m): f"{type(root).__name__}.{n}" for n, m in root.named_modules() if n}
+        self.seen: dict[Any, tuple[Any, str, dict[str, dict[Any, int]]]] = {}
 
     def _wrap(self, module: torch.nn.Module) -> Any:
-        forward = module.forward
+        forward, path = module.forward, self.paths[id(module)]
 
         def replayed(*args: Any, **kwargs: Any) -> Any:
-            key = (id(module), _signature(args), _signature(sorted(kwargs.items())))
+            key = (_structure(module), _signature(args), _signature(sorted(kwargs.items())))
             if key not in self.seen:
                 before = self.counter.get_flop_counts()
                 out = forward(*args, **kwargs)
-                delta = {
+                delta = {  # the module's own count and its submodules'
                     k: {op: n - before.get(k, {}).get(op, 0) for op, n in ops.items()}
                     for k, ops in self.counter.get_flop_counts().items()
+                    if k == path or k.startswith(path + ".")
                 }
-                self.seen[key] = (out, delta)
+                self.seen[key] = (out, path, delta)
                 return out
-            out, delta = self.seen[key]
+            out, source, delta = self.seen[key]
+            counts = self.counter.flop_counts
             for k, ops in delta.items():
                 for op, n in ops.items():
-                    self.counter.flop_counts[k][op] += n
+                    counts[path + k[len(source) :]][op] += n
+            for parent in self.counter.mod_tracker.parents - {path}:  # the enclosing modules and "Global"
+                for op, n in delta[source].items():
+                    counts[parent][op] += n
             return out
 
         return replayed
@@ -131,7 +203,7 @@ def _count_forward(
 ) -> FlopCounterMode:
     idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad(), _Replay(counter, list(replay)):
+    with counter, torch.no_grad(), _Replay(counter, model, list(replay)):
         model(idx)
     return counter
 
@@ -236,7 +308,8 @@ def _mela_flop_counts(
     length (the HMM's meta forward runs Python shape functions op by op)."""
     PC = cfg.tokens_per_chunk
     n = -(-seq_len // PC)
-    replay = [model.hmm.l_module, model.hmm.h_module]
+    hmm = model.hmm
+    replay = [hmm.l_module, hmm.h_module, *hmm.l_module.blocks, *hmm.h_module.blocks, *model.layers]
     if n <= 3:
         return _count_forward(model, seq_len, batch_size, replay).get_flop_counts()
     two = seq_len - (n - 2) * PC
@@ -254,8 +327,7 @@ def describe_mela(
     """``describe`` for ``arch: mela``: parameters by part with Table 1's shares, the sequence geometry
     (N_p, N_c, decoder length), HLR's block applications and the forward FLOPs by part; ``h_cycles``: at that
     test-time depth H' (None: as built)."""
-    with torch.device("meta"):
-        model = MelaLM(cfg)
+    model = build_on_meta(MelaLM, cfg)
     with at_depth(model, h_cycles):
         counts = _mela_flop_counts(model, cfg, seq_len, batch_size)
         return _describe_mela(model, cfg, counts, seq_len, batch_size)

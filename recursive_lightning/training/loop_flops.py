@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from recursive_lightning.model.build import build_on_meta
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.model.recursive.model import RecursiveLM
 from recursive_lightning.sampled_loops import LoopSchedule
@@ -43,8 +44,7 @@ class LoopFlops:
 
     def __init__(self, cfg: ModelConfig, seq_len: int, backprop: int | None) -> None:
         self.seq_len, self.backprop = seq_len, backprop
-        with torch.device("meta"):
-            self._model = RecursiveLM(cfg)
+        self._model = build_on_meta(RecursiveLM, cfg)
         self._model.shared_grads_in_place = False  # same forward FLOPs; its buffers need a real device
         self.trained = self._model.layout.n_loop
         self.counted_up_to = self.trained + (backprop or 1) + 1  # beyond: extended (module docstring)

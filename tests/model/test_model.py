@@ -1,8 +1,11 @@
 """Model properties: causality for every topology and layout, exact parameter counts, MeSH subsumption."""
 
 import copy
+import json
 import math
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -241,3 +244,85 @@ def test_rotary_table_equals_computed_angles(start, length):
         got = rot.cos_sin_range(start, length, torch.device("cpu"), dtype)
         want = rot.cos_sin(torch.arange(start, start + length), dtype)
         assert all(torch.equal(g, w) and g.dtype == dtype for g, w in zip(got, want))
+
+
+class _Repeats(torch.nn.Module):
+    """A layer whose FLOPs depend on a plain attribute, not on its weights' shapes."""
+
+    def __init__(self, reps: int) -> None:
+        super().__init__()
+        self.reps, self.lin = reps, torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.reps):
+            x = self.lin(x)
+        return x
+
+
+class _Project(torch.nn.Module):
+    """Through ``width`` dimensions and back: FLOPs set by a weight's shape alone."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(width, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w.T @ self.w
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 8)
+        self.layers = torch.nn.ModuleList(_Repeats(r) for r in (1, 1, 3, 1))
+        self.head = torch.nn.ModuleList([_Project(8), _Project(16)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for layer in [*self.layers, self.layers[0]]:
+            x = layer(x)
+        return self.head[1](self.head[0](x))
+
+
+def test_replayed_calls_count_as_a_full_meta_forward():
+    """describe replays a call that repeats one already counted (the same module again, or another layer of
+    one stack): every module path's count equals an unreplayed count's. Layers that differ in a plain
+    attribute (3 repeats) or in weight shapes (the head) run (fails with either left out of the key, or
+    with counts left at the first layer's path)."""
+    from recursive_lightning.model.describe import _count_forward
+
+    with torch.device("meta"):
+        model = _Stack()
+    full = _count_forward(model, 16, 2).get_flop_counts()
+    fast = _count_forward(model, 16, 2, [*model.layers, *model.head]).get_flop_counts()
+    assert {k: dict(v) for k, v in fast.items()} == {k: dict(v) for k, v in full.items()}
+    assert sum(full["_Stack.layers.2"].values()) == 3 * sum(full["_Stack.layers.1"].values()) > 0
+
+
+def test_describe_never_loads_the_compiler_and_counts_the_same():
+    """`describe` counts on the meta device without importing torch._dynamo (torch's meta kernels ask for it
+    only to mark functions the compiler must not trace); it leaves no such mark behind, and the count is the
+    one made with the compiler loaded (fails with the stand-in's marks kept, or the stand-in left loaded)."""
+    script = """
+import gc, json, sys
+from recursive_lightning import cli
+argv = ["describe", "--preset", "cpu-mela", "--seq-len", "300", "--json"]
+assert cli.main(argv) == 0
+assert cli.main(["describe", "--preset", "cpu-tiny", "--layout", "1+2R3+1", "--json", "--train-loops", "uniform:1-3"]) == 0
+assert "torch._dynamo" not in sys.modules
+assert not [f for f in gc.get_objects() if callable(f) and "__dynamo_disable" in getattr(f, "__dict__", {})]
+import torch._dynamo
+assert hasattr(torch._dynamo, "optimize")
+argv[2] = "cpu-tiny"
+assert cli.main(argv) == 0
+"""
+    from conftest import ENV, ROOT
+
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    mela, loops, tiny_ = (json.loads(line) for line in out.stdout.splitlines())
+    assert mela == describe(preset("cpu-mela"), seq_len=300)
+    assert tiny_ == describe(preset("cpu-tiny"), seq_len=300)
+    assert loops["train_loops_mean"] == 2 and loops["flops_train_per_token_expected"] > 0
