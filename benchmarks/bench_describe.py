@@ -6,7 +6,9 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_describe.py --presets mela-400m cpu-mela --against /tmp/old
 
 ``--against DIR``: another checkout (e.g. ``git archive <commit> | tar -x -C DIR``) timed the same way,
-interleaved with this one. Goal (issue 30): under 3 s for every preset on a quiet machine."""
+interleaved with this one. Each round also times ``python -c "import torch, sympy"`` (the floor: torch's
+meta kernels import sympy), so a loaded machine's figures can be read against it. Goal (issue 30): under
+3 s for every preset on a quiet machine."""
 
 from __future__ import annotations
 
@@ -33,7 +35,11 @@ def main() -> None:
     times: dict[str, list[float]] = {
         f"{k} {r}" if args.against else k: [] for k in args.presets for r in roots
     }
+    floor: list[float] = []
     for _ in range(args.reps):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch, sympy"], check=True)
+        floor.append(time.perf_counter() - t0)
         for name in args.presets:
             for label, root in roots.items():
                 t0 = time.perf_counter()
@@ -53,6 +59,7 @@ def main() -> None:
     for name, ts in times.items():
         print(f"  {name:<30} {statistics.median(ts):6.2f} s")
     print(f"  slowest                        {max(statistics.median(t) for t in times.values()):6.2f} s")
+    print(f"  floor: import torch, sympy     {statistics.median(floor):6.2f} s")
 
 
 if __name__ == "__main__":

@@ -110,8 +110,9 @@ def _meta_forward(
     """The model built on the meta device (no weights allocated) and the FLOPs of one forward pass at depth
     ``loops`` (None: as built)."""
     model = build_on_meta(cls, cfg)
+    layers = [layer for stack in model.layer_lists() for layer in stack]  # prelude, cores, coda
     with at_depth(model, loops):
-        return model, _count_forward(model, seq_len, batch_size)
+        return model, _count_forward(model, seq_len, batch_size, layers)
 
 
 def _signature(x: Any) -> Any:
@@ -308,8 +309,7 @@ def _mela_flop_counts(
     length (the HMM's meta forward runs Python shape functions op by op)."""
     PC = cfg.tokens_per_chunk
     n = -(-seq_len // PC)
-    hmm = model.hmm
-    replay = [hmm.l_module, hmm.h_module, *hmm.l_module.blocks, *hmm.h_module.blocks, *model.layers]
+    replay = [model.hmm.l_module, model.hmm.h_module, *(m for stack in model.layer_lists() for m in stack)]
     if n <= 3:
         return _count_forward(model, seq_len, batch_size, replay).get_flop_counts()
     two = seq_len - (n - 2) * PC

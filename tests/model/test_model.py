@@ -299,6 +299,30 @@ def test_replayed_calls_count_as_a_full_meta_forward():
     assert sum(full["_Stack.layers.2"].values()) == 3 * sum(full["_Stack.layers.1"].values()) > 0
 
 
+@pytest.mark.parametrize(
+    "layout,extra",
+    [
+        ("2+2R3+2", {"topology": "mesh"}),
+        ("1+2x{1/4,1/2,1}+1", {"topology": "mesh", "downscale": "self_aggregation", "upscale": "allocation"}),
+        ("1+2+2+1", {"topology": "anchor"}),
+        ("4", {}),
+    ],
+)
+def test_describe_counts_every_layer_of_a_recursive_model(layout, extra):
+    """describe replays the repeated layers of the prelude, cores and coda: every module path's count equals
+    an unreplayed meta forward's (fails with a layer's count left at another's path)."""
+    from recursive_lightning.model.build import build_on_meta
+    from recursive_lightning.model.describe import _count_forward
+
+    cfg = preset("cpu-tiny", layout=layout, **extra)
+    model = build_on_meta(RecursiveLM, cfg)
+    full = _count_forward(model, 64, 2).get_flop_counts()
+    layers = [m for stack in model.layer_lists() for m in stack]
+    fast = _count_forward(model, 64, 2, layers).get_flop_counts()
+    assert {k: dict(v) for k, v in fast.items()} == {k: dict(v) for k, v in full.items()}
+    assert describe(cfg, seq_len=64, batch_size=2)["flops_forward"] == sum(full["Global"].values())
+
+
 def test_describe_never_loads_the_compiler_and_counts_the_same():
     """`describe` counts on the meta device without importing torch._dynamo (torch's meta kernels ask for it
     only to mark functions the compiler must not trace); it leaves no such mark behind, and the count is the
