@@ -6,10 +6,14 @@ and reused by every loop iteration. Activation checkpointing wraps the same laye
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from recursive_lightning.config import COMPILE_SCOPES, TrainConfig
 from recursive_lightning.errors import ConfigError
+from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.threads import model_width
 
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
@@ -77,18 +81,33 @@ def check_supported(cfg: TrainConfig) -> None:
         )
 
 
-def resolve_precision(cfg: TrainConfig, accelerator: str) -> str:
-    """``auto``: bf16-mixed on CUDA with bf16 support or on CPUs with native bf16 matmul (AMX /
-    AVX512-BF16); 32-true otherwise (on a CPU without them bf16 matmuls are ~4x slower than fp32)."""
+# the model width (per ``model.arch``) from which a CPU with native bf16 trains faster in bf16-mixed than in
+# float32: below it autocast's casts around every small matmul cost more than bf16 saves. A training step's
+# bf16-mixed / fp32 time on an AMX Xeon (benchmarks/bench_precision.py): looped 2+4R2+2 MeSH 2.08 at d_model
+# 64, 0.82-0.87 at 128, 0.67-0.73 at 256, 0.52 at 768; Mela 1.14 at 128 (cpu-mela: its memory loop runs in
+# float32 anyway), 0.50 at 768 (mela-400m)
+BF16_MIN_WIDTH = {"recursive": 128, "mela": 256}
+
+
+def resolve_precision(cfg: TrainConfig, accelerator: str, model: ModelConfig | None = None) -> str:
+    """``auto``: bf16-mixed on CUDA with bf16 support; on a CPU with native bf16 matmul (AMX / AVX512-BF16)
+    for a ``model`` at least ``BF16_MIN_WIDTH`` wide (None: any model); 32-true otherwise (on a CPU without
+    native bf16, bf16 matmuls are ~4x slower than fp32)."""
     if cfg.precision != "auto":
         return cfg.precision
     if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
         return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "16-mixed"
+    wide = model is None or model_width(model) >= BF16_MIN_WIDTH.get(model.arch, 128)
+    return "bf16-mixed" if wide and native_bf16() else "32-true"
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AMX or AVX512-BF16; Linux's /proc/cpuinfo)."""
     try:
-        flags = open("/proc/cpuinfo").read()
+        flags = Path("/proc/cpuinfo").read_text()
     except OSError:
-        flags = ""
-    return "bf16-mixed" if ("amx_bf16" in flags or "avx512_bf16" in flags) else "32-true"
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def resolve_strategy(cfg: TrainConfig):

@@ -52,7 +52,7 @@ def build_trainer(
     t = cfg.train
     common: dict[str, Any] = {
         "accelerator": t.accelerator,
-        "precision": parallel.resolve_precision(t, t.accelerator),
+        "precision": parallel.resolve_precision(t, t.accelerator, cfg.model),
         "limit_val_batches": cfg.data.val_batches,
         "enable_model_summary": False,
         "use_distributed_sampler": False,
