@@ -208,6 +208,8 @@ class RecursiveLMModule(L.LightningModule):
             "val_names": list(self.val_names),
             "format": 1,
         }
+        if self._trainer is not None:  # what train.precision resolved to: a resume continues in it
+            checkpoint["recursive_lightning"]["precision"] = str(self.trainer.precision)
         if self._step_metrics and self._trainer is not None:
             checkpoint["recursive_lightning"]["step_metrics"] = {
                 "step": int(self.trainer.fit_loop.epoch_loop._batches_that_stepped),  # the step they log at

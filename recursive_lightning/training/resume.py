@@ -7,10 +7,13 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from recursive_lightning.config import RunConfig, load_yaml
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_text, writable_dir_problem
 from recursive_lightning.training.checkpoint import latest_good, read_checkpoint
+from recursive_lightning.training.parallel import resolve_precision
 
 # fields a resume may change: how far and where the run trains, not what it trains
 RESUMABLE_CHANGES = (
@@ -69,6 +72,17 @@ def resume_checkpoint(cfg: RunConfig, run_dir: Path, resume: bool, ckpt_path: st
         flush=True,
     )
     return None
+
+
+def resumed_precision(cfg: RunConfig, resume_from: str | None) -> str | None:
+    """With ``train.precision: auto``, the precision the checkpoint's run trained in, so a resume continues in it
+    (None: resolve it anew). A checkpoint that does not record it was written under the rule before
+    ``BF16_MIN_WIDTH`` (bf16-mixed on any CPU with native bf16, whatever the model's width)."""
+    if cfg.train.precision != "auto" or resume_from is None or Path(resume_from).is_dir():
+        return None
+    ckpt = torch.load(resume_from, map_location="cpu", weights_only=True, mmap=True)  # reads no tensor
+    recorded = (ckpt.get("recursive_lightning") or {}).get("precision")
+    return recorded or resolve_precision(cfg.train, cfg.train.accelerator)
 
 
 def check_checkpoint_config(ckpt: dict, cfg: RunConfig, path: str) -> None:

@@ -199,6 +199,7 @@ def train(
         # a resumed run retrains the steps since its last checkpoint: each step's metrics are logged once
         logger=step_once_logger(experiment or cfg.name, tracking_uri, run_id, resumed=resumed),
         callbacks=[clock, *_run_callbacks(cfg, module, source, tracking_uri, run_id), *(callbacks or [])],
+        precision=run_dir_state.resumed_precision(cfg, resume_from),
     )
     with mlflow_run.tracked(tracking_uri, run_id, resumed, rank_zero=trainer.is_global_zero):
         fit(trainer, module, dm, resume_from, cfg, run_dir)

@@ -46,13 +46,15 @@ def build_trainer(
     logger: Any = False,
     callbacks: Sequence[L.Callback] = (),
     validate_only: bool = False,
+    precision: str | None = None,
 ) -> L.Trainer:
     """The Trainer of ``cfg``: one that trains into ``run_dir`` (``callbacks`` after its checkpoint callbacks),
-    or with ``validate_only`` one that validates on one device."""
+    or with ``validate_only`` one that validates on one device; ``precision`` overrides ``train.precision``'s
+    (a resume continues in its checkpoint's, ``resume.resumed_precision``)."""
     t = cfg.train
     common: dict[str, Any] = {
         "accelerator": t.accelerator,
-        "precision": parallel.resolve_precision(t, t.accelerator, cfg.model),
+        "precision": precision or parallel.resolve_precision(t, t.accelerator, cfg.model),
         "limit_val_batches": cfg.data.val_batches,
         "enable_model_summary": False,
         "use_distributed_sampler": False,

@@ -437,7 +437,7 @@ def test_mela_kill_and_resume_gives_identical_losses(tmp_path, tiny_run):
     )
     cfg["train"]["max_steps"] = 10
     (tmp_path / "mela.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    from conftest import ENV as env  # one thread in all three processes: equal float32 sums
 
     def cli(*args):
         return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
