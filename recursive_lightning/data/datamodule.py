@@ -124,9 +124,6 @@ class TextDataModule(L.LightningDataModule):
         self._unigram_cache: dict[str, float] = {}
 
     # ----------------------------------------------------------------------------------------- building
-    def _prebuilt_dir(self) -> Path | None:
-        return prebuilt_dir(self.data)
-
     def _build(self) -> tuple[Tokenizer, ShardInfo]:
         return build_corpus(
             self.data, self.tokenizer_spec, self.cache_dir, self.val_fraction, self.hf_max_documents
@@ -137,7 +134,7 @@ class TextDataModule(L.LightningDataModule):
         and location, corpus and tokenizer fingerprints, and the documents and tokens of each split."""
         meta_file = self.shards.path / "meta.json" if self.shards is not None else None
         meta = json.loads(meta_file.read_text()) if meta_file is not None and meta_file.is_file() else {}
-        if self._prebuilt_dir() is not None:
+        if prebuilt_dir(self.data) is not None:
             kind, name, location = "shards", Path(self.data).name, str(Path(self.data).resolve())
         else:
             source = resolve_source(self.data, embedded_dir=self.cache_dir / "corpus")
