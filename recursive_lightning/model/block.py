@@ -10,7 +10,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 from torch.autograd.function import once_differentiable
 
@@ -202,7 +201,7 @@ class Attention(nn.Module):
         sequences, see ``evaluation/prefix_sharing.py``); ``kv`` prepends the keys/values of earlier calls
         and keeps these (decoding, ``model/decoding.py``)."""
         h, kvh = self.n_heads, self.kv_heads
-        qkv = rearrange(self.qkv(x), "b l (h d) -> b l h d", d=self.head_dim)
+        qkv = self.qkv(x).unflatten(-1, (-1, self.head_dim))  # (b, l, h + 2 kv, hd)
         q, k, v = qkv_rotary(qkv, cos, sin, (h, kvh), self.rotary.dim)  # q and k rotated together
         sees_all = False  # a single new query after cached positions attends to every key
         if kv is not None:
@@ -231,7 +230,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads
             )
-        return self.proj(rearrange(y, "b h l d -> b l (h d)"))
+        return self.proj(y.transpose(1, 2).flatten(2))  # (b, h, l, hd) -> (b, l, h hd)
 
     def _explicit(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None

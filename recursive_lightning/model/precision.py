@@ -16,3 +16,9 @@ def no_autocast(t: torch.Tensor) -> contextlib.AbstractContextManager:
         if torch.amp.is_autocast_available(device)
         else contextlib.nullcontext()
     )
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in at least float32 (half precision upcast for a softmax; float64 stays float64, which
+    ``.float()`` would round to float32 in the float64 reference runs)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))

@@ -7,9 +7,10 @@ weights, so 3 extra passes of 340 MB per step), LoopedFormer twice. Here every u
 product straight into one buffer (``addmm_``, a GEMM with beta = 1), and the use that autograd reaches last,
 the first in forward order, hands the sum over as the weight's gradient; the others report none. The bias
 gradients are summed the same way, db += g^T 1 as a GEMV with beta = 1 (one call per use instead of a
-reduction and autograd's addition). Same
-gradients (to rounding: the sum is associated differently), one accumulation pass fewer per extra use: 160M
-SpiralFormer-B fwd+bwd -40 ms on the CPU, LoopedFormer -9 ms (benchmarks/README.md).
+reduction and autograd's addition). Same gradients (to rounding: the sum is associated differently), one
+accumulation pass fewer per extra use: 160M SpiralFormer-B fwd+bwd -40 ms on an AVX2 CPU, LoopedFormer -9 ms
+(benchmarks/README.md). Only weights of ``SHARED_MIN_NUMEL`` elements or more: below that the Python
+Function per use costs more than the pass it saves.
 
 Ordering: use t's output feeds use t+1's input (through the rest of the step, the topology and S_down), so
 autograd runs use t+1's backward before use t's; use 0's backward is the last of a backward pass.
@@ -111,13 +112,30 @@ class Linear(nn.Linear):
         return _SharedLinear.apply(x, self.weight, self.bias, buffer)
 
 
+# The smallest weight (elements) whose gradients are summed in one buffer. The saving is one pass over a
+# weight-sized tensor per extra use; the cost, a Python autograd Function per use. One thread on an AMX Xeon,
+# a Linear used 4 times by 2048 tokens, forward + backward: 64 -> 192 in-place 8.8 against autograd's 7.8 ms,
+# 256 -> 768 92.7 against 88.6, 768 -> 2304 657 against 645, 1024 -> 4096 (1024 tokens) 823 against 822; the
+# 160M SpiralFormer-B step gained 40 ms (1.3 %) on the machine before, an AVX2 VM. So only weights of a
+# million elements or more (the 160M core's QKV and MLP weights, not its attention output) take this path.
+SHARED_MIN_NUMEL = 1 << 20
+
+
 @contextlib.contextmanager
-def accumulate_weight_grads(modules: Iterable[nn.Module], enabled: bool = True) -> Iterator[None]:
-    """Within the block, every :class:`Linear` in ``modules`` sums its weight gradients over its uses in one
-    buffer (a fresh one per forward, so graphs built by different forwards never share a sum)."""
+def accumulate_weight_grads(
+    modules: Iterable[nn.Module], enabled: bool = True, min_numel: int = SHARED_MIN_NUMEL
+) -> Iterator[None]:
+    """Within the block, every :class:`Linear` in ``modules`` with a weight of at least ``min_numel`` elements
+    sums its weight gradients over its uses in one buffer (a fresh one per forward, so graphs built by
+    different forwards never share a sum); smaller ones keep autograd's own sum."""
     linears = []
     if enabled and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        linears = [m for module in modules for m in module.modules() if isinstance(m, Linear)]
+        linears = [
+            m
+            for module in modules
+            for m in module.modules()
+            if isinstance(m, Linear) and m.weight.numel() >= min_numel
+        ]
     for linear in linears:
         linear.grad_buffer = GradBuffer()
     try:

@@ -58,8 +58,8 @@ def test_qkv_rotary_equals_the_composed_form(heads, kv, head_dim, dim, per_row):
 @settings(max_examples=20, deadline=None)
 @given(writes=st.integers(1, 6), slots=st.integers(2, 7), seed=st.integers(0, 2**16))
 def test_factored_read_equals_the_term_by_term_read(writes, slots, seed):
-    """MeSH Eq. 6 on the factored buffer: the batched gains and backward equal the term-by-term sum (values
-    bitwise, gradients to rounding) for every input."""
+    """MeSH Eq. 6 on the factored buffer: the batched gains and backward equal the term-by-term sum (values to
+    one rounding: the gains sum the slots in another order; gradients to rounding) for every input."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape, simplex=False):
@@ -70,16 +70,16 @@ def test_factored_read_equals_the_term_by_term_read(writes, slots, seed):
     pairs = [(rand(2, 5, 8), rand(2, 5, slots, simplex=True)) for _ in range(writes)]
     flat = [t for pair in pairs for t in pair]
     fused, ref = _FactoredRead.apply(h_emb, w_read, *flat), _read_buffer_reference(h_emb, w_read, pairs)
-    assert torch.equal(fused, ref)
+    torch.testing.assert_close(fused, ref, rtol=1e-15, atol=1e-15)
     for a, r in zip(_grads(fused, [h_emb, w_read, *flat]), _grads(ref, [h_emb, w_read, *flat])):
         torch.testing.assert_close(a, r, rtol=1e-13, atol=1e-13)
 
 
 @settings(max_examples=30, deadline=None)
 @given(
-    g=st.sampled_from([2, 4, 8]),
+    g=st.sampled_from([2, 4, 8, 16]),
     data=st.data(),
-    length=st.integers(1, 29),
+    length=st.integers(1, 40),
     batch=st.integers(1, 3),
     downscale=st.sampled_from(["self_aggregation", "mean"]),
     upscale=st.sampled_from(["allocation", "broadcast"]),
@@ -88,7 +88,7 @@ def test_chunk_maps_equal_the_padded_form(g, data, length, batch, downscale, ups
     """S_down (Eqs. 16-18) and S_up with the shift (Eqs. 19-22) as views with written-out backwards equal
     their padded forms (what ``train.compile: glue`` compiles): values and gradients for the states and the
     scorer / allocator, every offset ω < g and causal shift s in {g-1, g, g+1}, chunk 0 partial or not, the
-    sequence ending mid-chunk or not, batch > 1."""
+    sequence ending mid-chunk or not, batch > 1; chunks of up to 8 positions summed by multiply-adds, 16 by a GEMM."""
     offset = data.draw(st.integers(0, g - 1), label="offset")
     shift = data.draw(st.sampled_from([g - 1, g, g + 1]), label="shift")
     torch.manual_seed(0)

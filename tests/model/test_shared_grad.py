@@ -8,7 +8,7 @@ import torch
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.model.loss import cross_entropy
 from recursive_lightning.model.recursive.model import RecursiveLM
-from recursive_lightning.model.shared_grad import Linear
+from recursive_lightning.model.shared_grad import SHARED_MIN_NUMEL, Linear, accumulate_weight_grads
 from recursive_lightning.training import parallel
 
 TINY = dict(vocab_size=61, d_model=32, n_heads=4, max_seq_len=64)
@@ -21,6 +21,7 @@ def pair(layout: str, topology: str) -> tuple[RecursiveLM, RecursiveLM]:
         torch.manual_seed(0)
         model = RecursiveLM(ModelConfig.from_dict({**TINY, "layout": layout, "topology": topology})).double()
         model.shared_grads_in_place = in_place
+        model.shared_grads_min_numel = 0  # every Linear of this tiny model takes the in-place path
         models.append(model)
     return models[0], models[1]
 
@@ -92,3 +93,14 @@ def test_autocast_and_activation_checkpointing_take_autograds_path():
     for model in (a, b):
         model.loss(x, y).backward()
     assert_same_grads(a, b)
+
+
+def test_only_large_weights_take_the_buffer():
+    """By default only weights of SHARED_MIN_NUMEL elements or more sum in a buffer (below it autograd's own sum
+    is faster); ``min_numel=0`` puts every Linear on that path."""
+    small, large = Linear(8, 8), Linear(1024, SHARED_MIN_NUMEL // 1024)
+    with accumulate_weight_grads([small, large]):
+        assert small.grad_buffer is None and large.grad_buffer is not None
+    with accumulate_weight_grads([small, large], min_numel=0):
+        assert small.grad_buffer is not None and large.grad_buffer is not None
+    assert small.grad_buffer is None and large.grad_buffer is None

@@ -27,7 +27,7 @@ from recursive_lightning.model.recursive.depth import loop_plan
 from recursive_lightning.model.recursive.mesh import MeSH
 from recursive_lightning.model.recursive.resolution import ResolutionStep
 from recursive_lightning.model.recursive.topology import Additive, Combination, Topology
-from recursive_lightning.model.shared_grad import accumulate_weight_grads
+from recursive_lightning.model.shared_grad import SHARED_MIN_NUMEL, accumulate_weight_grads
 
 
 def build_topology(cfg: ModelConfig, n_steps: int) -> Topology:
@@ -84,6 +84,7 @@ class RecursiveLM(Generates, nn.Module):
         # sum a looped core's weight gradients in one buffer (shared_grad.py); training/parallel.py turns it
         # off where compile, FSDP2 or activation checkpointing handle each use themselves
         self.shared_grads_in_place = True
+        self.shared_grads_min_numel = SHARED_MIN_NUMEL  # only weights this large (shared_grad.py)
         self.looped_cores = [i for i in range(len(self.cores)) if lay.core_index.count(i) > 1]
         # test-time depth: K' loop steps instead of the trained K (depth.py; None: K), and truncated
         # backpropagation: gradients through the last ``backprop_loops`` loop steps only (None: all)
@@ -161,7 +162,7 @@ class RecursiveLM(Generates, nn.Module):
         plan = self.loop_plan()
         grad = torch.is_grad_enabled()
         first_grad = len(plan) - self.backprop_loops if self.backprop_loops else 0
-        with accumulate_weight_grads(looped, self.shared_grads_in_place):
+        with accumulate_weight_grads(looped, self.shared_grads_in_place, self.shared_grads_min_numel):
             for t, s in enumerate(plan):  # loop step t with the parameters of trained step s (depth.py)
                 core, site = self.cores[self.layout.core_index[s]], stack_args(f"step{t}")
                 with torch.set_grad_enabled(grad and t >= first_grad):
