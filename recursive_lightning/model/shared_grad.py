@@ -114,10 +114,10 @@ class Linear(nn.Linear):
 
 # The smallest weight (elements) whose gradients are summed in one buffer. The saving is one pass over a
 # weight-sized tensor per extra use; the cost, a Python autograd Function per use. One thread on an AMX Xeon,
-# a Linear used 4 times by 2048 tokens, forward + backward: 64 -> 192 in-place 8.8 against autograd's 7.8 ms,
-# 256 -> 768 92.7 against 88.6, 768 -> 2304 657 against 645, 1024 -> 4096 (1024 tokens) 823 against 822; the
-# 160M SpiralFormer-B step gained 40 ms (1.3 %) on the machine before, an AVX2 VM. So only weights of a
-# million elements or more (the 160M core's QKV and MLP weights, not its attention output) take this path.
+# a Linear used 4 times by 2048 tokens, forward + backward, buffer / autograd (benchmarks/bench_glue.py):
+# 64 -> 192 1.14, 256 -> 768 1.03, 768 -> 2304 1.02, 768 -> 3072 0.99; the 160M SpiralFormer-B step gained
+# 40 ms (1.3 %) on the machine before, an AVX2 VM. So only weights of a million elements or more (the 160M
+# core's QKV and MLP weights, not its attention output) take this path.
 SHARED_MIN_NUMEL = 1 << 20
 
 

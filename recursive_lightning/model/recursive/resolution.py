@@ -251,8 +251,8 @@ def _weights(a: torch.Tensor, seg: tuple[int, int, int, int], chunked: bool, off
 # Up to this many positions per chunk, k multiply-adds over (b, c, d) views beat one GEMM per chunk: ATen folds
 # a run's (b, c) batch into one bmm, which copies the states where the run does not start at position 0 (an
 # offset ω > 0 starts every later run part-way), and a (1 x k) @ (k x d) product is tiny. S_down + S_up forward
-# and backward of SpiralFormer-B's three coarse steps (g = 8, 4, 2), one thread on an AMX Xeon: cpu-tiny
-# 5.7 against 7.0 ms, cpu-base 12.4 against 16.2, pythia-160m 31.1 against 33.0 (2 x 1024 tokens).
+# and backward of SpiralFormer-B's three coarse steps (g = 8, 4, 2), one thread on an AMX Xeon, multiply-adds /
+# GEMM (benchmarks/bench_glue.py): cpu-tiny 0.79, cpu-base 0.71, pythia-160m 0.93.
 _LOOP_MAX_K = 8
 
 
