@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from recursive_lightning.model.block import _rotate_half_reference, qkv_rotary
 from recursive_lightning.model.config import ModelConfig
-from recursive_lightning.model.recursive.mesh import _FactoredRead, _read_buffer_reference
+from recursive_lightning.model.recursive.mesh import _FactoredRead, _inner_products, _read_buffer_reference
 from recursive_lightning.model.recursive.model import RecursiveLM
 from recursive_lightning.model.recursive.resolution import ResolutionStep
 
@@ -73,6 +73,17 @@ def test_factored_read_equals_the_term_by_term_read(writes, slots, seed):
     torch.testing.assert_close(fused, ref, rtol=1e-15, atol=1e-15)
     for a, r in zip(_grads(fused, [h_emb, w_read, *flat]), _grads(ref, [h_emb, w_read, *flat])):
         torch.testing.assert_close(a, r, rtol=1e-13, atol=1e-13)
+
+
+def test_inner_products_per_write_equal_the_stacked_product():
+    """The factored read's backward takes <g, u^(tau)> per write on the CPU and as one batched product over the
+    stacked writes elsewhere (fewer kernel launches on a GPU): both equal the explicit sum."""
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(2, 5, 8, generator=g, dtype=torch.double)
+    us = tuple(torch.randn(2, 5, 8, generator=g, dtype=torch.double) for _ in range(4))
+    ref = torch.stack([(u * grad).sum(-1) for u in us])
+    for stacked in (False, True):
+        torch.testing.assert_close(_inner_products(grad, us, stacked), ref, rtol=1e-14, atol=1e-14)
 
 
 @settings(max_examples=30, deadline=None)

@@ -190,8 +190,7 @@ class _FactoredRead(torch.autograd.Function):
             grad_us = list((gains.unsqueeze(-1) * grad).unbind(0))
         grad_w_read = grad_w_writes = None
         if need[1] or any(need[3::2]):
-            # <g, u^(tau)> per write: a product and a sum over d each, no (b, l, T + 1, d) stacked copy
-            grad_c = torch.stack([(u * grad).sum(-1) for u in (h_emb, *us)])  # (T + 1, b, l)
+            grad_c = _inner_products(grad, (h_emb, *us))  # (T + 1, b, l): <g, u^(tau)>
             if need[1]:
                 grad_wr = (grad_c[1:].unsqueeze(1) * ws).sum(0)  # (B, b, l)
                 grad_wr[0].add_(grad_c[0])
@@ -203,3 +202,15 @@ class _FactoredRead(torch.autograd.Function):
         for tau in range(n):
             flat += [grad_us[tau], None if grad_w_writes is None else grad_w_writes[tau]]
         return grad_h_emb, grad_w_read, *flat
+
+
+def _inner_products(
+    grad: torch.Tensor, us: tuple[torch.Tensor, ...], stacked: bool | None = None
+) -> torch.Tensor:
+    """(T + 1, b, l): <grad, u> at every position for each u. On the CPU a product and a sum over d per u (no
+    (b, l, T + 1, d) stacked copy); elsewhere (``stacked``) one batched product over the stacked states, a
+    fixed two kernel launches however many writes there are (GPU steps of small passes are launch-bound)."""
+    if not (grad.device.type != "cpu" if stacked is None else stacked):
+        return torch.stack([(u * grad).sum(-1) for u in us])
+    states = torch.stack(us, -2)  # (b, l, T + 1, d)
+    return torch.matmul(states, grad.unsqueeze(-1)).squeeze(-1).movedim(-1, 0)

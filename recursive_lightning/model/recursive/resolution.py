@@ -248,7 +248,7 @@ def _weights(a: torch.Tensor, seg: tuple[int, int, int, int], chunked: bool, off
     return _slots(a, seg, offset) if chunked else _views(a, seg)
 
 
-# Up to this many positions per chunk, k multiply-adds over (b, c, d) views beat one GEMM per chunk: ATen folds
+# On the CPU, up to this many positions per chunk, k multiply-adds over (b, c, d) views beat one GEMM per chunk: ATen folds
 # a run's (b, c) batch into one bmm, which copies the states where the run does not start at position 0 (an
 # offset ω > 0 starts every later run part-way), and a (1 x k) @ (k x d) product is tiny. S_down + S_up forward
 # and backward of SpiralFormer-B's three coarse steps (g = 8, 4, 2), one thread on an AMX Xeon, multiply-adds /
@@ -260,7 +260,9 @@ def _chunk_sum(xv: torch.Tensor, w: torch.Tensor | None, scale: float) -> torch.
     """(b, c, d): sum_r w[:, :, r] xv[:, :, r] over the k positions of each chunk of a run ``xv`` (b, c, k, d);
     ``w`` (b, c, k) in ``xv``'s dtype, or None for the uniform weight ``scale``."""
     k = xv.shape[2]
-    if k > _LOOP_MAX_K:  # (1 x k) @ (k x d) per chunk: a GEMM reads x once, no (b, c, k, d) product
+    # (1 x k) @ (k x d) per chunk: a GEMM reads x once, no (b, c, k, d) product; one kernel launch on a GPU,
+    # where launches bound small steps (benchmarks/bench_host_overhead.py), so the multiply-adds are CPU-only
+    if k > _LOOP_MAX_K or xv.device.type != "cpu":
         w = xv.new_full((1, k), scale) if w is None else w.unsqueeze(-2)
         return (w @ xv).squeeze(-2)
     if w is None:
