@@ -49,8 +49,16 @@ def _running(procs: list[psutil.Process]) -> list[str]:
     return alive
 
 
+def _cmdline(p: psutil.Process) -> str:
+    """``p``'s command line; empty once it has exited or is a zombie (it can turn into one between any two
+    calls: ``is_running()`` is still true for a zombie, and ``cmdline()`` then raises ``ZombieProcess``)."""
+    with contextlib.suppress(psutil.NoSuchProcess):  # ZombieProcess is a NoSuchProcess
+        return " ".join(p.cmdline())
+    return ""
+
+
 def _huey(procs: list[psutil.Process]) -> bool:
-    return any("huey" in " ".join(p.cmdline()) for p in procs if p.is_running())
+    return any("huey" in _cmdline(p) for p in procs)
 
 
 def _kill(procs: list[psutil.Process]) -> None:
@@ -79,7 +87,7 @@ def test_the_throwaway_servers_stop_every_process_on_a_signal(sig):
         # the mlflow server's group is complete (its job runner starts the huey consumers after it answers)
         _poll("huey consumers", lambda: _huey(_tree(cmd.pid)))
         procs = [*_tree(cmd.pid), postmaster, *_tree(postmaster.pid)]
-        assert any("uvicorn" in " ".join(p.cmdline()) for p in procs)
+        assert any("uvicorn" in _cmdline(p) for p in procs)
         cmd.send_signal(sig)
         assert cmd.wait(timeout=120) == 0
         assert not _running(procs)  # at once: nothing left to stop on its own later
@@ -110,7 +118,7 @@ def test_ui_signalled_while_its_server_starts_stops_the_server_group(tmp_path):
             "the server's huey consumers", lambda: _huey(_tree(ui.pid))
         )  # ui still waits at its pause point
         procs = _tree(ui.pid)
-        assert any("uvicorn" in " ".join(p.cmdline()) for p in procs)
+        assert any("uvicorn" in _cmdline(p) for p in procs)
         ui.send_signal(signal.SIGTERM)
         ui.wait(timeout=120)
         out = ui.stdout.read()
