@@ -14,6 +14,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.precision import upcast
 from recursive_lightning.model.shared_grad import Linear
 
 try:  # flash-attn is optional; used only for CUDA half-precision tensors
@@ -243,7 +244,7 @@ class Attention(nn.Module):
         mask = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
         if allowed is not None:
             mask = ~allowed.unsqueeze(1)
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # upcast half precision only
+        scores = upcast(scores)  # half precision only
         attn = scores.masked_fill(mask, float("-inf")).softmax(-1).to(q.dtype)
         self.capture.append(attn.detach())
         return attn @ v

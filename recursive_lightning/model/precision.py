@@ -19,6 +19,6 @@ def no_autocast(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 def upcast(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in at least float32 (half precision upcast for a softmax; float64 stays float64, which
-    ``.float()`` would round to float32 in the float64 reference runs)."""
+    """``t`` in at least float32: half precision is upcast, float32 / float64 unchanged (``.float()`` would
+    round the float64 reference runs to float32)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from recursive_lightning.model.precision import no_autocast
+from recursive_lightning.model.precision import no_autocast, upcast
 
 # Muon's quintic coefficients (Jordan et al. 2024), Newton-Schulz-5 in Eq. 10
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -61,11 +61,6 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     if tall:
         x = x.transpose(-2, -1)
     return x.reshape(shape)
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """float32 for half-precision tensors, float32 / float64 unchanged."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 class _NewtonSchulz(torch.autograd.Function):
@@ -220,8 +215,8 @@ class NeuralMemory(nn.Module):
         # the inner loop in float32 even under autocast [reading]: Newton-Schulz lifts an update's near-null
         # directions towards singular value 1, so bf16 rounding there (~4e-3) would be written into the memory
         # as O(1) updates (README: Numerics); the projections above stay in the autocast dtype
-        q, k, v, theta = (_wide(t) for t in (q, k, v, theta))
-        eta, alpha = (None if t is None else _wide(t) for t in (eta, alpha))
+        q, k, v, theta = (upcast(t) for t in (q, k, v, theta))
+        eta, alpha = (None if t is None else upcast(t) for t in (eta, alpha))
         with no_autocast(x):
             ys, state = self._store_and_retrieve(q, k, v, theta, eta, alpha, state)
         y = rearrange(torch.cat(ys, dim=2), "b h n d -> b n (h d)").to(x.dtype)
@@ -234,8 +229,8 @@ class NeuralMemory(nn.Module):
         (Eqs. 8, 10, 11) and its queries retrieve from the memory before or after that (``read``, Eq. 9)."""
         C = self.chunk_size
         n = q.shape[2]
-        weights = [_wide(w) for w in state.weights]
-        momentum = state.momentum and [_wide(m) for m in state.momentum]
+        weights = [upcast(w) for w in state.weights]
+        momentum = state.momentum and [upcast(m) for m in state.momentum]
         state = MemoryState(weights, momentum)
         ys = []
         for t in range(n // C):

@@ -210,7 +210,9 @@ def _inner_products(
     """(T + 1, b, l): <grad, u> at every position for each u. On the CPU a product and a sum over d per u (no
     (b, l, T + 1, d) stacked copy); elsewhere (``stacked``) one batched product over the stacked states, a
     fixed two kernel launches however many writes there are (GPU steps of small passes are launch-bound)."""
-    if not (grad.device.type != "cpu" if stacked is None else stacked):
+    if stacked is None:
+        stacked = grad.device.type != "cpu"
+    if not stacked:
         return torch.stack([(u * grad).sum(-1) for u in us])
     states = torch.stack(us, -2)  # (b, l, T + 1, d)
     return torch.matmul(states, grad.unsqueeze(-1)).squeeze(-1).movedim(-1, 0)

@@ -248,11 +248,12 @@ def _weights(a: torch.Tensor, seg: tuple[int, int, int, int], chunked: bool, off
     return _slots(a, seg, offset) if chunked else _views(a, seg)
 
 
-# On the CPU, up to this many positions per chunk, k multiply-adds over (b, c, d) views beat one GEMM per chunk: ATen folds
-# a run's (b, c) batch into one bmm, which copies the states where the run does not start at position 0 (an
-# offset ω > 0 starts every later run part-way), and a (1 x k) @ (k x d) product is tiny. S_down + S_up forward
-# and backward of SpiralFormer-B's three coarse steps (g = 8, 4, 2), one thread on an AMX Xeon, multiply-adds /
-# GEMM (benchmarks/bench_glue.py): cpu-tiny 0.79, cpu-base 0.71, pythia-160m 0.93.
+# On the CPU, up to this many positions per chunk, k multiply-adds over (b, c, d) views beat one GEMM per
+# chunk: ATen folds a run's (b, c) batch into one bmm, which copies the states where the run does not start at
+# position 0 (an offset ω > 0 starts every later run part-way), and a (1 x k) @ (k x d) product is tiny.
+# S_down + S_up forward and backward of SpiralFormer-B's three coarse steps (g = 8, 4, 2), one thread on an
+# AMX Xeon, multiply-adds / GEMM (benchmarks/bench_glue.py): cpu-tiny 0.79, cpu-base 0.71, pythia-160m 0.93.
+# On a GPU the GEMM stays: one kernel launch, where launches bound small steps (bench_host_overhead.py).
 _LOOP_MAX_K = 8
 
 
@@ -260,9 +261,7 @@ def _chunk_sum(xv: torch.Tensor, w: torch.Tensor | None, scale: float) -> torch.
     """(b, c, d): sum_r w[:, :, r] xv[:, :, r] over the k positions of each chunk of a run ``xv`` (b, c, k, d);
     ``w`` (b, c, k) in ``xv``'s dtype, or None for the uniform weight ``scale``."""
     k = xv.shape[2]
-    # (1 x k) @ (k x d) per chunk: a GEMM reads x once, no (b, c, k, d) product; one kernel launch on a GPU,
-    # where launches bound small steps (benchmarks/bench_host_overhead.py), so the multiply-adds are CPU-only
-    if k > _LOOP_MAX_K or xv.device.type != "cpu":
+    if k > _LOOP_MAX_K or xv.device.type != "cpu":  # (1 x k) @ (k x d) per chunk: x read once, no product
         w = xv.new_full((1, k), scale) if w is None else w.unsqueeze(-2)
         return (w @ xv).squeeze(-2)
     if w is None:
@@ -365,9 +364,8 @@ class _SelfAggregation(torch.autograd.Function):
     def forward(ctx, x, score, end, g, offset, n):
         segs = _segments(0, end, g, offset)
         alphas = [_views(score, seg).softmax(-1) for seg in segs]  # float32, (b, c, k) per run
-        with no_autocast(
-            x
-        ):  # the weighted sum over each chunk of each run, as _sum; the runs cover every chunk
+        # the weighted sum over each chunk of each run, as _sum; the runs cover every chunk
+        with no_autocast(x):
             parts = [_chunk_sum(_views(x, seg), a.to(x.dtype), 1.0) for seg, a in zip(segs, alphas)]
             z = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
         ctx.save_for_backward(x, *alphas)
