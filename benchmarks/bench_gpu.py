@@ -163,13 +163,14 @@ def interleaved(fns: dict[str, object], reps: int, warmup: int) -> dict[str, lis
 
 
 ISSUE18 = dict(presets="pythia-160m,pythia-410m", seq_lens="1024,4096", modes="eager,glue,model", busy=True)
+DEFAULTS = dict(presets="pythia-160m,pythia-410m", seq_lens="1024,4096", modes="eager")
 
 
 def main(argv: list[str] | None = None) -> int:
     global DEVICE
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--presets", default="pythia-160m,pythia-410m")
-    p.add_argument("--seq-lens", default="1024,4096")
+    p.add_argument("--presets", default=None, help="comma list (default: pythia-160m,pythia-410m)")
+    p.add_argument("--seq-lens", default=None, help="comma list (default: 1024,4096)")
     p.add_argument(
         "--tokens", type=int, default=16384, help="tokens per forward+backward (batch = tokens / L)"
     )
@@ -177,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument(
         "--modes",
-        default="eager",
-        help="comma list of eager, layers, glue, model (train.compile scopes) and cudagraphs",
+        default=None,
+        help="comma list of eager (the default), layers, glue, model (train.compile scopes) and cudagraphs",
     )
     p.add_argument("--variants", default="looped mesh,spiral-B mesh,looped base")
     p.add_argument(
@@ -188,10 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--issue18", action="store_true", help="issue 18's goals in one run (see the docstring)")
     p.add_argument("--smoke", action="store_true", help="run on the CPU (cpu-tiny, 1 rep): checks the script")
     args = p.parse_args(argv)
-    if args.issue18:
-        for k, v in ISSUE18.items():
+    # --issue18's settings, or the plain defaults, where the command line names none
+    for k, v in (ISSUE18 if args.issue18 else DEFAULTS).items():
+        if getattr(args, k) in (None, False):
             setattr(args, k, v)
-        args.calls = True
+    args.calls = args.calls or args.issue18
     if args.smoke:
         DEVICE = "cpu"
         args.presets, args.seq_lens, args.tokens, args.reps, args.warmup, args.busy = (

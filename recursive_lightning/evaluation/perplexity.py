@@ -109,11 +109,23 @@ def score_rows(
 STREAM_CHUNKS = 8  # decoder chunks per piece when a chunk-local model streams a long input
 
 
+def stream_piece(cfg: Any) -> int:
+    """Tokens per piece when a chunk-local model streams a long input: :data:`STREAM_CHUNKS` decoder chunks,
+    never more than the chunks that fit the training length (``max_seq_len``; at least one chunk). Mela-400M
+    (2,048-token chunks, trained at 4K) streams 4K pieces, so its eval memory is that of 4K at any length."""
+    per_chunk = getattr(cfg, "tokens_per_chunk", 0)
+    if not per_chunk:
+        return 0
+    fit = max(1, getattr(cfg, "max_seq_len", 0) // per_chunk)
+    return per_chunk * min(STREAM_CHUNKS, fit)
+
+
 def hidden_states(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``model.hidden(x)``; a model without a context window whose decoder is chunk-local (Mela) runs a long
-    input through its decoding cache a few chunks at a time, so activation memory stays that of one piece
-    (the same states, ``tests/model/test_mela.py``); every other model needs the full window at once."""
-    piece = getattr(model.cfg, "tokens_per_chunk", 0) * STREAM_CHUNKS
+    input through its decoding cache a few chunks at a time (:func:`stream_piece`), so activation memory stays
+    that of one piece (the same states, ``tests/model/test_mela.py``); every other model needs the full window
+    at once."""
+    piece = stream_piece(model.cfg)
     if getattr(model, "window", 0) is not None or x.shape[1] <= piece:
         return model.hidden(x)
     cache = model.new_cache()

@@ -547,3 +547,16 @@ def test_eval_options_check_their_fields_and_read_a_sweep_block(tmp_path):
     o = EvalOptions.from_sweep({"exit_kl": [5e-4], "exit_max_tokens": 64}, tmp_path, "sqlite:///x.db")
     assert (o.exit_kl, o.exit_max_tokens) == ([5e-4], 64)
     assert set(SWEEP_FIELDS.values()) <= set(EvalOptions.__dataclass_fields__)
+
+
+def test_stream_piece_never_exceeds_the_training_length():
+    """A chunk-local model streams a long input in pieces of at most STREAM_CHUNKS chunks and never more than
+    its training length (so Mela-400M's eval memory at 32K is that of 4K), and at least one chunk."""
+    from recursive_lightning.evaluation.perplexity import STREAM_CHUNKS, stream_piece
+    from recursive_lightning.model.config import preset
+
+    big = preset("mela-400m")
+    assert big.tokens_per_chunk == 2048 and stream_piece(big) == 4096  # 2 chunks fit max_seq_len 4096
+    small = preset("cpu-mela")
+    assert stream_piece(small) == STREAM_CHUNKS * small.tokens_per_chunk == 512  # 8 of 16 that fit
+    assert stream_piece(preset("cpu-mela", max_seq_len=32)) == small.tokens_per_chunk  # shorter than a chunk

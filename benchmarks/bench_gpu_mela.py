@@ -1,0 +1,197 @@
+"""Mela on a GPU: training speed against Transformer++ at 4K, and eval memory from 4K to 32K (issue 30, part 4).
+
+    python benchmarks/bench_gpu_mela.py                        # mela-400m / transformerpp-400m, bf16 autocast
+    python benchmarks/bench_gpu_mela.py --part eval --lengths 4096,8192,16384,32768
+    python benchmarks/bench_gpu_mela.py --smoke                # no GPU needed: the pipeline on the CPU
+
+``train``: forward+backward (``model.loss`` + ``backward``, bf16 autocast, float32 weights as in bf16-mixed
+training) of Mela, of the same Mela with the HMM bypassed (``bench_mela.decoder_alone``: the decoder alone)
+and of the Transformer++ of its size, ``--batch`` x ``--seq-len``, taking turns after a warm-up; CUDA-event
+medians. Two readings of "within the memory's FLOP share + 10 %": the memory's wall-clock share
+1 - t(decoder alone) / t(Mela) against its share of ``describe``'s forward FLOPs, and Mela's time over
+Transformer++'s against their FLOP ratio; each <= the FLOP figure + 0.10.
+
+``eval``: the hidden states ``eval`` scores (``evaluation.perplexity.hidden_states``: a chunk-local model
+streams a long input through its decoding cache one training-length piece at a time), batch 1, inference mode,
+bf16 autocast, at each of ``--lengths``: peak CUDA memory above the weights, and that peak less the
+(1, L, d) hidden states it returns (which grow with L by construction). Flat: the last within 10 % of the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_mela import decoder_alone  # noqa: E402
+
+from recursive_lightning.evaluation.perplexity import hidden_states, stream_piece  # noqa: E402
+from recursive_lightning.model.build import build_model  # noqa: E402
+from recursive_lightning.model.config import preset  # noqa: E402
+from recursive_lightning.model.describe import describe  # noqa: E402
+
+DEVICE = "cuda"  # "cpu" with --smoke
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn) -> float:
+    """ms of one call (CUDA events on the GPU)."""
+    if DEVICE == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    t = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t)
+
+
+def part_train(args) -> dict[str, bool]:
+    torch.manual_seed(0)
+    models = {
+        "Mela": build_model(preset(args.mela, max_seq_len=args.seq_len)),
+        "Mela decoder alone": decoder_alone(build_model(preset(args.mela, max_seq_len=args.seq_len))),
+        "Transformer++": build_model(preset(args.transformerpp, max_seq_len=args.seq_len)),
+    }
+    vocab = models["Mela"].cfg.vocab_size
+    idx = torch.randint(0, vocab, (args.batch, args.seq_len + 1), device=DEVICE)
+
+    def step(model: torch.nn.Module):
+        def run() -> None:
+            with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda"):
+                loss = model.loss(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    for m in models.values():
+        m.to(DEVICE).train()
+    fns = {k: step(m) for k, m in models.items()}
+    peak_gib = {}
+    for k, fn in fns.items():
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(args.warmup):
+            fn()
+        _sync()
+        peak_gib[k] = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan")
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(args.reps):
+        for k in list(fns) if r % 2 == 0 else list(fns)[::-1]:
+            times[k].append(_timed(fns[k]))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    dm = describe(preset(args.mela, max_seq_len=args.seq_len), seq_len=args.seq_len, batch_size=args.batch)
+    dt = describe(
+        preset(args.transformerpp, max_seq_len=args.seq_len), seq_len=args.seq_len, batch_size=args.batch
+    )
+    flop_share = 1 - dm["flops_decoder"] / dm["flops_forward"]
+    wall_share = 1 - med["Mela decoder alone"] / med["Mela"]
+    flop_ratio = dm["flops_forward"] / dt["flops_forward"]
+    time_ratio = med["Mela"] / med["Transformer++"]
+    tokens = args.batch * args.seq_len
+    print(f"\n## train: fwd+bwd, bf16 autocast, {args.batch} x {args.seq_len}, {args.reps} reps, medians\n")
+    print("| model | params | ms fwd+bwd | tokens/s | peak memory (GiB) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for k, m in models.items():
+        n = sum(p.numel() for p in m.parameters())
+        print(f"| {k} | {n / 1e6:.1f}M | {med[k]:.1f} | {tokens / med[k] * 1e3:,.0f} | {peak_gib[k]:.1f} |")
+    goals = {
+        "memory wall share": wall_share <= flop_share + 0.10,
+        "Mela / Transformer++ time": time_ratio <= flop_ratio + 0.10,
+    }
+    print(
+        f"\n{'PASS' if goals['memory wall share'] else 'MISS'} memory's wall-clock share {wall_share:.3f} <= its "
+        f"forward-FLOP share {flop_share:.3f} + 0.10\n"
+        f"{'PASS' if goals['Mela / Transformer++ time'] else 'MISS'} Mela / Transformer++ time {time_ratio:.3f} <= "
+        f"FLOP ratio {flop_ratio:.3f} + 0.10 (tokens/s {tokens / med['Mela'] * 1e3:,.0f} vs "
+        f"{tokens / med['Transformer++'] * 1e3:,.0f})",
+        flush=True,
+    )
+    return goals
+
+
+@torch.inference_mode()
+def part_eval(args) -> dict[str, bool]:
+    torch.manual_seed(0)
+    model = build_model(preset(args.mela, max_seq_len=args.seq_len)).to(DEVICE).eval()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(
+        f"\n## eval hidden states, {args.mela}, batch 1, bf16 autocast, pieces of {stream_piece(model.cfg):,} "
+        f"tokens\n"
+    )
+    print("| L | ms | tokens/s | peak above weights (MiB) | less the returned states (MiB) |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    rows = []
+    for L in (int(s) for s in args.lengths.split(",")):
+        x = torch.randint(0, model.cfg.vocab_size, (1, L), device=DEVICE)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        got = []
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda"):
+            ms = _timed(lambda x=x, got=got: got.append(hidden_states(model, x)))
+        h = got.pop()
+        peak = (torch.cuda.max_memory_allocated() - weights) / 2**20 if DEVICE == "cuda" else float("nan")
+        out = h.numel() * h.element_size() / 2**20
+        rows.append((L, peak, peak - out))
+        print(f"| {L:,} | {ms:.0f} | {L / ms * 1e3:,.0f} | {peak:,.0f} | {peak - out:,.0f} |", flush=True)
+        del h, x
+    flat = rows[-1][2] <= 1.10 * rows[0][2] if DEVICE == "cuda" else False
+    print(
+        f"\n{'PASS' if flat else 'MISS'} eval memory flat: {rows[-1][0]:,} tokens {rows[-1][2]:,.0f} MiB <= 1.10 x "
+        f"{rows[0][0]:,} tokens {rows[0][2]:,.0f} MiB (less the returned states)"
+    )
+    return {"eval memory flat": flat}
+
+
+def main(argv: list[str] | None = None) -> int:
+    global DEVICE
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=("all", "train", "eval"), default="all")
+    p.add_argument("--mela", default="mela-400m")
+    p.add_argument("--transformerpp", default="transformerpp-400m")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--lengths", default="4096,8192,16384,32768")
+    p.add_argument(
+        "--smoke", action="store_true", help="run on the CPU (cpu sizes, 1 rep): checks the script"
+    )
+    args = p.parse_args(argv)
+    if args.smoke:
+        DEVICE = "cpu"
+        args.mela, args.transformerpp, args.seq_len, args.batch = "cpu-mela", "cpu-transformerpp", 512, 1
+        args.reps, args.warmup, args.lengths = 1, 1, "512,1024"
+    elif not torch.cuda.is_available():
+        print("bench_gpu_mela.py needs a CUDA GPU (--smoke runs it on the CPU to check the script)")
+        return 1
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    goals = {}
+    if args.part in ("all", "train"):
+        goals |= part_train(args)
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    if args.part in ("all", "eval"):
+        goals |= part_eval(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 30 part 4 on a lent GPU, as one prepared script (the device tool runs it in the repository root):
+#   bash benchmarks/gpu_session.sh [steps]      steps: a comma list of env,eager,mela,tests,compile (default: all)
+# The lent machine has torch, lightning and torchmetrics but not this package's other dependencies: where
+# .whl/ holds their Python 3.12 wheels (README of the device tool), they are installed into /tmp/site first.
+# Each step has its own time limit and log ($OUT/<step>.log, or ./gpu-logs/ without $OUT), so a step that fails
+# or runs long leaves the others' figures.
+set -u
+STEPS=${1:-env,eager,mela,tests,compile}
+LOGS=${OUT:-gpu-logs}
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 LITDATA_DISABLE_VERSION_CHECK=1
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    >"$LOGS/pip.log" 2>&1 || echo "pip install of .whl failed: see pip.log"
+fi
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+step() {  # step NAME SECONDS CMD...: run CMD under a limit, its output to the terminal and NAME.log
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOGS/$name.log"
+  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"
+}
+if has env; then
+  step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
+    python3 -c "import torch, lightning, mlflow, litdata; print(\"torch\", torch.__version__, \"lightning\",
+    lightning.__version__, \"mlflow\", mlflow.__version__, \"cuda\", torch.version.cuda,
+    torch.cuda.get_device_name()); import recursive_lightning.training.run"'
+fi
+# timings first, on a quiet GPU: SpiralFormer-B / LoopedFormer and MeSH / base, eager, both sizes and lengths
+has eager && step eager 150 python3 benchmarks/bench_gpu.py --issue18 --modes eager --reps 10 --warmup 2
+has mela && step mela 120 python3 benchmarks/bench_gpu_mela.py --reps 6
+has tests && step tests "${TESTS_LIMIT:-270}" python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 240 tests/test_cuda.py -rfEs
+# compiled scopes and CUDA graphs beside eager, where the time is left
+has compile && step compile "${COMPILE_LIMIT:-240}" python3 benchmarks/bench_gpu.py --issue18 \
+  --presets "${COMPILE_PRESETS:-pythia-410m}" --seq-lens "${COMPILE_SEQ:-4096}" \
+  --modes "${COMPILE_MODES:-eager,glue,model}" --reps 8 --warmup 2
+exit 0
