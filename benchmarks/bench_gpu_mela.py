@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gpu_mela.py                        # mela-400m / transformerpp-400m, bf16 autocast
     python benchmarks/bench_gpu_mela.py --part eval --lengths 4096,8192,16384,32768
+    python benchmarks/bench_gpu_mela.py --part train --compile glue   # layers and memory updates compiled
     python benchmarks/bench_gpu_mela.py --smoke                # no GPU needed: the pipeline on the CPU
 
 ``train``: forward+backward (``model.loss`` + ``backward``, bf16 autocast, float32 weights as in bf16-mixed
@@ -36,6 +37,7 @@ from recursive_lightning.evaluation.perplexity import hidden_states, stream_piec
 from recursive_lightning.model.build import build_model  # noqa: E402
 from recursive_lightning.model.config import preset  # noqa: E402
 from recursive_lightning.model.describe import describe  # noqa: E402
+from recursive_lightning.training.parallel import compile_model  # noqa: E402
 
 DEVICE = "cuda"  # "cpu" with --smoke
 
@@ -80,6 +82,8 @@ def part_train(args) -> dict[str, bool]:
 
     for m in models.values():
         m.to(DEVICE).train()
+        if args.compile:  # a train.compile scope: glue compiles the layers and each memory's chunk update
+            compile_model(m, args.compile)
     fns = {k: step(m) for k, m in models.items()}
     peak_gib = {}
     for k, fn in fns.items():
@@ -103,7 +107,10 @@ def part_train(args) -> dict[str, bool]:
     flop_ratio = dm["flops_forward"] / dt["flops_forward"]
     time_ratio = med["Mela"] / med["Transformer++"]
     tokens = args.batch * args.seq_len
-    print(f"\n## train: fwd+bwd, bf16 autocast, {args.batch} x {args.seq_len}, {args.reps} reps, medians\n")
+    print(
+        f"\n## train: fwd+bwd, bf16 autocast, {args.batch} x {args.seq_len}, {args.reps} reps, medians, "
+        f"train.compile: {args.compile or 'false'}\n"
+    )
     print("| model | params | ms fwd+bwd | tokens/s | peak memory (GiB) |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for k, m in models.items():
@@ -169,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--lengths", default="4096,8192,16384,32768")
+    p.add_argument(
+        "--compile",
+        default=None,
+        choices=("layers", "glue", "model"),
+        help="train: a train.compile scope for all three models (glue: Mela's memory updates too)",
+    )
     p.add_argument(
         "--smoke", action="store_true", help="run on the CPU (cpu sizes, 1 rep): checks the script"
     )

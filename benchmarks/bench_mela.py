@@ -3,6 +3,7 @@ of the memory update runs to plain matmuls, and decoding memory that does not gr
 
     .venv/bin/python benchmarks/bench_mela.py                 # all three parts
     .venv/bin/python benchmarks/bench_mela.py --part train --reps 8
+    .venv/bin/python benchmarks/bench_mela.py --part train --compiled-memory --threads 1   # + train.compile: glue's memory part
 
 ``train``: one training step (loss + backward + AdamW) of cpu-mela, of the same model with the HMM bypassed
 (memory rows = the learned chunk-0 vectors everywhere: the decoder alone) and of cpu-transformerpp (same
@@ -64,6 +65,9 @@ def part_train(args) -> None:
         "Mela decoder alone": decoder_alone(build_model(preset(args.mela))),
         "Transformer++": build_model(preset(args.transformerpp)),
     }
+    if args.compiled_memory:  # train.compile: glue's memory region alone (the layers stay eager)
+        models["Mela, memory update compiled"] = build_model(preset(args.mela))
+        models["Mela, memory update compiled"].compile_glue()
     opts = {k: torch.optim.AdamW(m.parameters(), 1e-3) for k, m in models.items()}
     idx = torch.randint(0, models["Mela"].cfg.vocab_size, (args.batch, args.seq_len + 1))
 
@@ -95,6 +99,12 @@ def part_train(args) -> None:
     for name, m in models.items():
         n = sum(p.numel() for p in m.parameters())
         print(f"| {name} | {n / 1e6:.2f}M | {med[name]:.3f} | {tokens / med[name]:,.0f} |")
+    if args.compiled_memory:
+        share = 1 - med["Mela decoder alone"] / med["Mela, memory update compiled"]
+        print(
+            f"\nmemory update compiled: Mela's step {med['Mela, memory update compiled'] / med['Mela']:.3f}x "
+            f"eager's; the memory's wall-clock share {share:.3f}"
+        )
     print(
         f"\nmemory's share: wall-clock {wall_share:.3f} vs forward FLOPs {flop_share:.3f} "
         f"(goal: wall-clock <= FLOPs + 0.10 = {flop_share + 0.10:.3f}: "
@@ -267,6 +277,11 @@ def main() -> int:
     p.add_argument("--loop-batch", type=int, default=2)
     p.add_argument("--loop-chunks", type=int, default=4)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--compiled-memory",
+        action="store_true",
+        help="train: also Mela with each memory's chunk update compiled (MelaLM.compile_glue)",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -288,6 +288,24 @@ def test_mela_bf16_training_step_and_causality_on_gpu():
         assert torch.equal(model(other)[:, : PC + 2], base[:, : PC + 2])
 
 
+def test_mela_compiled_memory_update_on_gpu_equals_eager():
+    """train.compile: glue's memory region (each neural memory's chunk update, Triton kernels on CUDA) keeps
+    eager mode's loss and gradients, in float64 as on the CPU (tests/model/test_mela.py)."""
+    eager = _mela().cuda().double()
+    compiled = _mela().cuda().double()
+    compiled.compile_glue()
+    idx = torch.randint(0, 512, (2, 3 * eager.cfg.tokens_per_chunk + 1), device="cuda")
+    losses = []
+    for model in (eager, compiled):
+        loss = model.loss(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        losses.append(float(loss))
+    assert abs(losses[0] - losses[1]) < 1e-9 * abs(losses[0])
+    want = dict(eager.named_parameters())
+    for name, p in compiled.named_parameters():
+        assert _rel(p.grad, want[name].grad) < 1e-6, name
+
+
 def test_mela_cached_decoding_on_gpu():
     model = _mela().cuda().eval()
     idx = torch.randint(0, 512, (1, 3 * model.cfg.tokens_per_chunk + 2), device="cuda")

@@ -96,6 +96,13 @@ class MelaLM(Generates, nn.Module):
             if isinstance(module, NeuralMemory):
                 module.reset_parameters()
 
+    def compile_glue(self, **options) -> None:
+        """``torch.compile`` each neural memory's chunk update as a region of its own (``train.compile:
+        glue``, which also compiles each layer; ``training/parallel.compile_model``)."""
+        for module in self.hmm.modules():
+            if isinstance(module, NeuralMemory):
+                module.compile_glue(**options)
+
     def layer_lists(self) -> list[nn.ModuleList]:
         """The wrapping units of FSDP2 / activation checkpointing / per-layer compile."""
         return [self.layers, self.hmm.l_module.blocks, self.hmm.h_module.blocks]

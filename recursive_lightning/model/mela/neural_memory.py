@@ -35,6 +35,7 @@ Newton-Schulz applies to every memory tensor.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,25 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     if tall:
         x = x.transpose(-2, -1)
     return x.reshape(shape)
+
+
+def newton_schulz_all(gs: list[torch.Tensor], steps: int = 5, eps: float = 1e-7) -> list[torch.Tensor]:
+    """:func:`newton_schulz` of each tensor, the ones of one wide shape in one batched call: an MLP memory's
+    W_1 (d x e d) and W_2 (e d x d) are both d x e d in the wide orientation, so one chunk's update runs one
+    iteration loop instead of two (half the kernel launches that bound a GPU step, ``README``: GPU speed). The
+    Frobenius normalisation is per matrix, so each result is that of its own call."""
+    wide = [g.transpose(-2, -1) if g.shape[-2] > g.shape[-1] else g for g in gs]
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(wide):
+        groups.setdefault((x.shape[-2:], x.dtype, x.device), []).append(i)
+    out: list[torch.Tensor] = [None] * len(gs)  # type: ignore[list-item]
+    for members in groups.values():
+        flat = [wide[i].reshape(-1, *wide[i].shape[-2:]) for i in members]
+        done = _NewtonSchulz.apply(flat[0] if len(flat) == 1 else torch.cat(flat), steps, eps)
+        for i, x in zip(members, done.split([f.shape[0] for f in flat])):
+            x = x.reshape(wide[i].shape)
+            out[i] = x.transpose(-2, -1) if wide[i] is not gs[i] else x
+    return out
 
 
 class _NewtonSchulz(torch.autograd.Function):
@@ -115,34 +135,48 @@ class _NewtonSchulz(torch.autograd.Function):
         return grad / n - inner * g / (n * n * norm.clamp_min(torch.finfo(g.dtype).tiny)), None, None
 
 
-def gelu_grad(z: torch.Tensor) -> torch.Tensor:
-    """d GELU(z) / dz for the exact (erf) GELU: Phi(z) + z phi(z)."""
-    return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
-
-
 def mlp_forward(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """N(x; M) for x (..., n, d_in), weights (..., d_i, d_{i+1}); also the pre-activations."""
-    pre = []
+    y, pre, _ = _mlp_layers(x, weights)
+    return y, pre
+
+
+def _mlp_layers(
+    x: torch.Tensor, weights: list[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """N(x; M), the pre-activation z_i of each layer and each layer's input (x, GELU(z_1), ...)."""
+    pre, inputs = [], []
     for i, w in enumerate(weights):
+        inputs.append(x)
         z = x @ w
         pre.append(z)
         x = F.gelu(z) if i < len(weights) - 1 else z
-    return x, pre
+    return x, pre, inputs
 
 
 def surprise(
     k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor, weights: list[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """sum_i theta_i grad_M ||N(k_i; M) - v_i||^2 (Eq. 8) for one chunk: k, v (..., C, d), theta (..., C)."""
-    y, pre = mlp_forward(k, weights)
-    delta = 2 * theta.unsqueeze(-1) * (y - v)  # d l / d y, weighted per position
+    """The momentary surprise -sum_i theta_i grad_M ||N(k_i; M) - v_i||^2 (Eqs. 8, 11; Titans' sign: the
+    descent direction) for one chunk: k, v (..., C, d), theta (..., C). The MLP's backward written out, each
+    GELU derivative one ``gelu_backward`` (differentiable: the outer parameters learn through it)."""
+    y, pre, inputs = _mlp_layers(k, weights)
+    delta = 2 * theta.unsqueeze(-1) * (v - y)  # -d l / d y, weighted per position
     grads: list[torch.Tensor] = [None] * len(weights)  # type: ignore[list-item]
     for i in range(len(weights) - 1, -1, -1):
-        inp = k if i == 0 else F.gelu(pre[i - 1])
-        grads[i] = inp.transpose(-2, -1) @ delta
+        grads[i] = inputs[i].transpose(-2, -1) @ delta
         if i:
-            delta = (delta @ weights[i].transpose(-2, -1)) * gelu_grad(pre[i - 1])
+            delta = torch.ops.aten.gelu_backward(delta @ weights[i].transpose(-2, -1), pre[i - 1])
     return grads
+
+
+def _decay(
+    weights: list[torch.Tensor], steps: list[torch.Tensor], alpha_t: torch.Tensor | None
+) -> list[torch.Tensor]:
+    """M_t = alpha_t M_{t-1} + step (Eqs. 4, 10), or M_{t-1} + step without forgetting (Eqs. 1, 2)."""
+    if alpha_t is None:
+        return [w + u for w, u in zip(weights, steps)]
+    return [torch.addcmul(u, alpha_t, w) for w, u in zip(weights, steps)]
 
 
 @dataclass
@@ -184,6 +218,7 @@ class NeuralMemory(nn.Module):
             nn.Parameter(torch.empty(heads, i, o)) for i, o in zip(dims[:-1], dims[1:])
         )
         self.record: list[dict[str, torch.Tensor]] | None = None  # probes: per-chunk update statistics
+        self.glue: Callable | None = None  # update_memory compiled by compile_glue (train.compile: glue)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -259,20 +294,46 @@ class NeuralMemory(nn.Module):
     ) -> MemoryState:
         """The test-time update of chunk ``t`` (k, v (b, h, C, d), theta (b, h, C); eta, alpha (b, h, chunks)):
         the chunk's surprise against M_{t-1} (Eq. 8) into S_t (Eq. 11) and M_t (Eq. 10)."""
-        weights, momentum = state.weights, state.momentum
-        grads = surprise(k, v, theta, weights)
+        eta_t = eta[:, :, t, None, None] if eta is not None else None
+        alpha_t = alpha[:, :, t, None, None] if alpha is not None else None
+        if self.record is None:
+            update = self.glue or self.update_memory
+            return MemoryState(*update(k, v, theta, eta_t, alpha_t, state.weights, state.momentum))
+        grads, steps, momentum = self._steps(k, v, theta, eta_t, state.weights, state.momentum)
+        self._record(t, grads, steps, theta, eta, alpha)
+        return MemoryState(_decay(state.weights, steps, alpha_t), momentum)
+
+    def update_memory(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        theta: torch.Tensor,
+        eta_t: torch.Tensor | None,
+        alpha_t: torch.Tensor | None,
+        weights: list[torch.Tensor],
+        momentum: list[torch.Tensor] | None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """M_t and S_t from one chunk (eta_t, alpha_t (b, h, 1, 1) or None): tensors in, tensors out, the
+        region ``compile_glue`` compiles (one graph, reused by every chunk)."""
+        _, steps, momentum = self._steps(k, v, theta, eta_t, weights, momentum)
+        return _decay(weights, steps, alpha_t), momentum
+
+    def _steps(self, k, v, theta, eta_t, weights, momentum):
+        """(-theta grad, the step added to the decayed M_{t-1}, S_t) of one chunk."""
+        grads = surprise(k, v, theta, weights)  # -theta grad (Eq. 1's step)
+        steps = grads
         if momentum is not None:  # Eqs. 3, 5, 11: S_t = eta_t S_{t-1} - theta grad
-            momentum = [eta[:, :, t, None, None] * m - g for m, g in zip(momentum, grads)]
+            momentum = [torch.addcmul(u, eta_t, m) for m, u in zip(momentum, grads)]
             steps = momentum
-        else:  # Eq. 1
-            steps = [-g for g in grads]
         if self.update == "newton_schulz":
-            steps = [newton_schulz(u, self.ns_steps) for u in steps]
-        if self.record is not None:
-            self._record(t, grads, steps, theta, eta, alpha)
-        decay = alpha[:, :, t, None, None] if alpha is not None else 1.0
-        weights = [decay * w + u for w, u in zip(weights, steps)]  # Eqs. 2, 4, 10
-        return MemoryState(weights, momentum)
+            steps = newton_schulz_all(steps, self.ns_steps)
+        return grads, steps, momentum
+
+    def compile_glue(self, **options) -> None:
+        """``torch.compile`` one chunk's memory update (:meth:`update_memory`) as a region of its own
+        (``train.compile: glue``): the surprise, momentum, Newton-Schulz and decay of a chunk fused, where
+        eager mode launches a kernel per operation (``README``: GPU speed)."""
+        self.glue = torch.compile(self.update_memory, **options)
 
     def _record(self, t, grads, steps, theta, eta, alpha) -> None:
         for i, (grad, step) in enumerate(zip(grads, steps)):
