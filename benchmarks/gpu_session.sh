@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_session.sh [steps]      steps: a comma list of env,eager,mela,mela-compiled,tests,compile
 #                                               (default: all, in that order)
 # The lent machine has torch, lightning and torchmetrics but not this package's other dependencies: where
-# .whl/ holds their Python 3.12 wheels (README of the device tool), they are installed into /tmp/site first.
+# .whl/ holds their Python 3.12 wheels (benchmarks/gpu_wheels.sh downloads them), they are installed into
+# /tmp/site first.
 # Each step has its own time limit and log ($OUT/<step>.log, or ./gpu-logs/ without $OUT), so a step that fails
 # or runs long leaves the others' figures.
 set -u

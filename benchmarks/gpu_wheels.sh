@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Download, into .whl/, the Python 3.12 wheels a lent GPU machine lacks for benchmarks/gpu_session.sh: its image
+# has torch, lightning, torchmetrics, numpy, pandas, pyarrow and transformers, but not MLflow, litdata, Optuna and
+# their needs. Versions come from requirements.lock; about 53 MB (the device tool carries 64 MiB with the tree).
+#   bash benchmarks/gpu_wheels.sh       then: run "bash benchmarks/gpu_session.sh" with carry [".whl"]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NEEDED="alembic annotated-types blinker boto3 botocore cachetools cffi colorlog cryptography databricks-sdk datasets
+defusedxml dill fastapi Flask gitdb GitPython google-auth httpcore2 httpx2 importlib_metadata itsdangerous jmespath
+litdata Mako mlflow mlflow-skinny mlflow-tracing more-itertools multiprocess opentelemetry-api opentelemetry-proto
+opentelemetry-sdk opentelemetry-semantic-conventions optuna pyasn1 pyasn1_modules pycparser pydantic pydantic_core
+python-dotenv pytz s3transfer smmap SQLAlchemy sqlparse starlette truststore typing-inspection tzdata uvicorn wcwidth"
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo /.whl/ >>.git/info/exclude; }
+mkdir -p .whl
+pins=()
+for name in $NEEDED; do
+  pin=$(grep -i "^${name}==" requirements.lock) || { echo "requirements.lock has no $name"; exit 2; }
+  pins+=("$pin")
+done
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform any -d .whl "${pins[@]}" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+du -sh .whl
