@@ -143,6 +143,10 @@ def part_eval(args) -> dict[str, bool]:
     print("| L | ms | tokens/s | peak above weights (MiB) | less the returned states (MiB) |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     rows = []
+    piece = stream_piece(model.cfg)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda"):  # warm both paths up
+        for n in (piece, 2 * piece):  # one forward; a stream through the decoding cache
+            hidden_states(model, torch.zeros(1, n, dtype=torch.long, device=DEVICE))
     for L in (int(s) for s in args.lengths.split(",")):
         x = torch.randint(0, model.cfg.vocab_size, (1, L), device=DEVICE)
         if DEVICE == "cuda":
