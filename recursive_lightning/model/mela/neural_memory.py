@@ -267,14 +267,19 @@ class NeuralMemory(nn.Module):
         weights = [upcast(w) for w in state.weights]
         momentum = state.momentum and [upcast(m) for m in state.momentum]
         state = MemoryState(weights, momentum)
+        # one split per input rather than a slice per chunk: autograd joins the chunks' gradients with one cat,
+        # where a slice's backward pads each chunk's gradient to the full length and the chunks' are summed
+        qs, ks, vs, thetas = (x.split(C, dim=2) for x in (q, k, v, theta))
+        etas, alphas = (
+            [None] * (n // C) if x is None else x[..., None, None].unbind(2) for x in (eta, alpha)
+        )
         ys = []
         for t in range(n // C):
-            s = slice(t * C, (t + 1) * C)
             if self.read == "before":
-                ys.append(self.retrieve_memories(q[:, :, s], state))  # Eq. 9: M_{t-1}
-            state = self.store_memories(t, k[:, :, s], v[:, :, s], theta[:, :, s], eta, alpha, state)
+                ys.append(self.retrieve_memories(qs[t], state))  # Eq. 9: M_{t-1}
+            state = self.store_memories(t, ks[t], vs[t], thetas[t], etas[t], alphas[t], state)
             if self.read == "after":
-                ys.append(self.retrieve_memories(q[:, :, s], state))  # M_t: the state after this chunk
+                ys.append(self.retrieve_memories(qs[t], state))  # M_t: the state after this chunk
         return ys, state
 
     @staticmethod
@@ -288,19 +293,17 @@ class NeuralMemory(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         theta: torch.Tensor,
-        eta: torch.Tensor | None,
-        alpha: torch.Tensor | None,
+        eta_t: torch.Tensor | None,
+        alpha_t: torch.Tensor | None,
         state: MemoryState,
     ) -> MemoryState:
-        """The test-time update of chunk ``t`` (k, v (b, h, C, d), theta (b, h, C); eta, alpha (b, h, chunks)):
-        the chunk's surprise against M_{t-1} (Eq. 8) into S_t (Eq. 11) and M_t (Eq. 10)."""
-        eta_t = eta[:, :, t, None, None] if eta is not None else None
-        alpha_t = alpha[:, :, t, None, None] if alpha is not None else None
+        """The test-time update of chunk ``t`` (k, v (b, h, C, d), theta (b, h, C); the chunk's eta_t, alpha_t
+        (b, h, 1, 1) or None): its surprise against M_{t-1} (Eq. 8) into S_t (Eq. 11) and M_t (Eq. 10)."""
         if self.record is None:
             update = self.glue or self.update_memory
             return MemoryState(*update(k, v, theta, eta_t, alpha_t, state.weights, state.momentum))
         grads, steps, momentum = self._steps(k, v, theta, eta_t, state.weights, state.momentum)
-        self._record(t, grads, steps, theta, eta, alpha)
+        self._record(t, grads, steps, theta, eta_t, alpha_t)
         return MemoryState(_decay(state.weights, steps, alpha_t), momentum)
 
     def update_memory(
@@ -335,7 +338,7 @@ class NeuralMemory(nn.Module):
         eager mode launches a kernel per operation (``README``: GPU speed)."""
         self.glue = torch.compile(self.update_memory, **options)
 
-    def _record(self, t, grads, steps, theta, eta, alpha) -> None:
+    def _record(self, t, grads, steps, theta, eta_t, alpha_t) -> None:
         for i, (grad, step) in enumerate(zip(grads, steps)):
             self.record.append(
                 {
@@ -343,8 +346,8 @@ class NeuralMemory(nn.Module):
                     "tensor": i,
                     "surprise_norm": grad.norm(dim=(-2, -1)).mean().item(),
                     "theta": theta.mean().item(),
-                    "eta": eta[:, :, t].mean().item() if eta is not None else float("nan"),
-                    "alpha": alpha[:, :, t].mean().item() if alpha is not None else 1.0,
+                    "eta": eta_t.mean().item() if eta_t is not None else float("nan"),
+                    "alpha": alpha_t.mean().item() if alpha_t is not None else 1.0,
                     "update_singular_values": torch.linalg.svdvals(step.float()).mean(dim=(0, 1)).cpu(),
                 }
             )
