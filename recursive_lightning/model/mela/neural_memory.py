@@ -53,15 +53,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     """Approximate orthogonalisation of the last two dims (Muon): X <- aX + (bA + cA^2)X, A = XX^T, on the
     wide orientation (the m x m Gram matrix of the shorter side); three batched GEMMs a step with the scalings
     fused in, and a hand-written backward (:class:`_NewtonSchulz`)."""
-    shape = g.shape
-    tall = shape[-2] > shape[-1]
-    x = g.reshape(-1, *shape[-2:])
-    if tall:
-        x = x.transpose(-2, -1)
-    x = _NewtonSchulz.apply(x, steps, eps)
-    if tall:
-        x = x.transpose(-2, -1)
-    return x.reshape(shape)
+    return newton_schulz_all([g], steps, eps)[0]
 
 
 def newton_schulz_all(gs: list[torch.Tensor], steps: int = 5, eps: float = 1e-7) -> list[torch.Tensor]:
@@ -69,17 +61,19 @@ def newton_schulz_all(gs: list[torch.Tensor], steps: int = 5, eps: float = 1e-7)
     W_1 (d x e d) and W_2 (e d x d) are both d x e d in the wide orientation, so one chunk's update runs one
     iteration loop instead of two (half the kernel launches that bound a GPU step, ``README``: GPU speed). The
     Frobenius normalisation is per matrix, so each result is that of its own call."""
-    wide = [g.transpose(-2, -1) if g.shape[-2] > g.shape[-1] else g for g in gs]
+    tall = [g.shape[-2] > g.shape[-1] for g in gs]
+    # (batch, m, n) with m <= n: flattened, then tall matrices transposed (a view)
+    wide = [g.reshape(-1, *g.shape[-2:]) for g in gs]
+    wide = [x.transpose(-2, -1) if t else x for x, t in zip(wide, tall)]
     groups: dict[tuple, list[int]] = {}
     for i, x in enumerate(wide):
         groups.setdefault((x.shape[-2:], x.dtype, x.device), []).append(i)
     out: list[torch.Tensor] = [None] * len(gs)  # type: ignore[list-item]
     for members in groups.values():
-        flat = [wide[i].reshape(-1, *wide[i].shape[-2:]) for i in members]
+        flat = [wide[i] for i in members]
         done = _NewtonSchulz.apply(flat[0] if len(flat) == 1 else torch.cat(flat), steps, eps)
         for i, x in zip(members, done.split([f.shape[0] for f in flat])):
-            x = x.reshape(wide[i].shape)
-            out[i] = x.transpose(-2, -1) if wide[i] is not gs[i] else x
+            out[i] = (x.transpose(-2, -1) if tall[i] else x).reshape(gs[i].shape)
     return out
 
 
