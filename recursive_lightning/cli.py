@@ -62,6 +62,11 @@ def _describe(argv: list[str]) -> int:
         raise UserError("--train-backprop needs --train-loops (e.g. --train-loops poisson-lognormal:4).")
     if args.config:
         raw = load_yaml(args.config)
+        if "model" not in raw and {"axes", "base", "overrides"} & set(raw):
+            raise UserError(
+                f"'{args.config}' is a sweep file; describe one of its models with a run config (e.g. "
+                f"--config experiments/cpu/looped-mesh.yaml) or with --preset and --layout."
+            )
         if isinstance(raw.get("train"), dict):
             loops = raw["train"].get("loops")
         section = raw.get("model", raw)
@@ -140,6 +145,11 @@ def _generate(argv: list[str]) -> int:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), not {args.temperature}.")
     if args.top_k is not None and args.top_k < 1:
         raise UserError(f"--top-k must be >= 1, not {args.top_k}.")
+    if args.top_k is not None and args.temperature == 0:
+        raise UserError(
+            "--top-k samples among the k most likely tokens, but --temperature 0 decodes greedily; "
+            "give a --temperature above 0 (e.g. 0.8) or drop --top-k."
+        )
     check_device(args.device)
     loaded = load_checkpoint(args.checkpoint, device=args.device)
     if loaded.tokenizer is None:

@@ -158,7 +158,13 @@ class RunConfig:
         name = data.get("name", "run")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"name must be a non-empty string, not {name!r}.")
+        check_name(name, "name")
         for section in ("model", "data", "train"):
+            if section in data and data[section] is None:  # `model:` with nothing under it, or null
+                raise ConfigError(
+                    f"the '{section}' section is empty; indent its fields under '{section}:' (e.g. {section}: "
+                    f"{{...}}) or remove the line for the defaults."
+                )
             if data.get(section) is not None and not isinstance(data[section], dict):
                 raise ConfigError(
                     f"the '{section}' section must be a mapping of fields (e.g. {section}: {{...}}), "
@@ -180,6 +186,11 @@ class RunConfig:
             for n in names:
                 if getattr(obj, n) < 1:
                     raise ConfigError(f"{section}.{n} must be >= 1, not {getattr(obj, n)}.")
+        if not 0 < d.val_fraction < 1:
+            raise ConfigError(
+                f"data.val_fraction must lie strictly between 0 and 1 (the share of documents held out for "
+                f"validation), not {d.val_fraction}; e.g. 0.05."
+            )
         if d.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len {d.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}; raise model.max_seq_len or lower data.seq_len."
@@ -273,6 +284,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+def check_name(name: str, where: str) -> None:
+    """A run's or a sweep's name becomes a folder under ``runs/``: one path component, so a name cannot place
+    it elsewhere (``../x``, ``a/b``)."""
+    if "/" in name or "\\" in name or name in (".", "..") or name != name.strip():
+        parts = [p.strip() for p in name.replace("\\", "/").split("/") if p.strip(" .")]
+        suggestion = parts[-1] if parts else "my-run"
+        raise ConfigError(
+            f"{where} {name!r} must be one folder name (no '/', backslash, '..' or surrounding spaces); "
+            f"e.g. {suggestion!r}."
+        )
+
+
 def _build(cls: type, data: dict[str, Any], section: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"the '{section}' section must be a mapping of fields, not {data!r}.")
@@ -297,22 +320,27 @@ def check_model_types(data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
+def load_yaml(
+    path: str | Path,
+    what: str = "config file",
+    example: str = "experiments/cpu/looped-mesh.yaml",
+    fields: str = "name/model/data/train sections",
+) -> dict[str, Any]:
+    """A YAML mapping from ``path``; every problem is one sentence naming the file (``what``: the kind of
+    file, ``example`` and ``fields`` what the fix names)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(
-            f"config file '{path}' does not exist; pass a YAML file such as experiments/cpu/looped-mesh.yaml."
-        )
+        raise ConfigError(f"{what} '{path}' does not exist; pass a YAML file such as {example}.")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file '{path}' is not valid YAML ({str(e).splitlines()[0]}).") from None
+        raise ConfigError(f"{what} '{path}' is not valid YAML ({str(e).splitlines()[0]}).") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"config file '{path}' is not text (not UTF-8); pass a YAML file.") from None
+        raise ConfigError(f"{what} '{path}' is not text (not UTF-8); pass a YAML file.") from None
     except OSError as e:
-        raise ConfigError(f"config file '{path}' cannot be read ({e.strerror}).") from None
+        raise ConfigError(f"{what} '{path}' cannot be read ({e.strerror}).") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file '{path}' must hold a mapping with name/model/data/train sections.")
+        raise ConfigError(f"{what} '{path}' must hold a mapping with {fields}, e.g. {example}.")
     return data
 
 
@@ -341,6 +369,11 @@ def apply_overrides(
         if not eq:
             if i + 1 >= len(argv):
                 raise ConfigError(f"override --{key} needs a value.")
+            if argv[i + 1].startswith("--"):  # the next option, not a value (a value may start with '-')
+                raise ConfigError(
+                    f"override --{key} needs a value before the next option {argv[i + 1]!r} "
+                    f"(e.g. --{key} VALUE, or --{key}=VALUE)."
+                )
             value = argv[i + 1]
             i += 1
         i += 1

@@ -35,6 +35,9 @@ def make_inputs(folder: Path, root: Path) -> None:
     (folder / "emptydir").mkdir(exist_ok=True)
     (folder / "truncated.ckpt").write_bytes(b"PK\x03\x04" + b"\0" * 64)  # a zip header, then nothing
     (folder / "aplainfile").write_text("x")
+    (folder / "tracking.db").write_bytes(b"SQLite format 3\0" + b"\0" * 64)  # a run's mlflow.db, say
+    (folder / "model-null.yaml").write_text("name: x\nmodel:\ntrain: {max_steps: 2}\n")
+    (folder / "name-path.yaml").write_text("name: ../../escape\nmodel: {preset: cpu-tiny}\n")
     base = SWEEP_BASE.format(root=root)
     sweeps = {
         "sw-task.yaml": base + "evaluate: {tasks: [embedded_lastwrd], shots: [0]}\n",
@@ -54,6 +57,7 @@ def make_inputs(folder: Path, root: Path) -> None:
         "sw-workers.yaml": base + "workers: 0\n",
         "sw-baseline.yaml": base + "report: {baseline: nope}\n",
         "sw-ok.yaml": base,
+        "sw-name.yaml": base.replace("name: s\n", "name: a/../../b\n"),
         "sw-metric.yaml": base + "metric: val/heldout/pppl\n",
         "sw-metric-eval.yaml": base
         + "metric: eval/embedded_lastword/5shot/acc\nevaluate: {tasks: [embedded_lastword]}\n",
@@ -77,6 +81,12 @@ CASES: list[tuple[str, list[str], str]] = [
     ("describe-config-dir", ["describe", "--config", "{in}/emptydir"], "emptydir"),
     ("describe-config-model-str", ["describe", "--config", "{in}/model-str.yaml"], "model"),
     ("describe-config-unknown-field", ["describe", "--config", "{in}/noname-field.yaml"], "widht"),
+    ("describe-sweep-file", ["describe", "--config", "{in}/sw-ok.yaml"], "is a sweep file"),
+    (
+        "describe-layout-loop-count",
+        ["describe", "--preset", "cpu-tiny", "--layout", "2+4R-1+2"],
+        "loop count",
+    ),
     ("describe-seq-len-0", ["describe", "--preset", "cpu-tiny", "--seq-len", "0"], "--seq-len"),
     ("describe-seq-len-neg", ["describe", "--preset", "cpu-tiny", "--seq-len", "-4"], "--seq-len"),
     ("describe-batch-0", ["describe", "--preset", "cpu-tiny", "--batch-size", "0"], "--batch-size"),
@@ -237,8 +247,49 @@ CASES: list[tuple[str, list[str], str]] = [
         "lists no source layers",
     ),
     ("train-resume-damaged-last", ["train", "--resume", "--run-dir", "{damaged}"], "last.ckpt"),
+    (  # a directory that is no sharded checkpoint: refused before the run's MLflow status is touched
+        "train-ckpt-path-dir",
+        ["train", "--resume", "--run-dir", "{run}", "--ckpt-path", "{run}/checkpoints"],
+        "not a sharded checkpoint",
+    ),
+    (
+        "train-resume-max-steps-below",
+        ["train", "--resume", "--run-dir", "{run}", "--max-steps", "2"],
+        "--max-steps",
+    ),
+    (
+        "train-tag-no-value",
+        ["train", "--config", "{run}/config.yaml", "--run-dir", "{out}/r", "--tag", "novalue"],
+        "KEY=VALUE",
+    ),
+    (
+        "train-override-no-value",
+        ["train", "--run-dir", "{out}/r", "--model.topology", "--train.lr", "3e-3"],
+        "--model.topology",
+    ),
+    (
+        "train-name-path",
+        ["train", "--config", "{in}/name-path.yaml", "--run-dir", "{out}/r"],
+        "one folder name",
+    ),
+    (
+        "train-model-null",
+        ["train", "--config", "{in}/model-null.yaml", "--run-dir", "{out}/r"],
+        "'model' section",
+    ),
+    (
+        "train-val-fraction",
+        ["train", "--config", "{run}/config.yaml", "--run-dir", "{out}/r", "--data.val_fraction", "1.5"],
+        "data.val_fraction",
+    ),
     # ---- sweep: bad files, bad evaluate blocks (checked before the first trial), bad flags
     ("sweep-missing", ["sweep", "{in}/missing.yaml", "--run-dir", "{out}/s"], "missing.yaml"),
+    (
+        "sweep-missing-example",
+        ["sweep", "{in}/missing.yaml", "--run-dir", "{out}/s"],
+        "ablations/default.yaml",
+    ),
+    ("sweep-name-path", ["sweep", "{in}/sw-name.yaml", "--run-dir", "{out}/s"], "one folder name"),
     ("sweep-bad-yaml", ["sweep", "{in}/bad.yaml", "--run-dir", "{out}/s"], "bad.yaml"),
     ("sweep-list", ["sweep", "{in}/list.yaml", "--run-dir", "{out}/s"], "list.yaml"),
     ("sweep-empty", ["sweep", "{in}/empty.yaml", "--run-dir", "{out}/s"], "empty.yaml"),
@@ -315,6 +366,11 @@ CASES: list[tuple[str, list[str], str]] = [
         "--ctx-ppl",
     ),
     ("eval-nothing", ["eval", "{run}", "--tasks", "none"], "nothing to evaluate"),
+    (
+        "eval-ppl-twice",
+        ["eval", "{run}", "--ppl", "a={in}/text.txt", "--ppl", "a={in}/text.txt", "--tasks", "none"],
+        "twice",
+    ),
     ("eval-shots-neg", ["eval", "{run}", "--tasks", "embedded_lastword", "--shots", "-1"], "shots"),
     ("eval-shots-words", ["eval", "{run}", "--tasks", "embedded_lastword", "--shots", "few"], "--shots"),
     ("eval-limit-0", ["eval", "{run}", "--tasks", "embedded_lastword", "--limit", "0"], "--limit"),
@@ -387,6 +443,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("generate-tokens-0", ["generate", "{run}", "--max-new-tokens", "0"], "--max-new-tokens"),
     ("generate-temperature", ["generate", "{run}", "--temperature", "-1"], "--temperature"),
     ("generate-top-k", ["generate", "{run}", "--top-k", "0"], "--top-k"),
+    ("generate-top-k-greedy", ["generate", "{run}", "--top-k", "5"], "--temperature"),
+    ("generate-wrong-kind", ["generate", "{in}/tracking.db"], "not a checkpoint"),
     ("generate-device", ["generate", "{run}", "--device", "tpu"], "tpu"),
     ("generate-device-cuda", ["generate", "{run}", "--device", "cuda:7"], "cuda:7"),
     # ---- the command itself

@@ -130,6 +130,25 @@ def test_a_resumed_run_reports_its_real_steps_and_the_sum_of_its_segments(traine
     assert result["best_checkpoint"].startswith(str(run))  # not the folder it was copied from
 
 
+def test_resuming_a_finished_run_trains_no_step_and_adds_no_segment(trained_run, tmp_path, capsys):
+    """`train --resume` of a run already at its max_steps: the summary says 0 steps trained (it said 12), and
+    result.json keeps the run's one segment and its seconds (the no-op added a segment that no checkpoint
+    kept, so a later extension reported one segment fewer)."""
+    import json
+
+    run = _copy_run(trained_run, tmp_path / "run")
+    before = json.loads((run / "result.json").read_text())
+    from recursive_lightning.cli import main
+
+    assert main(["train", "--run-dir", str(run), "--resume"]) == 0
+    said = capsys.readouterr().out
+    assert "trained no step: the run was already at step 12" in said, said
+    result = json.loads((run / "result.json").read_text())
+    assert result["steps"] == before["steps"] == 12
+    assert result["segments"] == before["segments"] == 1
+    assert result["seconds"] == pytest.approx(before["seconds"], rel=0.05)
+
+
 def _with_data_path(trained_run: Path, tmp_path: Path, data_path: str) -> Path:
     import torch
 

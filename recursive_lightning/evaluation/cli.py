@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tasks",
         nargs="+",
         default=None,
-        help=f"lm-eval tasks, comma-separated (default: {','.join(DEFAULT_TASKS)}, each skipped with a note when "
+        help=f"lm-eval tasks, comma- or space-separated (default: {','.join(DEFAULT_TASKS)}, each skipped with a note when "
         "its data cannot be had; 'default' names that list); 'none' for no tasks",
     )
     p.add_argument("--shots", default="0,5", help="few-shot counts, comma-separated (default 0,5)")

@@ -135,6 +135,8 @@ def parse_sets(ppl_sets: dict[str, str] | Sequence[str] | None) -> dict[str, str
             name, path = Path(item).stem, item
         if not name or not path:
             raise UserError(f"--ppl '{item}' must look like NAME=PATH.")
+        if name in out:
+            raise UserError(f"--ppl names the set '{name}' twice; give each set its own NAME (NAME=PATH).")
         out[name] = path
     return out
 

@@ -131,6 +131,11 @@ def parse_layout(text: str | int) -> Layout:
         if core < 1:
             raise ConfigError(f"model.layout '{text}': the shared core needs at least one layer.")
         return Layout(text, prelude, (core,), coda, (0,) * len(chunk), chunk)
+    if len(middle) == 1 and (m := re.match(r"^(\d+)R(.*)$", middle[0])):  # a loop count that is no count
+        raise ConfigError(
+            f"model.layout '{text}': the loop count after R must be a whole number of at least 1, not "
+            f"{m.group(2)!r}; e.g. {m.group(1)}R2."
+        )
     for part in middle:
         if "R" in part or "{" in part:
             raise ConfigError(

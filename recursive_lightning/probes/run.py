@@ -91,8 +91,8 @@ def _has_checkpoint(d: Path) -> bool:
 
 
 def expand_compare(paths: Sequence[str]) -> list[Path]:
-    """Run dirs / checkpoint files to compare; a single directory without a checkpoint of its own is a
-    sweep directory whose sub-directories holding checkpoints are compared (sorted by name)."""
+    """Run dirs / checkpoint files to compare; a directory without a checkpoint of its own is a sweep directory
+    (or its ``trials/``) whose sub-directories holding checkpoints are compared (sorted by name)."""
     out: list[Path] = []
     for p in map(Path, paths):
         if not p.exists():
@@ -100,7 +100,8 @@ def expand_compare(paths: Sequence[str]) -> list[Path]:
                 f"--compare path '{p}' does not exist; pass run directories or a sweep directory."
             )
         if p.is_dir() and not _has_checkpoint(p):
-            subs = sorted(d for d in p.iterdir() if d.is_dir() and _has_checkpoint(d))
+            runs = p / "trials" if (p / "trials").is_dir() else p  # a sweep keeps its trials in trials/
+            subs = sorted(d for d in runs.iterdir() if d.is_dir() and _has_checkpoint(d))
             if not subs:
                 raise UserError(
                     f"'{p}' holds no checkpoint and no run directories with checkpoints to compare."

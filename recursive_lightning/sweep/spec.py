@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recursive_lightning.config import RunConfig, check_model_types, load_yaml, set_dotted
+from recursive_lightning.config import RunConfig, check_model_types, check_name, load_yaml, set_dotted
 from recursive_lightning.errors import ConfigError, UserError
 from recursive_lightning.evaluation.options import SWEEP_FIELDS, check_depths, check_thresholds
 
@@ -190,7 +190,7 @@ def load_sweep(
     is not there (a sweep directory moved to another machine) reads as an empty base; what reads the spec
     then (the report) takes each trial's config from its own directory."""
     path = Path(path)
-    raw = load_yaml(path)
+    raw = load_yaml(path, "sweep file", "ablations/default.yaml", "name, base, overrides and axes")
     where = f"sweep file '{path}'"
     unknown = sorted(set(raw) - TOP_KEYS)
     if unknown:
@@ -283,6 +283,7 @@ def load_sweep(
     name = raw.get("name") or path.stem
     if not isinstance(name, str):
         raise ConfigError(f"{where}: name must be a string.")
+    check_name(name, f"{where}: name")
     report = raw.get("report") or {}
     if not isinstance(report, dict):
         raise ConfigError(

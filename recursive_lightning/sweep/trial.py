@@ -176,7 +176,9 @@ def take_over_stale(study, storage, storage_url: str) -> int | None:
                 suspects.append(tid)
         if not suspects:
             return None
-        if not announced:
+        # a live worker beats every heartbeat interval: say nothing until a trial has missed two beats
+        late = any((now - first[t][1]).total_seconds() > 2 * storage.heartbeat_interval for t in suspects)
+        if late and not announced:
             print(
                 f"[sweep {study.study_name}] {len(suspects)} running trial(s) sent no recent heartbeat: watching "
                 f"them up to {grace}s to take over any whose worker died",

@@ -67,6 +67,11 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
         raise CheckpointError(
             f"checkpoint '{path}' does not exist; pass the path of a .ckpt file or a run directory."
         )
+    if not _zip_header(path):  # torch.save writes a zip archive; a truncated one still starts with its header
+        raise CheckpointError(
+            f"checkpoint '{path}' is not a checkpoint file (torch.save did not write it); pass a .ckpt file "
+            "from a run's checkpoints/ folder, or the run directory."
+        )
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, bad pickle, I/O error: all reported the same way
@@ -82,6 +87,15 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise CheckpointError(f"'{path}' is not a Lightning checkpoint (no state_dict).")
     return ckpt
+
+
+def _zip_header(p: Path) -> bool:
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4)
+        return head == b"PK\x03\x04" or len(head) < 4  # an empty file: damaged, reported so
+    except OSError:
+        return True  # unreadable: torch.load reports it as a damaged file
 
 
 def _readable(p: Path) -> bool:

@@ -12,7 +12,7 @@ import torch
 from recursive_lightning.config import RunConfig, load_yaml
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_text, writable_dir_problem
-from recursive_lightning.training.checkpoint import latest_good, read_checkpoint
+from recursive_lightning.training.checkpoint import CheckpointError, latest_good, read_checkpoint
 from recursive_lightning.training.parallel import resolve_precision
 
 # fields a resume may change: how far and where the run trains, not what it trains
@@ -36,28 +36,35 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> None:
             f"--run-dir '{run_dir}' cannot hold the run: {problem}; choose a folder you can write to."
         )
     if resume and saved_cfg.exists():
-        saved = RunConfig.from_dict(load_yaml(saved_cfg))
-        check_same_config(saved, cfg, run_dir)
-        if (
-            saved.flat() != cfg.flat()
-        ):  # e.g. a larger --max-steps extends the run: resume uses it from now on
-            atomic_write_text(saved_cfg, cfg.to_yaml())
+        check_same_config(RunConfig.from_dict(load_yaml(saved_cfg)), cfg, run_dir)
     if not resume and latest_good(ckpt_dir) is not None:
         raise ConfigError(
             f"--run-dir '{run_dir}' already holds checkpoints; pass --resume to continue it or choose a new --run-dir."
         )
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not saved_cfg.exists():
+
+
+def keep_config(cfg: RunConfig, run_dir: Path) -> None:
+    """Keep ``cfg`` in ``run_dir`` as ``config.yaml`` once every check has passed: a new run's config, or a
+    resume's allowed changes (e.g. a larger --max-steps extends the run: resume uses it from now on)."""
+    saved_cfg = run_dir / "config.yaml"
+    if not saved_cfg.exists() or RunConfig.from_dict(load_yaml(saved_cfg)).flat() != cfg.flat():
         atomic_write_text(saved_cfg, cfg.to_yaml())
 
 
 def resume_checkpoint(cfg: RunConfig, run_dir: Path, resume: bool, ckpt_path: str | None) -> str | None:
     """The checkpoint the run continues from: ``ckpt_path`` (checked to come from a run of ``cfg``), else with
     ``resume`` the newest good one in ``run_dir`` (None: none yet, the run starts at step 0)."""
+    if ckpt_path is not None and Path(ckpt_path).is_dir() and not (Path(ckpt_path) / ".metadata").is_file():
+        raise CheckpointError(
+            f"--ckpt-path '{ckpt_path}' is a directory but not a sharded checkpoint (no .metadata inside); pass a "
+            f".ckpt file such as '{Path(ckpt_path) / 'last.ckpt'}', or --resume alone for the run's newest one."
+        )
     if ckpt_path is not None and not Path(ckpt_path).is_dir():
         # an explicit --ckpt-path: one sentence if it is damaged or was written by a different run
         check_checkpoint_config(read_checkpoint(ckpt_path), cfg, ckpt_path)
     if not resume or ckpt_path is not None:
+        check_max_steps(cfg, ckpt_path)
         return ckpt_path
     ckpt_dir = run_dir / "checkpoints"
     last = ckpt_dir / "last.ckpt"
@@ -65,6 +72,7 @@ def resume_checkpoint(cfg: RunConfig, run_dir: Path, resume: bool, ckpt_path: st
         good = latest_good(ckpt_dir)
         if last.exists() and good != last:
             read_checkpoint(last)  # raises one sentence naming the damaged file and the good one
+        check_max_steps(cfg, good)
         return str(good) if good else None  # latest_good already checked it reads
     print(
         f"train --resume: '{run_dir}' holds no checkpoint yet; training from step 0.",
@@ -72,6 +80,20 @@ def resume_checkpoint(cfg: RunConfig, run_dir: Path, resume: bool, ckpt_path: st
         flush=True,
     )
     return None
+
+
+def check_max_steps(cfg: RunConfig, resume_from: str | Path | None) -> None:
+    """A resume trains on to ``train.max_steps``: one below the checkpoint's step would stop at once and keep a
+    config that no longer matches the run, so it is refused."""
+    if resume_from is None or Path(resume_from).is_dir():
+        return
+    ckpt = torch.load(resume_from, map_location="cpu", weights_only=True, mmap=True)  # reads no tensor
+    step = int(ckpt.get("global_step", 0))
+    if cfg.train.max_steps < step:
+        raise ConfigError(
+            f"train.max_steps {cfg.train.max_steps} is below step {step}, where '{resume_from}' stopped; pass "
+            f"--max-steps {step} or more to continue the run."
+        )
 
 
 def resumed_precision(cfg: RunConfig, resume_from: str | None) -> str | None:

@@ -31,7 +31,7 @@ from typing import Any
 from recursive_lightning import formatting as fmt
 from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig, load_run_config
-from recursive_lightning.errors import ConfigError
+from recursive_lightning.errors import ConfigError, UserError
 from recursive_lightning.files import atomic_write_text, default_cache_dir
 from recursive_lightning.tracking.runs import default_tracking_uri, ui_command
 from recursive_lightning.training.host import keep_freed_memory
@@ -170,6 +170,7 @@ def train(
     run_dir = Path(run_dir).resolve()
     run_dir_state.prepare_run_dir(cfg, run_dir, resume)
     resume_from = run_dir_state.resume_checkpoint(cfg, run_dir, resume, ckpt_path)
+    run_dir_state.keep_config(cfg, run_dir)
     source = _uptraining_source(cfg, run_dir, resume_from)
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     dm = _datamodule(cfg, run_dir, source)
@@ -218,6 +219,7 @@ def _summarise(
     metrics = val_metrics(trainer) or run_dir_state.previous_metrics(run_dir, trainer.global_step)
     last = run_dir / "checkpoints" / "last.ckpt"
     d, steps = cfg.data, trainer.global_step
+    seconds, segments = clock.run_totals(steps)
     result = TrainResult(
         run_dir=run_dir,
         steps=steps,
@@ -227,10 +229,10 @@ def _summarise(
         best_checkpoint=best_checkpoint(trainer, run_dir),
         mlflow_run_id=run_id,
         tracking_uri=tracking_uri,
-        seconds=clock.seconds(),
+        seconds=seconds,
         segment_steps=steps - clock.start_step,
         segment_seconds=clock.segment_seconds(),
-        segments=clock.segments + 1,
+        segments=segments,
     )
     if trainer.is_global_zero:
         mlflow_run.finish_run(tracking_uri, run_id, metrics, steps, result.tokens, result.seconds)
@@ -292,13 +294,26 @@ def _run_callbacks(cfg: RunConfig, module: Any, source: Any, tracking_uri: str, 
     return out
 
 
+def _pairs(flag: str, values: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` flags (MLflow tags, params) as a dict; one without ``=`` or a key is refused."""
+    for v in values:
+        if "=" not in v or not v.split("=", 1)[0]:
+            raise UserError(f"{flag} {v!r} needs KEY=VALUE, e.g. {flag} note=baseline.")
+    return dict(v.split("=", 1) for v in values)
+
+
 def summary_line(r: TrainResult) -> str:
     """The line ``train`` prints when it ends: what it trained, the validation perplexities, the checkpoint and
     how to look at the MLflow run."""
     ppl = ", ".join(
         f"{k.removeprefix('val/')}={fmt.ppl(v)}" for k, v in r.metrics.items() if k.endswith("/ppl")
     )
-    if r.segments > 1 and r.segment_steps is not None:  # a resumed run: what this command did, then the run
+    if r.segment_steps == 0 and r.steps > 0:  # resumed at its max_steps: nothing trained, validated again
+        done = (
+            f"trained no step: the run was already at step {r.steps}, its max_steps (raise --max-steps to "
+            f"continue it); {r.tokens:,} tokens, {r.seconds:.0f}s over {r.segments} segment(s)"
+        )
+    elif r.segments > 1 and r.segment_steps is not None:  # a resumed run: this command's part, then the run
         done = (
             f"trained {r.segment_steps} steps in {r.segment_seconds:.0f}s, the run now at step {r.steps} "
             f"({r.tokens:,} tokens, {r.seconds:.0f}s over {r.segments} segments)"
@@ -382,7 +397,7 @@ def main(argv: list[str]) -> int:
         )
     if args.resume and (run_dir / "config.yaml").exists() and not args.config:
         cfg = load_run_config(run_dir / "config.yaml", overrides)
-    tags = dict(t.split("=", 1) for t in args.tag if "=" in t)
+    tags, params = _pairs("--tag", args.tag), _pairs("--param", args.param)
     with undo_on_refusal(run_dir):  # a refused run leaves nothing behind (no config.yaml, no tracking store)
         result = train(
             cfg,
@@ -394,7 +409,7 @@ def main(argv: list[str]) -> int:
             run_name=args.run_name,
             parent_run_id=args.parent_run_id,
             tags=tags,
-            params=dict(t.split("=", 1) for t in args.param if "=" in t),
+            params=params,
         )
     from lightning.pytorch.utilities.rank_zero import rank_zero_only  # heavy
 

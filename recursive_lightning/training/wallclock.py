@@ -28,6 +28,8 @@ class WallClock(Callback):
         rec = checkpoint.get(KEY) or {}
         self.before = float(rec.get("seconds") or 0.0)
         self.segments = int(rec.get("segments") or 0)
+        # a run resumed at its last step trains none: no train start follows to set this
+        self.start_step = int(checkpoint.get("global_step") or 0)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.start_step = trainer.global_step
@@ -41,3 +43,10 @@ class WallClock(Callback):
     def seconds(self) -> float:
         """The run's wall-clock: the earlier segments' plus this one's so far."""
         return self.before + self.segment_seconds()
+
+    def run_totals(self, step: int) -> tuple[float, int]:
+        """(seconds, segments) of the run at ``step``: a resume that trained no step (the run was already at
+        its ``max_steps``) is not a segment of it, so it adds neither."""
+        if self.segments and step == self.start_step:
+            return self.before, self.segments
+        return self.seconds(), self.segments + 1

@@ -370,3 +370,17 @@ def test_user_errors_are_one_sentence(tmp_path, capsys, sweep):
                 "--no-mlflow",
             ]
         )
+
+
+def test_compare_finds_the_trials_of_a_sweep_directory(tmp_path):
+    """`probe --compare <sweep dir>`: a sweep keeps its trials in trials/<point>/ (the help says "or one sweep
+    dir", which was refused); the trials' directories are what is compared, sorted by name."""
+    from recursive_lightning.probes.run import expand_compare
+
+    sweep = tmp_path / "sweep"
+    for point in ("variant=mesh_seed=0", "variant=base_seed=0"):
+        (sweep / "trials" / point / "checkpoints").mkdir(parents=True)
+        (sweep / "trials" / point / "checkpoints" / "last.ckpt").write_bytes(b"PK")
+    (sweep / "report").mkdir()
+    assert expand_compare([str(sweep)]) == sorted((sweep / "trials").iterdir())
+    assert expand_compare([str(sweep / "trials")]) == sorted((sweep / "trials").iterdir())
