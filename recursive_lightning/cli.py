@@ -234,6 +234,13 @@ With no command at all, `python -m recursive_lightning` runs `sweep`: the full d
 directory; it says so before it starts."""
 
 
+GLOBAL_OPTIONS = (
+    "\nglobal options (any command, anywhere on the line):\n"
+    "  --threads N           CPU threads for torch (default: chosen per command and model size; see "
+    '"Threads" in the README)'
+)
+
+
 def _pop_threads(argv: list[str]) -> tuple[list[str], int | None]:
     """The global ``--threads N`` / ``--threads=N`` taken out of ``argv`` (anywhere in it)."""
     out, threads, i = [], None, 0
@@ -283,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
                 sys.modules[__name__] if module_name == __name__ else importlib.import_module(module_name)
             )
             return int(getattr(module, func)(rest) or 0)
+    except SystemExit as e:
+        if e.code == 0 and {"-h", "--help"} & set(rest):  # the command's own help: the global option too
+            print(GLOBAL_OPTIONS)
+        raise
     except UserError as e:
         print(f"error: {mask_url(str(e))}", file=sys.stderr)  # a database URL in it: its password masked
         return 2

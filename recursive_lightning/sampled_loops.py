@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from recursive_lightning import formatting as fmt
 from recursive_lightning.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -227,10 +228,10 @@ def format_training(d: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"train.loops       {d['train_loops']} (mean {d['train_loops_mean']:.3f} loop steps)",
-            f"training FLOPs    {d['flops_train_per_token_expected']:.4g} per token expected "
+            f"training FLOPs    {fmt.flops(d['flops_train_per_token_expected'])} per token expected "
             "(forward at r + 2x the part with gradients)",
             f"                  {ratio:.3f}x training at the layout's K with every step differentiated "
-            f"({d['flops_train_per_token_at_trained_depth']:.4g} per token)",
+            f"({fmt.flops(d['flops_train_per_token_at_trained_depth'])} per token)",
         ]
     )
 

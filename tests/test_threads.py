@@ -91,3 +91,14 @@ def test_threads_option_reaches_the_command(no_thread_env, monkeypatch, capsys):
     assert cli.main(["--threads", "1", "describe", "--preset", "cpu-tiny"]) == 0
     assert seen == [(["--preset", "cpu-tiny"], "1")]
     assert threads.ENV not in os.environ
+
+
+@pytest.mark.parametrize("command", ["describe", "report"])
+def test_every_commands_help_lists_the_global_threads_option(command, capsys):
+    """`--threads` is taken out before the command parses its flags, so the command's own --help did not list
+    it although the README says every command takes it."""
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage:" in out and "--threads N" in out.split("global options", 1)[1]

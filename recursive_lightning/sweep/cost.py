@@ -8,10 +8,11 @@ attention included); the tokens are ``result.json``'s. Wall-clock is ``result.js
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning import formatting as fmt
 from recursive_lightning.files import atomic_write_figure
 from recursive_lightning.sweep.tables import Row, mean_std, trial_value
 
@@ -95,13 +96,21 @@ def plot(
     return path, pts
 
 
+def _whole(x: float) -> str:
+    return f"{x:,.0f}"  # wall-clock: whole seconds
+
+
 def section(png: Path | None, pts: Sequence[dict[str, Any]], metric: str) -> list[str]:
     """The report's markdown for the figure, with its numbers as a table."""
     if png is None:
         return []
 
-    def cell(v: tuple[float, float] | None, fmt: str) -> str:
-        return "—" if v is None else f"{v[0]:{fmt}} ± {v[1]:{fmt}}"
+    def cell(v: tuple[float, float] | None, show: Callable[[float], str]) -> str:
+        """mean ± std in the quantity's one format (``recursive_lightning.formatting``); no ± 0."""
+        if v is None:
+            return "—"
+        mean, std = v
+        return show(mean) if show(std) == show(0.0) else f"{show(mean)} ± {show(std)}"
 
     lines = [
         "## Cost: per FLOP and per second",
@@ -114,7 +123,7 @@ def section(png: Path | None, pts: Sequence[dict[str, Any]], metric: str) -> lis
     ]
     for p in pts:
         lines.append(
-            f"| {p['row']} | {p['n']} | {cell(p['flops'], '.3g')} | {cell(p['seconds'], '.3g')} | "
-            f"{cell(p['metric'], '.4g')} |"
+            f"| {p['row']} | {p['n']} | {cell(p['flops'], fmt.flops)} | {cell(p['seconds'], _whole)} | "
+            f"{cell(p['metric'], lambda x: fmt.metric(metric, x))} |"
         )
     return [*lines, "", f"![{metric} against training FLOPs and wall-clock]({png.name})", ""]

@@ -23,6 +23,27 @@ from recursive_lightning.training.checkpoint import read_checkpoint, save_atomic
 
 BEST = "best"  # the best checkpoint's file name (best.ckpt)
 
+# Lightning's lines that say nothing about this run: the srun hint where SLURM's client is installed but the
+# run is not a SLURM step (a sweep starts its own steps, sweep/slurm.py), a deprecation inside Lightning itself,
+# the __len__ note for litdata's streaming dataset (litdata shards by worker itself), and the device, logger-tip
+# and "max_steps reached" info lines (the run's summary line says what it trained and where)
+_NOISE = (
+    r"The `srun` command is available on your system but is not used",
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    r"Your `IterableDataset` has `__len__` defined",
+)
+
+
+def quiet_lightning() -> None:
+    """Silence :data:`_NOISE` and Lightning's rank-zero info lines; its warnings that matter still show."""
+    import logging
+    import warnings
+
+    for message in _NOISE:
+        warnings.filterwarnings("ignore", message=message)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint writes through :func:`~recursive_lightning.training.checkpoint.save_atomic`
@@ -51,6 +72,7 @@ def build_trainer(
     """The Trainer of ``cfg``: one that trains into ``run_dir`` (``callbacks`` after its checkpoint callbacks),
     or with ``validate_only`` one that validates on one device; ``precision`` overrides ``train.precision``'s
     (a resume continues in its checkpoint's, ``resume.resumed_precision``)."""
+    quiet_lightning()
     t = cfg.train
     common: dict[str, Any] = {
         "accelerator": t.accelerator,

@@ -124,8 +124,10 @@ def test_report_plots_the_ranking_metric_against_flops_and_wall_clock(ranked_swe
                 flops.append(3 * per_token * result["tokens"])
                 seconds.append(result["seconds"])
         assert len(flops) == 2
-        assert float(cells[3].split("±")[0]) == pytest.approx(sum(flops) / 2, rel=5e-3)
-        assert float(cells[4].split("±")[0]) == pytest.approx(sum(seconds) / 2, rel=5e-3, abs=1e-3)
+        value, unit = cells[3].split("±")[0].split()  # one format per quantity: "1.55 TFLOPs"
+        scale = {"kFLOPs": 1e3, "MFLOPs": 1e6, "GFLOPs": 1e9, "TFLOPs": 1e12, "PFLOPs": 1e15}[unit]
+        assert float(value) * scale == pytest.approx(sum(flops) / 2, rel=5e-3)  # three significant digits
+        assert float(cells[4].split("±")[0].replace(",", "")) == pytest.approx(sum(seconds) / 2, abs=0.5)
 
 
 def _dom(url: str, width: int = 2400, profile: Path | None = None) -> str:

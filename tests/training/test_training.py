@@ -51,6 +51,10 @@ def test_kill_and_resume_gives_identical_losses(tmp_path, tiny_run):
     p = _cli(["--config", str(cfg_file), "--run-dir", str(straight)])
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out
+    # what the run printed is about the run: none of Lightning's lines about other things (trainer.quiet_lightning)
+    noise = ("srun", "GPU available", "litlogger", "LeafSpec", "`__len__` defined", "Trainer.fit")
+    assert not [line for line in out.splitlines() if any(n in line for n in noise)], out
+    assert "trained 16 steps" in out, out
     killed = tmp_path / "killed"
     p = _cli(["--config", str(cfg_file), "--run-dir", str(killed)])
     target = killed / "checkpoints" / "step=000008.ckpt"
