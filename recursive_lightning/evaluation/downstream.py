@@ -135,6 +135,20 @@ def _quiet_custom_dataset_warning() -> None:
         lm_log.addFilter(_CustomDatasetNote())
 
 
+class _ShotOverride(logging.Filter):
+    """lm-eval's "Overwriting default num_fewshot of T from a to b": every ``--shots`` value the user asked for
+    overrides a task's default, and the results table names the shots; nothing for the user to act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Overwriting default num_fewshot")
+
+
+def _quiet_shot_override() -> None:
+    log = logging.getLogger("lm_eval.evaluator")
+    if not any(isinstance(f, _ShotOverride) for f in log.filters):
+        log.addFilter(_ShotOverride())
+
+
 _NAME_RE = re.compile(r"^\s*-?\s*['\"]?(?:task|group|tag)['\"]?\s*:\s*['\"]?([^\s'\"#\[\],]+)", re.M)
 
 
@@ -328,6 +342,7 @@ def run_tasks(
     import lm_eval.evaluator  # heavy
 
     lm_eval.evaluator.get_git_commit_hash = quiet_git_commit  # recorded in the result, quietly
+    _quiet_shot_override()
 
     try:
         return lm_eval.simple_evaluate(

@@ -560,3 +560,29 @@ def test_stream_piece_never_exceeds_the_training_length():
     small = preset("cpu-mela")
     assert stream_piece(small) == STREAM_CHUNKS * small.tokens_per_chunk == 512  # 8 of 16 that fit
     assert stream_piece(preset("cpu-mela", max_seq_len=32)) == small.tokens_per_chunk  # shorter than a chunk
+
+
+def test_lm_evals_shot_override_note_is_silenced_and_its_other_warnings_are_not():
+    """`eval --shots 0,5` overrides each task's default shot count by design: lm-eval's warning about it is
+    dropped; any other lm-eval warning still reaches the user."""
+    import logging
+
+    from recursive_lightning.evaluation.downstream import _quiet_shot_override
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    log = logging.getLogger("lm_eval.evaluator")
+    handler = Keep()
+    log.addHandler(handler)
+    try:
+        _quiet_shot_override()
+        _quiet_shot_override()  # once is enough however often eval runs
+        log.warning("Overwriting default num_fewshot of %s from %s to %s", "hellaswag", None, 5)
+        log.warning("something else")
+    finally:
+        log.removeHandler(handler)
+    assert seen == ["something else"]
