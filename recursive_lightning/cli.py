@@ -290,10 +290,6 @@ def main(argv: list[str] | None = None) -> int:
                 sys.modules[__name__] if module_name == __name__ else importlib.import_module(module_name)
             )
             return int(getattr(module, func)(rest) or 0)
-    except SystemExit as e:
-        if e.code == 0 and {"-h", "--help"} & set(rest):  # the command's own help: the global option too
-            print(GLOBAL_OPTIONS)
-        raise
     except UserError as e:
         print(f"error: {mask_url(str(e))}", file=sys.stderr)  # a database URL in it: its password masked
         return 2
@@ -303,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except SystemExit as e:  # after Terminated, which is one
+        if e.code == 0 and {"-h", "--help"} & set(rest):  # the command's own help: the global option too
+            print(GLOBAL_OPTIONS)
+        raise
 
 
 if __name__ == "__main__":

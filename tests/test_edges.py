@@ -146,7 +146,7 @@ def test_resuming_a_finished_run_trains_no_step_and_adds_no_segment(trained_run,
     result = json.loads((run / "result.json").read_text())
     assert result["steps"] == before["steps"] == 12
     assert result["segments"] == before["segments"] == 1
-    assert result["seconds"] == pytest.approx(before["seconds"], rel=0.05)
+    assert result["seconds"] == before["seconds"]  # the run's own record: it timed its end
 
 
 def _with_data_path(trained_run: Path, tmp_path: Path, data_path: str) -> Path:

@@ -140,10 +140,15 @@ def check_same_config(saved: RunConfig, cfg: RunConfig, run_dir: Path) -> None:
             )
 
 
-def previous_metrics(run_dir: Path, steps: int) -> dict[str, float]:
-    """The metrics ``result.json`` recorded at ``steps`` (a finished run resumed without training), else {}."""
+def previous_result(run_dir: Path, steps: int) -> dict:
+    """What ``result.json`` recorded at ``steps`` (a finished run resumed without training), else {}."""
     try:
         old = json.loads((run_dir / "result.json").read_text())
     except (OSError, ValueError):
         return {}
-    return dict(old.get("metrics") or {}) if old.get("steps") == steps else {}
+    return old if isinstance(old, dict) and old.get("steps") == steps else {}
+
+
+def previous_metrics(run_dir: Path, steps: int) -> dict[str, float]:
+    """The metrics ``result.json`` recorded at ``steps`` (a finished run resumed without training), else {}."""
+    return dict(previous_result(run_dir, steps).get("metrics") or {})

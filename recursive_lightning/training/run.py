@@ -220,6 +220,9 @@ def _summarise(
     last = run_dir / "checkpoints" / "last.ckpt"
     d, steps = cfg.data, trainer.global_step
     seconds, segments = clock.run_totals(steps)
+    if steps == clock.start_step:  # nothing trained: the run's own record stands (it timed its end, the
+        old = run_dir_state.previous_result(run_dir, steps)  # checkpoint only its last save)
+        seconds, segments = old.get("seconds", seconds), old.get("segments", segments)
     result = TrainResult(
         run_dir=run_dir,
         steps=steps,
