@@ -7,6 +7,8 @@ validate_only=True)`` validates a checkpoint on one device, with no logger, chec
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,9 +38,6 @@ _NOISE = (
 
 def quiet_lightning() -> None:
     """Silence :data:`_NOISE` and Lightning's rank-zero info lines; its warnings that matter still show."""
-    import logging
-    import warnings
-
     for message in _NOISE:
         warnings.filterwarnings("ignore", message=message)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
