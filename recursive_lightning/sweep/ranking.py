@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from recursive_lightning import formatting as fmt
 from recursive_lightning.sweep.spec import SEED_AXIS
 from recursive_lightning.sweep.tables import Row, mean_std, trial_value
 from recursive_lightning.tracking import view
@@ -96,8 +97,8 @@ def runs_section(ranking: Sequence[Ranked], metric: str) -> list[str]:
                 f"`{run_name(t)}`",
                 r.name,
                 str(t["params"].get(SEED_AXIS, "")),
-                f"{v:.4g}" if v is not None else "—",
-                f"{r.mean:.4g}" if r.mean is not None else "—",
+                fmt.metric(metric, v) if v is not None else "—",  # one format per quantity
+                fmt.metric(metric, r.mean) if r.mean is not None else "—",
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return [*lines, ""]

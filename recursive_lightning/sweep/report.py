@@ -253,7 +253,7 @@ def _results_sections(
         "- **train tokens/s**: tokens of the training steps over their summed step time (harmonic mean of the "
         "child run's `train/tokens_per_sec` history; validation and checkpointing excluded).",
         "- **wall-clock**: `seconds` of the trial's `result.json` (its `train` command: data setup, training, "
-        "validation, checkpoints; not the sweep's `evaluate:`; a resumed trial's summed over its segments).",
+        "validation, checkpoints; not the sweep's `evaluate:`; a resumed trial's seconds summed over its segments).",
         "- perplexities: `val/<set>/ppl` from training's final validation, `eval/ppl/<name>` from the sweep's "
         "`evaluate:`; accuracies in %.",
         "",

@@ -147,8 +147,3 @@ def previous_result(run_dir: Path, steps: int) -> dict:
     except (OSError, ValueError):
         return {}
     return old if isinstance(old, dict) and old.get("steps") == steps else {}
-
-
-def previous_metrics(run_dir: Path, steps: int) -> dict[str, float]:
-    """The metrics ``result.json`` recorded at ``steps`` (a finished run resumed without training), else {}."""
-    return dict(previous_result(run_dir, steps).get("metrics") or {})

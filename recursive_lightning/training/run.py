@@ -216,13 +216,17 @@ def _summarise(
     from recursive_lightning.training import resume as run_dir_state  # heavy
     from recursive_lightning.training.trainer import best_checkpoint, val_metrics  # heavy
 
-    metrics = val_metrics(trainer) or run_dir_state.previous_metrics(run_dir, trainer.global_step)
     last = run_dir / "checkpoints" / "last.ckpt"
     d, steps = cfg.data, trainer.global_step
+    trained = steps != clock.start_step
+    val = val_metrics(trainer)
+    # a finished run resumed without training: result.json's record stands, read once (metrics it never
+    # replaces with empty ones; seconds it timed to its end, where the checkpoint stopped at its last save)
+    recorded = run_dir_state.previous_result(run_dir, steps) if not val or not trained else {}
+    metrics = val or dict(recorded.get("metrics") or {})
     seconds, segments = clock.run_totals(steps)
-    if steps == clock.start_step:  # nothing trained: the run's own record stands (it timed its end, the
-        old = run_dir_state.previous_result(run_dir, steps)  # checkpoint only its last save)
-        seconds, segments = old.get("seconds", seconds), old.get("segments", segments)
+    if not trained:
+        seconds, segments = recorded.get("seconds", seconds), recorded.get("segments", segments)
     result = TrainResult(
         run_dir=run_dir,
         steps=steps,
