@@ -7,7 +7,7 @@
 
 ``--against DIR``: another checkout (e.g. ``git archive <commit> | tar -x -C DIR``) timed the same way,
 interleaved with this one. Each round also times ``python -c "import torch, sympy"`` (the floor: torch's
-meta kernels import sympy), so a loaded machine's figures can be read against it. Goal (issue 30): under
+meta kernels import sympy), so a loaded machine's figures can be read against it. Goal: under
 3 s for every preset on a quiet machine."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The glue between SpiralFormer-B's passes on its own, each choice side by side in one process (issue 30).
+"""The glue between SpiralFormer-B's passes on its own, each choice side by side in one process.
 
     python benchmarks/bench_glue.py                       # cpu-tiny (16 x 128), cpu-base and pythia-160m (2 x 1024)
     python benchmarks/bench_glue.py --presets cpu-tiny --reps 40

@@ -5,7 +5,7 @@
     python benchmarks/bench_host_overhead.py --by-op         # where the calls go, per ATen operator
 
 On a GPU a small model's step (and SpiralFormer's coarse passes at any size) is bound by the host launching
-kernels, not by the kernels (README, "GPU speed": the GPU idles a quarter of SpiralFormer-B's step at 160M).
+kernels, not by the kernels (docs/benchmarks.md, "GPU speed": the GPU idles a quarter of SpiralFormer-B's step at 160M).
 What the host does per step can be measured on the CPU with a model so small that the arithmetic is
 negligible: the number of ATen operator calls that do work (views and allocations left out; composite
 operators such as ``linear`` -> ``addmm`` count at each level, as each is a dispatch), the number of those

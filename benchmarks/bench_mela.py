@@ -18,7 +18,7 @@ expansion 2, C=64), against one square float32 matmul of the same FLOPs (counted
 RSS of the process and the decoding state's size at the end.
 
 ``eval``: the ``eval`` command with ``--context-lengths`` at 1x and 16x the training length (256 and 4,096) on a
-cpu-mela checkpoint and on cpu-transformerpp, each in a fresh process: peak RSS and time (issue 16: Mela's
+cpu-mela checkpoint and on cpu-transformerpp, each in a fresh process: peak RSS and time (goal: Mela's
 16x within 2x of its 1x peak; Mela's decoder is chunk-local and is scored a few chunks at a time, Transformer++
 needs the full window).
 """

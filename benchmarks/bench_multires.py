@@ -18,7 +18,7 @@ forward+backward (``model.loss`` + ``backward``) per model per repetition, the p
 (ABAB, BABA on odd repetitions) after a warm-up, fresh processes every ``--respawn`` rounds; medians are
 compared. The measured
 time ratio is reported next to two forward FLOP ratios of ``model.describe.describe``: with attention halved
-(causal; issue 30's goal: time ratio <= that + 0.03) and at full L x L (Table 1's convention, stricter).
+(causal; the goal: time ratio <= that + 0.03) and at full L x L (Table 1's convention, stricter).
 
 ``--breakdown`` times each component alone (forward+backward on random inputs of the right shape,
 interleaved the same way): prelude+coda, the shared core at each resolution, S_down / S_up of each
@@ -350,9 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     flop_ratio = flops[args.spiral] / flops[args.looped]
     causal_ratio = causal[args.spiral] / causal[args.looped]
     goal, strict = causal_ratio + 0.03, flop_ratio + 0.03
-    print(
-        f"\nFLOP ratio with causal attention (half of L x L): {causal_ratio:.4f}; goal (issue 30): <= {goal:.4f}"
-    )
+    print(f"\nFLOP ratio with causal attention (half of L x L): {causal_ratio:.4f}; goal: <= {goal:.4f}")
     print(
         f"FLOP ratio with attention at full L x L (describe, Table 1's convention): {flop_ratio:.4f}; "
         f"stricter: <= {strict:.4f}\n"

@@ -1,4 +1,4 @@
-"""Thread policy (issue 30): each command's inner loop with the default threads against 1 and 2 threads,
+"""Thread policy: each command's inner loop with the default threads against 1 and 2 threads,
 quiet and with one busy process beside it (``python -c "while True: pass"``), interleaved; each run a fresh
 process (OpenMP reads its settings at start), medians over ``--reps``.
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 30 part 4 on a lent GPU, as one prepared script (the device tool runs it in the repository root):
-#   bash benchmarks/gpu_session.sh [steps]      steps: a comma list of env,eager,mela,mela-compiled,tests,compile
+# The GPU checks and timings on a lent GPU, as one prepared script (the device tool runs it in the repository root):
+#   bash benchmarks/gpu_session.sh [steps]      steps: a comma list of env,eager,numerics,mela,mela-compiled,tests,compile
 #                                               (default: all, in that order)
 # The lent machine has torch, lightning and torchmetrics but not this package's other dependencies: where
 # .whl/ holds their Python 3.12 wheels (benchmarks/gpu_wheels.sh downloads them), they are installed into
@@ -8,7 +8,7 @@
 # Each step has its own time limit and log ($OUT/<step>.log, or ./gpu-logs/ without $OUT), so a step that fails
 # or runs long leaves the others' figures.
 set -u
-STEPS=${1:-env,eager,mela,mela-compiled,tests,compile}
+STEPS=${1:-env,eager,numerics,mela,mela-compiled,tests,compile}
 LOGS=${OUT:-gpu-logs}
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 LITDATA_DISABLE_VERSION_CHECK=1
@@ -33,14 +33,19 @@ if has env; then
     torch.cuda.get_device_name()); import recursive_lightning.training.run"'
 fi
 # timings first, on a quiet GPU: SpiralFormer-B / LoopedFormer and MeSH / base, eager, both sizes and lengths
-has eager && step eager 150 python3 benchmarks/bench_gpu.py --issue18 --modes eager --reps 10 --warmup 2
+has eager && step eager 150 python3 benchmarks/bench_gpu.py --goals --modes eager --reps 10 --warmup 2
+# Mela's float32 and bf16 logits against the CPU's float64, chunk by chunk (the bounded step, docs/models.md: Numerics)
+has numerics && step numerics "${NUMERICS_LIMIT:-90}" python3 benchmarks/bench_mela_numerics.py --device cuda \
+  --chunks 64 --batch 2 --updates newton_schulz,forgetting
 has mela && step mela 120 python3 benchmarks/bench_gpu_mela.py --reps 6
 # Mela and Transformer++ with train.compile: glue (the layers, and each neural memory's chunk update)
-has mela-compiled && step mela-compiled "${MELA_COMPILE_LIMIT:-240}" python3 benchmarks/bench_gpu_mela.py \
+has mela-compiled && TORCH_LOGS="${MELA_TORCH_LOGS:-recompiles}" step mela-compiled "${MELA_COMPILE_LIMIT:-240}" \
+  python3 benchmarks/bench_gpu_mela.py \
   --part train --compile glue --reps 6
-has tests && step tests "${TESTS_LIMIT:-270}" python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 240 tests/test_cuda.py -rfEs
+has tests && step tests "${TESTS_LIMIT:-270}" python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 240 tests/test_cuda.py -rfEs \
+  ${TESTS_K:+-k "$TESTS_K"}
 # compiled scopes and CUDA graphs beside eager, where the time is left
-has compile && step compile "${COMPILE_LIMIT:-240}" python3 benchmarks/bench_gpu.py --issue18 \
+has compile && step compile "${COMPILE_LIMIT:-240}" python3 benchmarks/bench_gpu.py --goals \
   --presets "${COMPILE_PRESETS:-pythia-410m}" --seq-lens "${COMPILE_SEQ:-4096}" \
   --modes "${COMPILE_MODES:-eager,glue,model}" --reps 8 --warmup 2
 exit 0

@@ -1,4 +1,4 @@
-"""CPU study (issue 33): does a looped model "think longer with the same weights"? Fixed against sampled loop
+"""CPU study: does a looped model "think longer with the same weights"? Fixed against sampled loop
 steps in training, perplexity at 1-8 loop steps at test time.
 
 1. The sweep ``ablations/cpu/test-time-depth.yaml`` (the package's ``sweep`` command, resumable): cpu-tiny,
@@ -9,7 +9,7 @@ steps in training, perplexity at 1-8 loop steps at test time.
 2. ``results.json``, ``table.md`` and the figure (perplexity against test-time loop steps, mean over seeds with
    the min-max band, training mean marked) in ``--out``.
 
-    .venv/bin/python benchmarks/study_depth.py --out /tmp/depth-study --figure benchmarks/depth_study.png
+    .venv/bin/python benchmarks/study_depth.py --out /tmp/depth-study --figure docs/img/depth_study.png
     .venv/bin/python benchmarks/study_depth.py --out /tmp/depth-smoke --steps 4      # smoke
 """
 

@@ -1,4 +1,4 @@
-"""CPU study (issue 16 item 5): Mela against Transformer++ by context length, on the embedded corpus and on one
+"""CPU study: Mela against Transformer++ by context length, on the embedded corpus and on one
 real long document.
 
 1. The sweep ``ablations/cpu/mela-context.yaml`` (the package's ``sweep`` command, resumable): cpu-mela and
@@ -10,7 +10,7 @@ real long document.
 3. ``results.json``, ``table.md`` and ``mela_context_study.png`` (one panel per text, mean over seeds with the
    min-max band, log axes, training length marked) in ``--out``.
 
-    .venv/bin/python benchmarks/study_mela_context.py --out /tmp/mela-context --figure benchmarks/mela_context_study.png
+    .venv/bin/python benchmarks/study_mela_context.py --out /tmp/mela-context --figure docs/img/mela_context_study.png
     .venv/bin/python benchmarks/study_mela_context.py --out /tmp/mela-smoke --steps 4 --lengths 256,512   # smoke
 """
 
@@ -186,7 +186,7 @@ def main() -> int:
         "--steps", type=int, help="train this many steps instead of the sweep file's (a smoke run)"
     )
     p.add_argument("--lengths", default="256,512,1024,2048,4096", help="context lengths, comma-separated")
-    p.add_argument("--figure", help="also copy the PNG here (e.g. benchmarks/mela_context_study.png)")
+    p.add_argument("--figure", help="also copy the PNG here (e.g. docs/img/mela_context_study.png)")
     p.add_argument("--max-tokens", type=int, default=8192, help="tokens scored at every length")
     p.add_argument(
         "--long-text", help="a long plain-text document (default: the IDLE user guide of this Python)"

@@ -1,4 +1,4 @@
-"""CPU study of uptraining (issue 19): recursive models initialised from a trained vanilla model vs from scratch.
+"""CPU study of uptraining: recursive models initialised from a trained vanilla model vs from scratch.
 
 1. A vanilla model of this package (``cpu-tiny``, ``--source-layers`` 8) trained on the embedded corpus.
 2. A looped MeSH model ``2+2R2+2`` and a SpiralFormer-B ``2+2x{1/2,1}+2`` (coarse-to-fine, MeSH) — the

@@ -5,12 +5,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 import time
 
 from recursive_lightning import threads as thread_policy
-from recursive_lightning.config import apply_overrides, check_model_types, load_yaml
+from recursive_lightning.config import (
+    SECTIONS,
+    apply_overrides,
+    check_model_types,
+    check_sections,
+    check_seed,
+    load_yaml,
+)
 from recursive_lightning.errors import Terminated, UserError
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.sampled_loops import check_train_loops, format_training, parse_text
@@ -67,9 +75,12 @@ def _describe(argv: list[str]) -> int:
                 f"'{args.config}' is a sweep file; describe one of its models with a run config (e.g. "
                 f"--config experiments/cpu/looped-mesh.yaml) or with --preset and --layout."
             )
+        run_config = bool(set(raw) & set(SECTIONS))  # else a model file: the model's fields themselves
+        if run_config:  # a misspelt section is refused as `train` refuses it
+            check_sections(raw)
         if isinstance(raw.get("train"), dict):
             loops = raw["train"].get("loops")
-        section = raw.get("model", raw)
+        section = raw.get("model", {} if run_config else raw)
         if not isinstance(section, dict):
             raise UserError(
                 f"the 'model' section of '{args.config}' must be a mapping of fields, not {section!r}."
@@ -141,8 +152,9 @@ def _generate(argv: list[str]) -> int:
         raise UserError(
             "--exit-kl decodes with the cache (exited tokens share their keys/values); drop --no-cache."
         )
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be >= 0 (0 = greedy), not {args.temperature}.")
+    if not 0 <= args.temperature < math.inf:  # NaN fails too: it would sample from NaN probabilities
+        raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), not {args.temperature}.")
+    check_seed(args.seed, "--seed")
     if args.top_k is not None and args.top_k < 1:
         raise UserError(f"--top-k must be >= 1, not {args.top_k}.")
     if args.top_k is not None and args.temperature == 0:
@@ -227,7 +239,7 @@ commands:
 
 --threads N (before or after the command): CPU threads of torch (and of the processes a command starts);
 default: one for models narrower than d_model 512 and for any model while the other cores are busy
-(OMP_NUM_THREADS, when set, is respected as well). See "Threads" in the README.
+(OMP_NUM_THREADS, when set, is respected as well). See "CPU threads" in docs/training.md.
 
 With no command at all, `python -m recursive_lightning` runs `sweep`: the full default sweep
 (ablations/default.yaml, about 5 minutes on 2 CPU cores) into runs/sweeps/default under the current
@@ -237,7 +249,7 @@ directory; it says so before it starts."""
 GLOBAL_OPTIONS = (
     "\nglobal options (any command, anywhere on the line):\n"
     "  --threads N           CPU threads for torch (default: chosen per command and model size; see "
-    '"Threads" in the README)'
+    '"CPU threads" in docs/training.md)'
 )
 
 

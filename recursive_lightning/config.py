@@ -21,6 +21,7 @@ from recursive_lightning.errors import ConfigError
 from recursive_lightning.interop.init import parse_strategy
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.sampled_loops import check_train_loops
+from recursive_lightning.strict_yaml import StrictYAMLError, parse_yaml, scalar_ambiguity
 
 # train.train_only part -> parameter-name prefixes of RecursiveLM (model/recursive/model.py; training/partial.py)
 PARTS: dict[str, tuple[str, ...]] = {
@@ -33,6 +34,15 @@ PARTS: dict[str, tuple[str, ...]] = {
     "topology": ("topology.",),  # MeSH routers, static / dynamic combination coefficients
     "resolution": ("steps.",),  # SpiralFormer scorers A^(t) and allocators B^(t)
 }
+
+
+SEED_MAX = 2**32 - 1  # numpy's seeds, which Lightning's seed_everything hands the seed to
+
+
+def check_seed(seed: int, where: str) -> None:
+    """One sentence for a seed numpy cannot take (negative, or above 2**32 - 1)."""
+    if not 0 <= seed <= SEED_MAX:
+        raise ConfigError(f"{where} must be a whole number from 0 to 2**32 - 1 = {SEED_MAX}, not {seed}.")
 
 
 def check_train_only(parts: Any, steps: int, max_steps: int) -> None:
@@ -117,6 +127,18 @@ class TrainConfig:
     loops: dict[str, Any] | None = None
 
 
+SECTIONS = ("name", "model", "data", "train")  # a run YAML's top level
+
+
+def check_sections(data: dict[str, Any]) -> None:
+    """One sentence for a top-level key of a run YAML that is none of :data:`SECTIONS` (a misspelt section)."""
+    unknown = sorted(set(data) - set(SECTIONS), key=str)
+    if unknown:
+        hint = difflib.get_close_matches(str(unknown[0]), SECTIONS, n=1)
+        extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+        raise ConfigError(f"'{unknown[0]}' is not a config section{extra}; use name, model, data and train.")
+
+
 @dataclass
 class RunConfig:
     """One run: its ``name`` (the MLflow experiment and run name), ``model`` (:class:`ModelConfig`), ``data``
@@ -152,9 +174,7 @@ class RunConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         data = dict(data or {})
-        unknown = sorted(set(data) - {"name", "model", "data", "train"})
-        if unknown:
-            raise ConfigError(f"'{unknown[0]}' is not a config section; use name, model, data and train.")
+        check_sections(data)
         name = data.get("name", "run")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"name must be a non-empty string, not {name!r}.")
@@ -203,6 +223,7 @@ class RunConfig:
             )
         if t.lr <= 0:
             raise ConfigError(f"train.lr must be positive, not {t.lr}.")
+        check_seed(t.seed, "train.seed")
         if t.warmup_steps is not None and not 0 <= t.warmup_steps < t.max_steps:
             raise ConfigError(
                 f"train.warmup_steps {t.warmup_steps} must lie in [0, train.max_steps) = [0, {t.max_steps}); "
@@ -216,7 +237,7 @@ class RunConfig:
             )
         if t.strategy not in ("auto", "ddp", "fsdp"):
             raise ConfigError(f"train.strategy '{t.strategy}' is unknown; choose auto, ddp or fsdp.")
-        if t.init_from is not None or t.init_strategy != "stepwise":  # uptraining (issue 19)
+        if t.init_from is not None or t.init_strategy != "stepwise":  # uptraining
             parse_strategy(t.init_strategy)
         if t.train_only is not None or t.train_only_steps:
             check_train_only(t.train_only, t.train_only_steps, t.max_steps)
@@ -332,7 +353,9 @@ def load_yaml(
     if not path.is_file():
         raise ConfigError(f"{what} '{path}' does not exist; pass a YAML file such as {example}.")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = parse_yaml(path.read_text(encoding="utf-8"), f"{what} '{path}'")
+    except StrictYAMLError as e:  # a duplicate key or an ambiguous scalar: the message is the sentence
+        raise ConfigError(str(e)) from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{what} '{path}' is not valid YAML ({str(e).splitlines()[0]}).") from None
     except UnicodeDecodeError:
@@ -381,6 +404,9 @@ def apply_overrides(
             raise ConfigError(
                 f"unknown option --{key}; config overrides start with one of: {', '.join('--' + s + '.' for s in sections)}"
             )
+        why = scalar_ambiguity(value) if key != "model.layout" else None
+        if why:
+            raise ConfigError(f"--{key} {value} {why}.")
         try:
             parsed = yaml.safe_load(value) if value != "" else ""
         except yaml.YAMLError:

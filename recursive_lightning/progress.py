@@ -1,4 +1,4 @@
-"""Progress of long work (eval, probe, report): tokens done, tokens/s and time left (issue 30).
+"""Progress of long work (eval, probe, report): tokens done, tokens/s and time left.
 
 On a terminal it is a tqdm bar. Elsewhere (the log file of a sweep worker or a cluster job) a bar's carriage
 returns make noise, so it prints one plain line at most every ``every`` seconds (30 by default) and a last

@@ -1,4 +1,4 @@
-"""``train.loops``: training with a sampled number of loop steps per optimizer step (issue 33; Huginn, Geiping
+"""``train.loops``: training with a sampled number of loop steps per optimizer step (Huginn, Geiping
 et al. 2025, "Scaling up test-time compute with latent reasoning: a recurrent depth approach", Sec. 3.3).
 
 Huginn samples the iteration count r of every training step from a log-normal Poisson distribution (as we read

@@ -1,4 +1,4 @@
-"""How many CPU threads torch's intra-op parallelism uses, per model (issue 30).
+"""How many CPU threads torch's intra-op parallelism uses, per model.
 
 On a 2-core machine with another job beside it, splitting the small matrix products of the CPU presets
 (d_model <= 256) over 2 OpenMP threads makes every op wait for a thread the kernel has given to the other
@@ -10,7 +10,8 @@ job: decoding ran 3.6-5x slower than with one thread. Wide models still gain fro
   cores that are idle when the model is set up (sampled from /proc/stat over ``SAMPLE_S``; a core counts
   when at least ``1 - SLACK`` of it is free), at least 1. Even d_model 768 training ran at 0.42x of one
   thread with 2 threads and a busy process beside it, so a wide model takes only the cores nobody uses.
-  The count is chosen once per command; see benchmarks/bench_threads.py and the README for the figures.
+  The count is chosen once per command; see benchmarks/bench_threads.py and docs/benchmarks.md
+  (CPU threads) for the figures.
 
 torch's CPU build uses GNU OpenMP (libgomp): threads that wait at the end of a parallel region spin for
 ``GOMP_SPINCOUNT`` iterations before sleeping, which burns the busy core the other job needs.

@@ -1,6 +1,6 @@
 """Refusing before any work: the device check, and undoing a refused command's files.
 
-A bad input is refused in one sentence with exit status 2 and changes nothing on disk (issue 28):
+A bad input is refused in one sentence with exit status 2 and changes nothing on disk:
 :func:`undo_on_refusal` removes what a command created in its output folder before it was refused. A sweep's
 late fields (its ``evaluate:`` block) are checked in ``sweep/checks.py``.
 """

@@ -1,6 +1,6 @@
-"""The README's MLflow screenshots: serve a finished sweep directory with ``ui``, open the links it prints in
-headless Chromium and save the runs table, its chart view, the parent run's page and the best trial's page as
-small PNGs.
+"""The MLflow screenshots of docs/results.md: serve a finished sweep directory with ``ui``, open the links it
+prints in headless Chromium and save the runs table, its chart view, the parent run's page and the best trial's
+page as small PNGs.
 
     .venv/bin/python scripts/mlflow_screenshots.py SWEEP_DIR docs/mlflow
 """

@@ -1,3 +1,4 @@
+import copy
 import os
 from pathlib import Path
 
@@ -26,11 +27,14 @@ SLOW_FILES = (
     "training/test_training.py",  # 144
     "sweep/test_sweep_grow.py",  # 136
     "test_configs.py",  # 119
+    "sweep/test_sweep_secrets.py",  # 150
     "sweep/test_sweep_postgres.py",  # 95
     "sweep/test_slurm.py",  # 95
     "sweep/test_sweep_devices.py",  # 85
     "model/test_model.py",  # 71
     "tracking/test_mlflow_view.py",  # 60
+    "training/test_run_dir_lock.py",  # 45
+    "test_docs.py",  # 40
 )
 
 
@@ -51,6 +55,26 @@ def pytest_collection_modifyitems(config, items):
 def data_cache(tmp_path_factory):
     """One tokenizer + shard cache for the whole session (tokenising the embedded corpus once)."""
     return str(tmp_path_factory.mktemp("rl-cache"))
+
+
+def mela_against_float64(seed: int, chunks: int = 64, **model) -> tuple:
+    """``cpu-mela`` with the ``model`` fields (random init from ``seed``), its float64 copy and one sequence of
+    ``chunks`` decoder chunks: the numerics tests' setting."""
+    from recursive_lightning.model.build import build_model
+    from recursive_lightning.model.config import preset
+
+    torch.manual_seed(seed)
+    cfg = preset("cpu-mela", **model)
+    low = build_model(cfg).eval()
+    idx = torch.randint(0, cfg.vocab_size, (1, chunks * cfg.tokens_per_chunk))
+    return low, copy.deepcopy(low).double(), idx
+
+
+def chunk_errors(low: torch.Tensor, high: torch.Tensor, tokens_per_chunk: int) -> torch.Tensor:
+    """Per decoder chunk of a Mela model, the largest |low - high| over the chunk's logits, relative to the
+    largest |logit| of ``high`` (the float64 reference)."""
+    err = (low.double().to(high.device) - high).abs().amax(dim=(0, 2)).view(-1, tokens_per_chunk).amax(1)
+    return err / high.abs().amax()
 
 
 def tiny_config(data_cache: str, **model) -> dict:

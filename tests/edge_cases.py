@@ -1,10 +1,10 @@
-"""The hostile new user's cases (issue 28): every command given bad files, bad flags, bad YAML, missing and
-damaged artefacts and unwritable outputs. Each case is (id, argv, what the one sentence must say); ``{run}`` is a
-copy of the session's trained run, ``{in}`` a folder of bad inputs made by :func:`make_inputs`, ``{out}`` a folder
-that must stay as it was (every refused command changes nothing on disk).
+"""The hostile new user's cases: every command given bad files, bad flags, bad YAML, missing and damaged
+artefacts and unwritable outputs. Each case is (id, argv, what the one sentence must say); ``{run}`` is a copy
+of the test session's trained run, ``{in}`` a folder of bad inputs made by :func:`make_inputs`, ``{out}`` a
+folder that must stay as it was (every refused command changes nothing on disk).
 
-Categories (the README lists them): bad flags, bad YAML, bad config fields, missing files, files of the wrong
-kind, damaged artefacts, unwritable outputs, interrupted/incomplete runs, bad evaluate blocks.
+Categories (docs/training.md lists them): bad flags, bad YAML, bad config fields, missing files, files of the
+wrong kind, damaged artefacts, unwritable outputs, interrupted/incomplete runs, bad evaluate blocks.
 """
 
 from __future__ import annotations
@@ -38,6 +38,17 @@ def make_inputs(folder: Path, root: Path) -> None:
     (folder / "tracking.db").write_bytes(b"SQLite format 3\0" + b"\0" * 64)  # a run's mlflow.db, say
     (folder / "model-null.yaml").write_text("name: x\nmodel:\ntrain: {max_steps: 2}\n")
     (folder / "name-path.yaml").write_text("name: ../../escape\nmodel: {preset: cpu-tiny}\n")
+    # YAML that PyYAML reads otherwise than it looks: a repeated key (the last one wins), YAML 1.1's octal,
+    # base-60 and yes/no/on/off scalars
+    mesh = "model: {preset: cpu-tiny, layout: 1+2R2+1, topology: mesh}\n"
+    (folder / "dup-section.yaml").write_text("name: x\n" + mesh + "model: {preset: cpu-tiny}\n")
+    (folder / "dup-field.yaml").write_text(
+        "name: x\nmodel:\n  preset: cpu-tiny\n  layout: 1+2R2+1\n  layout: 4\n"
+    )
+    (folder / "octal.yaml").write_text("name: x\n" + mesh.replace("}", ", buffer: 010}"))
+    (folder / "base60.yaml").write_text("name: x\n" + mesh + "train: {max_steps: 1:30}\n")
+    (folder / "norway.yaml").write_text("name: no\n" + mesh)
+    (folder / "switch.yaml").write_text("name: x\n" + mesh + "train:\n  progress: off\n")
     base = SWEEP_BASE.format(root=root)
     sweeps = {
         "sw-task.yaml": base + "evaluate: {tasks: [embedded_lastwrd], shots: [0]}\n",
@@ -54,15 +65,20 @@ def make_inputs(folder: Path, root: Path) -> None:
         "sw-axis.yaml": base.replace("model.topology: base", "model.topology: warp"),
         "sw-noaxes.yaml": base.replace("axes: {variant: {a: {model.topology: base}}}", "axes: {}"),
         "sw-seeds.yaml": base.replace("seeds: [0]", "seeds: [a]"),
+        "sw-seed-neg.yaml": base.replace("seeds: [0]", "seeds: [0, -1]"),
         "sw-workers.yaml": base + "workers: 0\n",
         "sw-baseline.yaml": base + "report: {baseline: nope}\n",
         "sw-ok.yaml": base,
+        "sw-dup.yaml": base + "seeds: [1]\n",
+        "sw-dup-axis.yaml": base.replace("{a: {model.topology: base}}", "{a: {model.topology: base}, a: {}}"),
+        "sw-octal.yaml": base + "workers: 02\n",
         "sw-name.yaml": base.replace("name: s\n", "name: a/../../b\n"),
         "sw-metric.yaml": base + "metric: val/heldout/pppl\n",
         "sw-metric-eval.yaml": base
         + "metric: eval/embedded_lastword/5shot/acc\nevaluate: {tasks: [embedded_lastword]}\n",
         "sw-pruning.yaml": base + "pruning: {enabled: true, warmup: 3}\n",
         "sw-plot.yaml": base + "report: {plot: pie}\n",
+        "sw-loops.yaml": base + "evaluate: {ppl: {t: text.txt}, loops: [1, 100000]}\n",
     }
     for name, text in sweeps.items():
         (folder / name).write_text(text)
@@ -83,10 +99,34 @@ CASES: list[tuple[str, list[str], str]] = [
     ("describe-config-unknown-field", ["describe", "--config", "{in}/noname-field.yaml"], "widht"),
     ("describe-sweep-file", ["describe", "--config", "{in}/sw-ok.yaml"], "is a sweep file"),
     (
+        "describe-config-duplicate-section",
+        ["describe", "--config", "{in}/dup-section.yaml"],
+        "model is given twice in config file '{in}/dup-section.yaml' (lines 2 and 3)",
+    ),
+    (
+        "describe-config-duplicate-field",
+        ["describe", "--config", "{in}/dup-field.yaml"],
+        "model.layout is given twice in config file '{in}/dup-field.yaml' (lines 4 and 5)",
+    ),
+    (
+        "describe-config-octal",
+        ["describe", "--config", "{in}/octal.yaml"],
+        "model.buffer: 010 in config file '{in}/octal.yaml', line 2, reads as the octal number 8",
+    ),
+    ("describe-override-octal", ["describe", "--preset", "cpu-tiny", "--model.buffer", "010"], "octal"),
+    (
+        "describe-config-unknown-section",
+        ["describe", "--config", "{in}/unknown.yaml"],
+        "'trian' is not a config section (did you mean 'train'?)",
+    ),
+    (
         "describe-layout-loop-count",
         ["describe", "--preset", "cpu-tiny", "--layout", "2+4R-1+2"],
         "loop count",
     ),
+    ("describe-layout-loops-bound", ["describe", "--layout", "1+2R1000+1"], "more than the 256"),
+    ("describe-layout-loops-huge", ["describe", "--layout", "1+2R100000000+1"], "more than the 256"),
+    ("describe-layout-layers-huge", ["describe", "--layout", "100000000"], "more than the 4096"),
     ("describe-seq-len-0", ["describe", "--preset", "cpu-tiny", "--seq-len", "0"], "--seq-len"),
     ("describe-seq-len-neg", ["describe", "--preset", "cpu-tiny", "--seq-len", "-4"], "--seq-len"),
     ("describe-batch-0", ["describe", "--preset", "cpu-tiny", "--batch-size", "0"], "--batch-size"),
@@ -106,6 +146,31 @@ CASES: list[tuple[str, list[str], str]] = [
     ("train-config-bad-yaml", ["train", "--config", "{in}/bad.yaml", "--run-dir", "{out}/r"], "bad.yaml"),
     ("train-config-list", ["train", "--config", "{in}/list.yaml", "--run-dir", "{out}/r"], "list.yaml"),
     ("train-config-empty-dir", ["train", "--config", "{in}/emptydir", "--run-dir", "{out}/r"], "emptydir"),
+    (
+        "train-config-duplicate-section",
+        ["train", "--config", "{in}/dup-section.yaml", "--run-dir", "{out}/r"],
+        "model is given twice in config file '{in}/dup-section.yaml' (lines 2 and 3)",
+    ),
+    (
+        "train-config-octal",
+        ["train", "--config", "{in}/octal.yaml", "--run-dir", "{out}/r"],
+        "model.buffer: 010 in config file '{in}/octal.yaml', line 2",
+    ),
+    (
+        "train-config-base60",
+        ["train", "--config", "{in}/base60.yaml", "--run-dir", "{out}/r"],
+        "train.max_steps: 1:30 in config file '{in}/base60.yaml', line 3, reads as a base-60 number",
+    ),
+    (
+        "train-config-norway",
+        ["train", "--config", "{in}/norway.yaml", "--run-dir", "{out}/r"],
+        "name: no in config file '{in}/norway.yaml', line 1, reads as false",
+    ),
+    (
+        "train-config-off",
+        ["train", "--config", "{in}/switch.yaml", "--run-dir", "{out}/r"],
+        "train.progress: off in config file '{in}/switch.yaml', line 4, reads as false; write false",
+    ),
     (
         "train-config-unknown-section",
         ["train", "--config", "{in}/unknown.yaml", "--run-dir", "{out}/r"],
@@ -278,6 +343,16 @@ CASES: list[tuple[str, list[str], str]] = [
         "'model' section",
     ),
     (
+        "train-seed-neg",
+        ["train", "--config", "{run}/config.yaml", "--seed", "-1", "--run-dir", "{out}/r"],
+        "train.seed",
+    ),
+    (
+        "train-seed-big",
+        ["train", "--config", "{run}/config.yaml", "--seed", str(2**32), "--run-dir", "{out}/r"],
+        "train.seed",
+    ),
+    (
         "train-val-fraction",
         ["train", "--config", "{run}/config.yaml", "--run-dir", "{out}/r", "--data.val_fraction", "1.5"],
         "data.val_fraction",
@@ -303,9 +378,22 @@ CASES: list[tuple[str, list[str], str]] = [
     ("sweep-eval-key", ["sweep", "{in}/sw-evalkey.yaml", "--run-dir", "{out}/s"], "taks"),
     ("sweep-eval-mode", ["sweep", "{in}/sw-mode.yaml", "--run-dir", "{out}/s"], "ctx_mode"),
     ("sweep-eval-include", ["sweep", "{in}/sw-include.yaml", "--run-dir", "{out}/s"], "include_path"),
+    (
+        "sweep-duplicate-key",
+        ["sweep", "{in}/sw-dup.yaml", "--run-dir", "{out}/s"],
+        "seeds is given twice in sweep file '{in}/sw-dup.yaml' (lines 5 and 6)",
+    ),
+    (
+        "sweep-duplicate-axis-value",
+        ["sweep", "{in}/sw-dup-axis.yaml", "--run-dir", "{out}/s"],
+        "axes.variant.a is given twice",
+    ),
+    ("sweep-octal", ["sweep", "{in}/sw-octal.yaml", "--run-dir", "{out}/s"], "workers: 02 in sweep file"),
     ("sweep-top-key", ["sweep", "{in}/sw-top.yaml", "--run-dir", "{out}/s"], "evalute"),
     ("sweep-axis-value", ["sweep", "{in}/sw-axis.yaml", "--run-dir", "{out}/s"], "warp"),
     ("sweep-seeds", ["sweep", "{in}/sw-seeds.yaml", "--run-dir", "{out}/s"], "seed"),
+    ("sweep-seed-neg", ["sweep", "{in}/sw-seed-neg.yaml", "--run-dir", "{out}/s"], "train.seed"),
+    ("sweep-eval-loops", ["sweep", "{in}/sw-loops.yaml", "--run-dir", "{out}/s"], "exceeds 256"),
     ("sweep-workers-file", ["sweep", "{in}/sw-workers.yaml", "--run-dir", "{out}/s"], "workers"),
     (
         "sweep-workers-flag",
@@ -407,6 +495,11 @@ CASES: list[tuple[str, list[str], str]] = [
         "ctx-block",
     ),
     (
+        "eval-loops-bound",
+        ["eval", "{run}", "--ppl", "t={in}/text.txt", "--tasks", "none", "--loops", "100000"],
+        "--loops 100000 exceeds 256",
+    ),
+    (
         "eval-out-file",
         ["eval", "{run}", "--ppl", "t={in}/text.txt", "--tasks", "none", "--out", "{in}/aplainfile"],
         "aplainfile",
@@ -442,6 +535,10 @@ CASES: list[tuple[str, list[str], str]] = [
     ("generate-text", ["generate", "{in}/text.txt"], "text.txt"),
     ("generate-tokens-0", ["generate", "{run}", "--max-new-tokens", "0"], "--max-new-tokens"),
     ("generate-temperature", ["generate", "{run}", "--temperature", "-1"], "--temperature"),
+    ("generate-temperature-nan", ["generate", "{run}", "--temperature", "nan"], "--temperature"),
+    ("generate-temperature-inf", ["generate", "{run}", "--temperature", "inf"], "--temperature"),
+    ("generate-seed-big", ["generate", "{run}", "--temperature", "0.8", "--seed", str(2**64)], "--seed"),
+    ("generate-loops-bound", ["generate", "{run}", "--loops", "100000"], "--loops 100000 exceeds 256"),
     ("generate-top-k", ["generate", "{run}", "--top-k", "0"], "--top-k"),
     ("generate-top-k-greedy", ["generate", "{run}", "--top-k", "5"], "--temperature"),
     ("generate-wrong-kind", ["generate", "{in}/tracking.db"], "not a checkpoint"),

@@ -57,7 +57,7 @@ def test_attention_table_and_both_goals_printed():
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "goal (issue 30): <=" in out.stdout and "stricter: <=" in out.stdout
+    assert "goal: <=" in out.stdout and "stricter: <=" in out.stdout
     lengths = [
         r.split(" | ")[0].strip("| ") for r in out.stdout.splitlines() if r.startswith("| ") and "|" in r
     ]

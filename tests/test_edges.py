@@ -1,4 +1,4 @@
-"""Issue 28: every edge answers in one sentence (exit 2, nothing left on disk); every printed number is true.
+"""Every edge answers in one sentence (exit 2, nothing left on disk); every printed number is true.
 
 The hostile new user's cases live in ``tests/edge_cases.py``; each runs the command as a user types it (through
 ``cli.main``, in this process: most refusals come before any training) and checks its exit status, its one
@@ -71,10 +71,11 @@ def test_a_hostile_input_is_one_sentence_and_changes_nothing(
     out.mkdir()
     subs = {"{run}": str(trained_run), "{in}": str(inputs), "{out}": str(out), "{damaged}": str(damaged)}
     args = []
-    for a in argv:
+    for a in [*argv, says]:  # the sentence may name an input file too
         for k, v in subs.items():
             a = a.replace(k, v)
         args.append(a)
+    args, says = args[:-1], args[-1]
     before = snapshot(trained_run, inputs, out, damaged)
     rc, err = run_cli(args, capsys)
     sentence = one_sentence(err)
@@ -83,7 +84,7 @@ def test_a_hostile_input_is_one_sentence_and_changes_nothing(
     assert snapshot(trained_run, inputs, out, damaged) == before, f"{name} changed files"
 
 
-# ------------------------------------------------------------------------------------- the issue's own cases
+# ----------------------------------- printed numbers and records: steps, segments, data, tokenizers, formats
 def _copy_run(trained_run: Path, to: Path) -> Path:
     shutil.copytree(trained_run, to)
     return to
@@ -278,3 +279,32 @@ def test_the_readme_hf_uptraining_command_works_as_printed(
     record = json.loads((tmp_path / "run" / "result.json").read_text())
     assert record["steps"] == 1
     assert (tmp_path / "run" / "init_tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("chinese", "机器学习是人工智能的一个分支，它让计算机从数据中学习规律。".encode() * 40),
+        ("one-line", b"recursivetransformersloopoverthesharedcore" * 60),
+        ("binary", bytes(range(256)) * 12),
+    ],
+)
+def test_eval_of_a_text_with_few_words_reports_an_infinite_word_perplexity(
+    name, content, trained_run, tmp_path, capsys
+):
+    """`eval RUN --ppl doc=FILE` of a text with few whitespace-separated words (Chinese, one long line without
+    spaces, a binary file): exp(nll / words) overflows a float, so the word perplexity is infinite (it crashed
+    with `OverflowError: math range error`); the token perplexity and bits per byte still come out."""
+    import json
+    import math
+
+    text = tmp_path / f"{name}.txt"
+    text.write_bytes(content)
+    out = tmp_path / "eval"
+    args = ["eval", str(trained_run), "--ppl", f"doc={text}", "--tasks", "none", "--no-mlflow"]
+    rc, err = run_cli([*args, "--out", str(out)], capsys)
+    assert rc == 0, err
+    (record,) = out.glob("*.json")
+    r = json.loads(record.read_text())["ppl"]["doc"]
+    assert r["word_perplexity"] == math.inf and r["words"] < r["tokens"]
+    assert math.isfinite(r["ppl"]) and r["ppl"] > 1 and 0 < r["bits_per_byte"] < math.inf

@@ -22,7 +22,7 @@ def _smoke(script: str, *args: str) -> str:
 
 
 def test_bench_gpu_smoke_prints_every_goal():
-    out = _smoke("bench_gpu.py", "--issue18", "--modes", "eager")
+    out = _smoke("bench_gpu.py", "--goals", "--modes", "eager")
     assert "cpu-tiny L=64 x2 eager: spiral/looped time" in out
     rows = [r for r in out.splitlines() if r.startswith("| cpu-tiny | 64 | 2 | eager |")]
     assert [r.split(" | ")[4] for r in rows] == ["looped mesh", "spiral-B mesh", "looped base"]

@@ -1,4 +1,4 @@
-"""Progress of long work (recursive_lightning/progress.py, issue 30): plain lines at most every 30 s when
+"""Progress of long work (recursive_lightning/progress.py): plain lines at most every 30 s when
 the output is not a terminal, a tqdm bar when it is; time is driven by an injected clock, never by sleeps."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The thread policy (recursive_lightning/threads.py, issue 30): the global --threads option, the default
+"""The thread policy (recursive_lightning/threads.py): the global --threads option, the default
 by model width and idle cores, and a command leaving the process's threads as it found them."""
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def test_threads_option_reaches_the_command(no_thread_env, monkeypatch, capsys):
 
 @pytest.mark.parametrize("command", ["describe", "report"])
 def test_every_commands_help_lists_the_global_threads_option(command, capsys):
-    """`--threads` is taken out before the command parses its flags, so the command's own --help did not list
-    it although the README says every command takes it."""
+    """`--threads` is taken out before the command parses its flags, yet the command's own --help lists it, as
+    every command takes it (docs/getting-started.md, docs/training.md)."""
     with pytest.raises(SystemExit) as e:
         cli.main([command, "--help"])
     assert e.value.code == 0

@@ -1,4 +1,4 @@
-"""Adaptive exit measured (issue 33): the ``eval`` command's ``--exit-kl 5e-4,1e-3`` and a sweep's
+"""Adaptive exit measured: the ``eval`` command's ``--exit-kl 5e-4,1e-3`` and a sweep's
 ``evaluate: {exit_kl: [...], exit_max_tokens: N}``: what stopping a token's loop steps early
 (model/recursive/adaptive_exit.py, Huginn Sec. 6) costs in perplexity and saves in loop steps.
 
@@ -31,7 +31,13 @@ import torch.nn.functional as F
 
 from recursive_lightning.errors import UserError
 from recursive_lightning.evaluation.options import EvalOptions
-from recursive_lightning.evaluation.perplexity import eos_id_of, model_device, plan_windows, score_sequences
+from recursive_lightning.evaluation.perplexity import (
+    eos_id_of,
+    exp_per,
+    model_device,
+    plan_windows,
+    score_sequences,
+)
 from recursive_lightning.model.depth import at_depth, check_depth, trained_depth
 from recursive_lightning.model.recursive.adaptive_exit import check_adaptive_exit, hidden_adaptive
 from recursive_lightning.progress import Progress
@@ -197,7 +203,7 @@ def _summary(nll: float, tokens: int, n_bytes: int) -> dict[str, float]:
     return {
         "nll": nll,
         "tokens": tokens,
-        "ppl": math.exp(nll / tokens) if tokens else float("nan"),
+        "ppl": exp_per(nll, tokens),
         "bits_per_byte": nll / (math.log(2) * n_bytes) if n_bytes else float("nan"),
     }
 

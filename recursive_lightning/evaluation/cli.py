@@ -27,6 +27,7 @@ from recursive_lightning.errors import UserError
 from recursive_lightning.evaluation.downstream import DEFAULT_ALIAS, DEFAULT_TASKS, NOT_ACCURACY, PAPER_METRIC
 from recursive_lightning.evaluation.options import EXIT_MAX_TOKENS, EvalOptions, check_context_lengths
 from recursive_lightning.evaluation.run import evaluate_checkpoint
+from recursive_lightning.uris import mask_url
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -100,7 +101,8 @@ def print_report(result: dict[str, Any]) -> None:
         for plot in _plots(result):
             console.print(f"plot: {plot}")
         if result.get("mlflow"):
-            console.print(f"MLflow run {result['mlflow']['run_id']} in {result['mlflow']['tracking_uri']}")
+            where = mask_url(result["mlflow"]["tracking_uri"])  # a password in the URL is never printed
+            console.print(f"MLflow run {result['mlflow']['run_id']} in {where}")
     except ImportError:
         print(title)
         for name, header, rows in tables:
@@ -257,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--loops",
         default=None,
         help="test-time depth of a looped model: loop counts, e.g. 1,2,4,8 (each --ppl set and task again at "
-        "each; README 'Test-time depth')",
+        "each; docs/test-time-depth.md)",
     )
     p.add_argument(
         "--h-cycles",

@@ -1,4 +1,4 @@
-"""Evaluation at test-time depths (issue 33, "think longer with the same weights"): the ``eval`` command's
+"""Evaluation at test-time depths ("think longer with the same weights"): the ``eval`` command's
 ``--loops 1,2,4,8`` (a looped model's loop count K') and ``--h-cycles 1,2,4`` (Mela's high-level cycles H'),
 and a sweep's ``evaluate: {loops: [...], h_cycles: [...]}``.
 

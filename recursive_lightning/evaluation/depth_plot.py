@@ -1,4 +1,4 @@
-"""Perplexity (and accuracy) against test-time depth (issue 33): the ``eval --loops`` / ``--h-cycles`` PNG.
+"""Perplexity (and accuracy) against test-time depth: the ``eval --loops`` / ``--h-cycles`` PNG.
 
 Left: against the loop count (Mela: high-level cycles), log2 axis; right: against the forward FLOPs per
 token at that depth, the compute the extra depth costs. The trained depth is marked on both. A second row,

@@ -12,6 +12,7 @@ from typing import Any
 
 from recursive_lightning.errors import UserError
 from recursive_lightning.evaluation.downstream import DEFAULT_ALIAS, DEFAULT_SHOTS
+from recursive_lightning.model.layout import check_depth_bound
 
 # a sweep's evaluate: keys -> EvalOptions fields (the other fields take their defaults)
 SWEEP_FIELDS = {
@@ -164,6 +165,7 @@ def check_depths(counts: Sequence[int] | None, flag: str) -> list[int] | None:
     bad = [k for k in counts if isinstance(k, bool) or not isinstance(k, int) or k < 1]
     if bad:
         raise UserError(f"{flag} must be whole counts >= 1, not {bad[0]!r}; {example}.")
+    check_depth_bound(max(counts), flag)
     return sorted(set(counts))
 
 

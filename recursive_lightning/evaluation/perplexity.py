@@ -239,18 +239,29 @@ def encode(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     return [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
 
+def exp_per(nll: float, count: int) -> float:
+    """``exp(nll / count)``, a perplexity: infinite where it exceeds a float (a text of few whitespace-separated
+    words, Chinese or one long line, makes nll per word thousands of nats), NaN for nothing counted."""
+    if not count:
+        return float("nan")
+    try:
+        return math.exp(nll / count)
+    except OverflowError:
+        return float("inf")
+
+
 def _summary(nll: float, tokens: int, texts: Sequence[str]) -> dict[str, Any]:
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
     words = sum(len(re.split(r"\s+", t)) for t in texts)
     return {
         "nll": nll,
         "tokens": tokens,
-        "ppl": math.exp(nll / tokens) if tokens else float("nan"),
+        "ppl": exp_per(nll, tokens),
         "documents": len(texts),
         "bytes": n_bytes,
         "bits_per_byte": nll / (math.log(2) * n_bytes) if n_bytes else float("nan"),
         "words": words,
-        "word_perplexity": math.exp(nll / words) if words else float("nan"),
+        "word_perplexity": exp_per(nll, words),
     }
 
 
@@ -276,7 +287,8 @@ def perplexity(
     with a ``label``, progress in tokens (a bar on a terminal, a line every 30 s in a log).
 
     Returns ``nll`` (sum over tokens, nats), ``tokens``, ``ppl = exp(nll / tokens)``, plus ``bits_per_byte``
-    and lm-eval's ``word_perplexity`` (``exp(nll / whitespace-separated words)``), the window and stride.
+    and lm-eval's ``word_perplexity`` (``exp(nll / whitespace-separated words)``, infinite where a text of few
+    words makes it exceed a float), the window and stride.
     ``max_length`` defaults to the model's ``max_seq_len``; ``stride`` to ``max_length`` (disjoint windows).
     """
     texts = [texts] if isinstance(texts, str) else [t for t in texts if t]
@@ -385,11 +397,11 @@ def perplexity_by_context_length(
             "segments": len(segments),
             "nll": nll,
             "tokens": n,
-            "ppl": math.exp(nll / n),
+            "ppl": exp_per(nll, n),
             "last_block": blk,
             "nll_last": nll_last,
             "tokens_last": n_last,
-            "ppl_last": math.exp(nll_last / n_last),
+            "ppl_last": exp_per(nll_last, n_last),
             "extrapolated": L > trained,
         }
     return results

@@ -16,6 +16,7 @@ import yaml
 
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.model.layout import Layout, parse_layout
+from recursive_lightning.strict_yaml import StrictYAMLError, parse_yaml
 
 # name -> (layers, hidden, heads); all Pythia sizes share the GPT-NeoX recipe.
 PYTHIA = {
@@ -44,7 +45,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # Transformer++ (LLaMA: RMSNorm, SwiGLU, full rotary, GQA, no biases) and Mela (arch: mela), Mela Table 1.
-# Decoder depth, heads and memory shape are not in the table: our fit, see MELA_SIZES below and the README.
+# Decoder depth, heads and memory shape are not in the table: our fit (MELA_SIZES below, docs/models.md).
 LLAMA = {
     "norm": "rmsnorm",
     "mlp": "swiglu",
@@ -166,8 +167,18 @@ _RECURSIVE_FIELDS = ("topology", "buffer", "mesh_transition_input", *_MULTIRES_F
 _MELA_FIELDS = (
     "patch_size", "chunk_size", "h_cycles", "l_cycles", "h_layers", "l_layers", "hmm_d_model", "hmm_heads",
     "memory_heads", "memory_depth", "memory_expansion", "memory_update", "ns_steps", "memory_read", "memory_carry",
-    "memory_max_lr", "hmm_attention", "hmm_gate", "neural_memory", "fusion", "memstack",
+    "memory_max_lr", "memory_step_floor", "hmm_attention", "hmm_gate", "neural_memory", "fusion", "memstack",
 )  # fmt: skip
+
+
+def _written_before_step_floor(data: dict[str, Any]) -> bool:
+    """A complete Mela model dict (``to_dict`` writes every field, ``n_layers_hint`` among them, which no user
+    file states) without ``memory_step_floor``: a checkpoint or ``config.yaml`` written before the field existed,
+    whose memory took Eq. 10's unbounded step. It keeps that function (floor 0) when it loads or resumes."""
+    complete = "n_layers_hint" in data and all(
+        name in data for name in _MELA_FIELDS if name != "memory_step_floor"
+    )
+    return complete and data.get("arch") == "mela" and "memory_step_floor" not in data
 
 
 @dataclass
@@ -234,6 +245,9 @@ class ModelConfig:
     memory_carry: str = "cycles"
     # [reading] theta = memory_max_lr * sigmoid(.) (Titans' max_lr); Eqs. 1-5 diverge without a bound
     memory_max_lr: float = 0.01
+    # [reading] Eq. 10's Newton-Schulz step times min(1, ||S_t|| / (memory_step_floor * sum theta * ||M||)):
+    # unit singular values while the surprise is large, shrinking with it (neural_memory.step_floors); 0: Eq. 10
+    memory_step_floor: float = 6.0
     hmm_attention: bool = True  # gated attention in every memory block (Table 4 "attention in memory module")
     hmm_gate: bool = True  # its sigmoid output gate (Qiu et al. 2025; Table 4 "gating")
     neural_memory: bool = True  # the neural memory in every memory block (Table 4)
@@ -396,6 +410,12 @@ class ModelConfig:
         _choice("memory_carry", self.memory_carry, ("cycles", "none"))
         if not 0 < self.memory_max_lr < float("inf"):
             raise ConfigError(f"model.memory_max_lr must be a positive number, not {self.memory_max_lr!r}.")
+        floor = self.memory_step_floor
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor < float("inf"):
+            raise ConfigError(
+                f"model.memory_step_floor must be a number >= 0 (0: Eq. 10's unbounded Newton-Schulz step), not "
+                f"{self.memory_step_floor!r}."
+            )
         for name in (
             "patch_size",
             "chunk_size",
@@ -446,6 +466,8 @@ class ModelConfig:
             hint = difflib.get_close_matches(unknown[0], sorted(known), n=1)
             extra = f" (did you mean '{hint[0]}'?)" if hint else ""
             raise ConfigError(f"model.{unknown[0]} is not a model field{extra}.")
+        if _written_before_step_floor(data):
+            data["memory_step_floor"] = 0.0  # the function that model was trained as: Eq. 10 literally
         base: dict[str, Any] = {}
         preset = data.get("preset")
         if preset is not None:
@@ -491,8 +513,10 @@ class ModelConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ModelConfig:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        try:  # duplicate keys and YAML 1.1's ambiguous scalars refused, as in run configs
+            data = parse_yaml(Path(path).read_text(encoding="utf-8"), f"model file '{path}'") or {}
+        except StrictYAMLError as e:
+            raise ConfigError(str(e)) from None
         return cls.from_dict(data.get("model", data))
 
 

@@ -1,4 +1,4 @@
-"""Test-time depth, one dial per family (issue 33): a looped model's loop count K' (``--loops``; the rules for
+"""Test-time depth, one dial per family: a looped model's loop count K' (``--loops``; the rules for
 every topology in :mod:`recursive_lightning.model.recursive.depth`) and Mela's high-level cycles H'
 (``--h-cycles``, Mela Sec. 3.2: the HLR's H).
 
@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from recursive_lightning.errors import UserError
+from recursive_lightning.model.layout import check_depth_bound
 from recursive_lightning.model.mela.model import MelaLM
 from recursive_lightning.model.recursive.depth import check_loops
 
@@ -44,9 +45,10 @@ def check_depth(model: torch.nn.Module, k: object, dial: str | None = None) -> i
         )
         raise UserError(f"{flag} does not apply to this {model.cfg.arch} model: {what}; use {fix}.")
     if own == "loops":
-        return check_loops(model.layout, k)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        k = check_loops(model.layout, k)
+    elif isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise UserError(f"--h-cycles must be whole cycle counts >= 1, not {k!r}; e.g. --h-cycles 1,2,4,8.")
+    check_depth_bound(k, f"--{own.replace('_', '-')}")
     return k
 
 

@@ -404,7 +404,7 @@ def _describe_mela(
         "n_chunks": n_chunks,  # N_c = N_p / C = decoder chunks of P*C tokens
         "decoder_length": seq_len + n_chunks * C,  # N (P+1) / P when P*C divides N
         "hmm_chunks_computed": hmm_chunks,
-        # readings (issue 31; README "Mela"): C counts patches (Sec. 3.1 N_c = N_p / C, Sec. 4.1 chunks of
+        # readings (docs/models.md, Mela): C counts patches (Sec. 3.1 N_c = N_p / C, Sec. 4.1 chunks of
         # P*C tokens, Fig. 3b P=4, C=1); each block's memory carried through the cycles or not
         "chunk_unit": "patches",
         "memory_carry": cfg.memory_carry,

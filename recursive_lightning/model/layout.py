@@ -25,6 +25,11 @@ _LOOP = re.compile(r"^(\d+)R(\d+)$")
 _MULTIRES = re.compile(r"^(\d+)[x×]\{([^}]*)\}$")
 
 EXAMPLES = "e.g. '24', '4+8R2+4', '4+8+8+4' or '4+8x{1/8,1/4,1/2,1}+4'"
+# Bounds far beyond any paper's model (MeSH and SpiralFormer loop 2-8 times, Huginn's test-time recurrence goes
+# to 64; the deepest LLMs have ~128 layers) that keep a mistyped count from running for hours: MeSH's buffer
+# makes a step's cost grow with the steps before it, so `describe` of 1,000 MeSH steps already takes minutes.
+MAX_LOOP_STEPS = 256  # loop steps of a layout, and a test-time depth (--loops, --h-cycles)
+MAX_UNROLLED_LAYERS = 4096  # layers of a layout's unrolled computation graph
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,32 @@ class Layout:
         return tuple(Fraction(1, g) for g in self.chunk)
 
 
+def _check_size(text: str, steps: int, unrolled: int) -> None:
+    """One sentence for a layout of more loop steps or unrolled layers than the bounds above (checked before
+    the steps are listed: R100000000 would fill the memory)."""
+    if steps > MAX_LOOP_STEPS:
+        raise ConfigError(
+            f"model.layout '{text}' has {steps} loop steps, more than the {MAX_LOOP_STEPS} this package runs "
+            "(papers loop 2-64 times); lower the loop count, e.g. 4+8R4+4."
+        )
+    if unrolled > MAX_UNROLLED_LAYERS:
+        raise ConfigError(
+            f"model.layout '{text}' unrolls to {unrolled} layers, more than the {MAX_UNROLLED_LAYERS} this "
+            "package runs; use fewer layers or loop steps, e.g. 4+8R4+4."
+        )
+
+
+def check_depth_bound(k: int, flag: str) -> None:
+    """One sentence for a test-time depth (``flag``: ``--loops``, ``--h-cycles`` or a sweep's
+    ``evaluate.loops``) beyond :data:`MAX_LOOP_STEPS`; training's sampled loop counts are not bounded here."""
+    if k > MAX_LOOP_STEPS:
+        example = f"e.g. {flag} 1,2,4,8" if flag.startswith("--") else f"e.g. {flag}: [1, 2, 4, 8]"
+        raise ConfigError(
+            f"{flag} {k} exceeds {MAX_LOOP_STEPS}, the most loop steps a test-time depth may run (papers go to "
+            f"64); {example}."
+        )
+
+
 def _int(part: str, what: str, text: str) -> int:
     if not _INT.match(part):
         raise ConfigError(f"model.layout '{text}': the {what} '{part}' is not a whole number ({EXAMPLES}).")
@@ -102,6 +133,7 @@ def parse_layout(text: str | int) -> Layout:
         n = _int(parts[0], "layer count", text)
         if n < 1:
             raise ConfigError(f"model.layout '{text}' has no layers; use at least 1.")
+        _check_size(text, 0, n)
         return Layout(text, n, (), 0, (), ())
     if len(parts) == 2:
         raise ConfigError(
@@ -119,6 +151,7 @@ def parse_layout(text: str | int) -> Layout:
             )
         if core < 1:
             raise ConfigError(f"model.layout '{text}': the shared core needs at least one layer.")
+        _check_size(text, loops, prelude + core * loops + coda)
         return Layout(text, prelude, (core,), coda, (0,) * loops, (1,) * loops)
     if len(middle) == 1 and (m := _MULTIRES.match(middle[0])):
         core = int(m.group(1))
@@ -130,6 +163,7 @@ def parse_layout(text: str | int) -> Layout:
         chunk = tuple(_resolution(t, text) for t in tokens)
         if core < 1:
             raise ConfigError(f"model.layout '{text}': the shared core needs at least one layer.")
+        _check_size(text, len(chunk), prelude + core * len(chunk) + coda)
         return Layout(text, prelude, (core,), coda, (0,) * len(chunk), chunk)
     if len(middle) == 1 and (m := re.match(r"^(\d+)R(.*)$", middle[0])):  # a loop count that is no count
         raise ConfigError(
@@ -145,6 +179,7 @@ def parse_layout(text: str | int) -> Layout:
     cores = tuple(_int(p, "core size", text) for p in middle)
     if any(c < 1 for c in cores):
         raise ConfigError(f"model.layout '{text}': every core needs at least one layer.")
+    _check_size(text, len(cores), prelude + sum(cores) + coda)
     return Layout(text, prelude, cores, coda, tuple(range(len(cores))), (1,) * len(cores))
 
 

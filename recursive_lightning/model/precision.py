@@ -11,11 +11,12 @@ def no_autocast(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """Autocast off on ``t``'s device, so a region runs in its inputs' own dtype (autocast would turn its
     GEMMs to half precision); a no-op where the device has no autocast (the meta device of describe)."""
     device = t.device.type
-    return (
-        torch.autocast(device, enabled=False)
-        if torch.amp.is_autocast_available(device)
-        else contextlib.nullcontext()
-    )
+    # CUDA and the CPU always have autocast: no availability query there, which dynamo (torch 2.11) cannot
+    # trace; a graph break inside the ``with`` makes every call's resumed frame guard on a new context manager
+    # ("L['___stack0'] got deallocated"), recompiling until dynamo gives up on the compiled memory update
+    if device in ("cuda", "cpu") or torch.amp.is_autocast_available(device):
+        return torch.autocast(device, enabled=False)
+    return contextlib.nullcontext()
 
 
 def upcast(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Probes of a Mela checkpoint (issue 16 item 4): what the neural memories do and what MemStack adds.
+"""Probes of a Mela checkpoint: what the neural memories do and what MemStack adds.
 
 The model is run once per batch of samples through its own forward (``MelaLM.hidden``, nothing is
 re-implemented here) and two things are recorded:

@@ -321,7 +321,9 @@ def draw_mela(cap: MelaCapture, out: Path, title: str) -> list[Path]:
                 groups=cycles,
                 reference=1.0 if ns else None,
                 title=(
-                    f"Singular values of the memory update after Newton-Schulz-{cfg.ns_steps} - {title}"
+                    f"Singular values of the memory update after Newton-Schulz-{cfg.ns_steps}"
+                    + (f" and the step floor {cfg.memory_step_floor:g}" if cfg.memory_step_floor else "")
+                    + f" - {title}"
                     if ns
                     else f"Singular values of the memory update (no Newton-Schulz) - {title}"
                 ),

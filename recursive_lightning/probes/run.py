@@ -57,6 +57,7 @@ from recursive_lightning.probes.outputs import log_to_mlflow, write_json
 from recursive_lightning.probes.registry import FORMAT_VERSION, draw, scalar_metrics, summarize
 from recursive_lightning.probes.samples import Samples, load_samples, probe_data
 from recursive_lightning.tracking.runs import check_outputs, default_tracking_uri
+from recursive_lightning.uris import mask_url
 
 JSON_NAME = "probes.json"
 DEFAULT_TOKEN_INDEX = 27  # MeSH Fig. 11: the case-study token "gu" is idx 27
@@ -377,9 +378,9 @@ def _run_single(args: argparse.Namespace, device: torch.device) -> int:
                 args.tracking_uri,
                 "probes",
             )
-            msg += f"; MLflow run {run_id} ({uri}), artifacts under probes/"
+            msg += f"; MLflow run {run_id} ({mask_url(uri)}), artifacts under probes/"
         except Exception as e:  # the local outputs are complete; tracking problems only warn
-            print(f"warning: could not log to MLflow ({type(e).__name__}: {e}).", file=sys.stderr)
+            print(mask_url(f"warning: could not log to MLflow ({type(e).__name__}: {e})."), file=sys.stderr)
     print(msg)
     return 0
 

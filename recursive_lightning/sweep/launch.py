@@ -24,6 +24,7 @@ from recursive_lightning.processes import parent_death_signal
 from recursive_lightning.sweep.devices import CPU, device_pool, devices_needed, hold_devices
 from recursive_lightning.training import run as training_run
 from recursive_lightning.training.run import TrainResult
+from recursive_lightning.uris import STORAGE_ENV, TRACKING_ENV, mask_url
 
 PARENT_ENV = "RECURSIVE_LIGHTNING_SWEEP_PARENT"  # the pid of the sweep command that spawned a worker
 # run argv[2:] with PR_SET_PDEATHSIG = SIGKILL (kept across execve), unless the parent argv[1] is already gone
@@ -65,13 +66,16 @@ def die_with_parent(parent_pid: int) -> None:
 
 def spawn_workers(n: int, sweep_file: Path, run_dir: Path, storage: str, tracking: str) -> int:
     """Run ``n`` worker processes (``sweep --attach --worker``) sharing this machine's CPU threads; returns
-    the first non-zero exit code (a worker killed by a signal has a negative one), else 0."""
+    the first non-zero exit code (a worker killed by a signal has a negative one), else 0. The store URLs
+    reach them through the environment: their command lines (``ps``) show them with the password masked."""
     threads = max(1, (os.cpu_count() or 2) // n)
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(threads),
         "RL_TORCH_THREADS": str(threads),
         PARENT_ENV: str(os.getpid()),
+        STORAGE_ENV: storage,
+        TRACKING_ENV: tracking,
     }
     cmd = [
         sys.executable,
@@ -84,9 +88,9 @@ def spawn_workers(n: int, sweep_file: Path, run_dir: Path, storage: str, trackin
         "--run-dir",
         str(run_dir),
         "--storage",
-        storage,
+        mask_url(storage),
         "--tracking-uri",
-        tracking,
+        mask_url(tracking),
         "--no-report",
     ]
     procs = [subprocess.Popen(cmd, env=env) for _ in range(n)]
@@ -207,7 +211,8 @@ def _train_in_subprocess(
     """A multi-device trial (DDP / FSDP2) runs as its own `train` command: Lightning's launcher re-executes
     that command once per rank, which it cannot do for a sweep worker. So does every trial given ``devices``
     of the pool (its ``CUDA_VISIBLE_DEVICES``: a process's CUDA devices are fixed when it first uses CUDA).
-    Pruning is not available there."""
+    Pruning is not available there. The trial directory's lock stays with this worker: the ``train`` process it
+    starts finds it held by its starter (``run_lock``)."""
     trial_dir.mkdir(parents=True, exist_ok=True)
     cfg_file = trial_dir / "trial.yaml"
     if devices:  # its devices, renumbered 0 .. d-1 inside it: a count (ids or `auto` would name others)
@@ -224,7 +229,7 @@ def _train_in_subprocess(
         "--run-dir",
         str(trial_dir),
         "--tracking-uri",
-        tracking_uri,
+        mask_url(tracking_uri),  # its password through the environment, below: not in `ps`
         "--experiment",
         experiment,
         "--run-name",
@@ -239,7 +244,9 @@ def _train_in_subprocess(
     cmd = [*slurm_launcher(cfg), *cmd]
     if sys.platform.startswith("linux"):  # the train command dies with this worker, as the worker does
         cmd = [sys.executable, "-c", DIE_WITH_PARENT_EXEC, str(os.getpid()), *cmd]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices)} if devices else None
+    env = {**os.environ, TRACKING_ENV: tracking_uri}
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     proc = subprocess.Popen(cmd, env=env)
     try:
         code = proc.wait()

@@ -30,7 +30,7 @@ def open_parent(spec: SweepSpec, study, run_dir: Path, storage_url: str, trackin
             tracking_uri, exp_id, f"sweep:{spec.name}", tags={"sweep": spec.name, "kind": "sweep"}
         )
         study.set_user_attr("mlflow_parent_run_id", parent)
-        study.set_user_attr("tracking_uri", tracking_uri)
+        study.set_user_attr("tracking_uri", mask_url(tracking_uri))  # its password filled in where read
         study.set_user_attr("run_dir", str(run_dir))  # where `sweep --attach` workers put trials by default
         log_params(
             tracking_uri,
@@ -48,7 +48,7 @@ def open_parent(spec: SweepSpec, study, run_dir: Path, storage_url: str, trackin
     else:  # a re-run continues the sweep: its parent run is running again
         client(tracking_uri).update_run(parent, status="RUNNING")
         # run in a moved or copied sweep directory: attached workers find it, and its store, where it lies now
-        for k, v in (("tracking_uri", tracking_uri), ("run_dir", str(run_dir))):
+        for k, v in (("tracking_uri", mask_url(tracking_uri)), ("run_dir", str(run_dir))):
             if study.user_attrs.get(k) != v:
                 study.set_user_attr(k, v)
     return parent

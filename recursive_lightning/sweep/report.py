@@ -37,7 +37,8 @@ from recursive_lightning.sweep.report_html import markdown_to_html
 from recursive_lightning.sweep.servers import check_database
 from recursive_lightning.sweep.spec import SEED_AXIS, load_sweep, row_names
 from recursive_lightning.sweep.tables import mean_std
-from recursive_lightning.tracking.runs import absolute_uri, check_outputs, log_artifact, log_metrics
+from recursive_lightning.tracking.runs import absolute_uri, check_outputs, log_artifact, log_batch
+from recursive_lightning.uris import mask_url, reveal
 
 # MLflow's artifact viewer prints a markdown image as text; report.html shows the figures there
 VIEWER_HINT = " In MLflow's artifact viewer, open `report.html` to see the figures."
@@ -213,7 +214,7 @@ def _results_sections(
             try:
                 t["history"] = curves.metric_history(tracking_uri, t["mlflow_run_id"])
             except Exception as e:  # a store that cannot be read: tokens/s and curves stay missing
-                problems.append(f"trial {t['number']}: {type(e).__name__}: {e}"[:300])
+                problems.append(mask_url(f"trial {t['number']}: {type(e).__name__}: {e}")[:300])
         t["tokens_per_sec"] = curves.training_tokens_per_sec(t["history"])
     rows = tables.build_rows(trials, axes, row_names(spec.axes) if spec.search is None else ())
     main_cols, heads, shots = tables.columns(trials, ranked)
@@ -350,7 +351,7 @@ def _results_sections(
             "",
         ]
     else:
-        lines += [f"No trial has a metric history in {tracking_uri}.", ""]
+        lines += [f"No trial has a metric history in {mask_url(tracking_uri)}.", ""]
     if problems:
         lines += ["Could not read the history of: " + "; ".join(problems), ""]
     cost_png, cost_points = cost.plot(rows, ranked, out / "report_cost.png", spec.name)
@@ -393,8 +394,9 @@ def write_report(
             f"'{run_dir}' is not a sweep directory (no sweep.json); pass the --run-dir of a sweep."
         )
     info = json.loads(info_file.read_text())
-    storage_url = storage_url or absolute_uri(info["storage"], base=run_dir)
-    tracking_uri = tracking_uri or absolute_uri(info["tracking_uri"], base=run_dir)
+    # recorded with their passwords masked: filled in from this command or the environment (uris.reveal)
+    storage_url = storage_url or reveal(absolute_uri(info["storage"], base=run_dir))
+    tracking_uri = tracking_uri or reveal(absolute_uri(info["tracking_uri"], base=run_dir))
     check_database(storage_url, "the study", "Optuna storage")  # a server that is down: one sentence
     # a read-only sweep directory (shared storage, a copy): one sentence before any work, not a traceback after it
     check_outputs("report", out, out_given, tracking_uri if log else None, tracking_options="--no-mlflow")
@@ -489,11 +491,9 @@ def write_report(
                 log_artifact(tracking_uri, parent, f, subdir="report")
             if rows:
                 log_ranking(tracking_uri, parent, data["ranking"], ranked, data["results_table"])
-                log_metrics(
-                    tracking_uri, parent, {"trials/finished": len(rows), "trials/failed": len(failed)}
-                )
+                log_batch(tracking_uri, parent, {"trials/finished": len(rows), "trials/failed": len(failed)})
         except Exception as e:  # the report on disk is still complete
-            print(f"warning: could not log the report to MLflow ({e})")
+            print(mask_url(f"warning: could not log the report to MLflow ({e})"))
     return {
         "path": path,
         "html": html_path,

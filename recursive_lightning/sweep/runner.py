@@ -55,7 +55,7 @@ from recursive_lightning.sweep.trial import POLL_S, requeue_dead_local, worker
 from recursive_lightning.tracking.runs import default_tracking_uri
 from recursive_lightning.tracking.view import ui_hint
 from recursive_lightning.training.run import prepare_corpus
-from recursive_lightning.uris import mask_url
+from recursive_lightning.uris import MASK, STORAGE_ENV, TRACKING_ENV, mask_url, remember, reveal
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SWEEP = REPO / "ablations" / "default.yaml"
@@ -154,6 +154,16 @@ def _wait_for_local_trials(spec: SweepSpec, storage_url: str) -> bool:
         time.sleep(POLL_S)
 
 
+def _password_hint(storage: str) -> str:
+    """Where a command shown with a masked ``--storage`` finds the password."""
+    if mask_url(storage) == storage:
+        return ""
+    return (
+        f" (the password shown as {MASK}: put the URL in {STORAGE_ENV}, or the password in PGPASSWORD or "
+        "~/.pgpass)"
+    )
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="recursive_lightning sweep", description="Run an ablation sweep (Optuna + MLflow)."
@@ -188,6 +198,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-trials", type=int, help="stop this worker after N trials")
     p.add_argument("--no-report", action="store_true", help="skip the report at the end")
     args = p.parse_args(argv)
+    # the store URLs default to the environment's (how a sweep hands them to its workers, off their command
+    # lines); one given as the package shows it (its password masked) takes its password from there (uris.reveal)
+    args.storage = reveal(remember(args.storage or os.environ.get(STORAGE_ENV)))
+    args.tracking_uri = reveal(remember(args.tracking_uri or os.environ.get(TRACKING_ENV)))
     quiet_libraries(trains=False)
     if args.worker or not sys.stderr.isatty():
         # per-request progress bars (lm-eval, our evaluator) of parallel workers interleave into noise in a
@@ -243,7 +257,8 @@ def main(argv: list[str]) -> int:
             prepare_data(spec)
             print(
                 f"[sweep {spec.name}] prepared in {run_dir}; start workers (on any machine that reaches the stores "
-                f"and this directory) with: sweep {sweep_file} --attach --storage {mask_url(storage)}",
+                f"and this directory) with: sweep {sweep_file} --attach --storage {mask_url(storage)}"
+                f"{_password_hint(storage)}",
                 flush=True,
             )
             return 0
@@ -326,7 +341,7 @@ def main(argv: list[str]) -> int:
     shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
     print(
         f"[sweep {spec.name}] not finished: {why}; unfinished grid point(s) {shown or '(none named)'}: run "
-        f"`{again}` to finish them (the report is partial until then)",
+        f"`{again}`{_password_hint(storage)} to finish them (the report is partial until then)",
         file=sys.stderr,
         flush=True,
     )

@@ -34,78 +34,8 @@ from pathlib import Path
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.processes import dies_with_parent, stop_group
 from recursive_lightning.tracking.runs import absolute_uri, sqlite_parts
-from recursive_lightning.uris import mask_url, same_server
-
-CONNECT_TIMEOUT_S = 10
-
-
-def _shown(url: str) -> str:
-    """``url`` with its password hidden (:func:`recursive_lightning.uris.mask_url`)."""
-    return mask_url(url)
-
-
-def _first_line(e: BaseException) -> str:
-    text = mask_url(str(getattr(e, "orig", None) or e)).strip()
-    return text.splitlines()[0].strip().rstrip(".") if text else type(e).__name__
-
-
-def _is_database_url(url: str) -> bool:
-    return "://" in url and url.split("://", 1)[0].lower() not in ("http", "https", "file", "databricks")
-
-
-def check_database(url: str, option: str, what: str) -> None:
-    """Refuse in one sentence a database URL (``option``, naming ``what`` it holds) that SQLAlchemy cannot
-    parse, whose driver is not installed, or whose server cannot be reached or refuses us. SQLite files
-    are left to the sweep's own checks (they are created on first use)."""
-    from sqlalchemy import create_engine, text  # heavy
-    from sqlalchemy.engine import make_url  # heavy
-    from sqlalchemy.exc import ArgumentError, NoSuchModuleError  # heavy
-
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        raise ConfigError(
-            f"{option} '{mask_url(url)}' is not a database URL; write postgresql+psycopg://USER@HOST:PORT/DATABASE "
-            "(or sqlite:///PATH for one machine)."
-        ) from None
-    if parsed.get_backend_name() == "sqlite":
-        return
-    if (
-        parsed.drivername == "postgresql"
-    ):  # SQLAlchemy's default driver for it is psycopg2, not installed here
-        try:
-            import psycopg2  # noqa: F401  # optional
-        except ImportError:
-            raise ConfigError(
-                f"{option} '{_shown(url)}' asks SQLAlchemy for the psycopg2 driver, which is not installed; "
-                f"write {parsed.set(drivername='postgresql+psycopg').render_as_string(hide_password=True)} to "
-                "use psycopg 3 (requirements.lock)."
-            ) from None
-    try:
-        connect_args = (
-            {"connect_timeout": CONNECT_TIMEOUT_S} if parsed.get_backend_name() == "postgresql" else {}
-        )
-        engine = create_engine(parsed, connect_args=connect_args)
-    except (NoSuchModuleError, ImportError, ModuleNotFoundError) as e:
-        raise ConfigError(
-            f"{option} '{_shown(url)}' needs the database driver '{parsed.drivername}', which is not installed "
-            f"({_first_line(e)}); use postgresql+psycopg://... (psycopg 3 is in requirements.lock)."
-        ) from None
-    try:
-        with engine.connect() as con:
-            con.execute(text("SELECT 1"))
-    except Exception as e:
-        reason = _first_line(e)
-        fix = (
-            f"create it first (createdb {parsed.database})"
-            if "does not exist" in reason and parsed.database and "database" in reason
-            else "start the database server or fix the URL"
-        )
-        raise ConfigError(
-            f"cannot open the {what} {option} '{_shown(url)}' ({reason}); {fix}, then run the command again."
-        ) from None
-    finally:
-        engine.dispose()
+from recursive_lightning.tracking.stores import CONNECT_TIMEOUT_S, check_database, is_database_url
+from recursive_lightning.uris import mask_url, reveal, same_server
 
 
 def _auth_headers() -> dict[str, str]:
@@ -145,7 +75,7 @@ def check_tracking_server(uri: str, option: str = "--tracking-uri") -> None:
         reason = getattr(e, "reason", e)
         raise ConfigError(
             f"cannot reach the MLflow tracking server {option} '{mask_url(uri)}' ({reason}); start `mlflow server` there "
-            "(see the README's 'Run a sweep on a cluster') or fix the URL, then run the command again."
+            "(see docs/sweeps.md) or fix the URL, then run the command again."
         ) from None
 
 
@@ -155,7 +85,7 @@ def check_stores(storage_url: str, tracking_uri: str) -> None:
     scheme = tracking_uri.split("://", 1)[0].lower() if "://" in tracking_uri else ""
     if scheme in ("http", "https"):
         check_tracking_server(tracking_uri)
-    elif scheme and scheme not in ("file", "sqlite", "databricks") and _is_database_url(tracking_uri):
+    elif scheme and scheme not in ("file", "sqlite", "databricks") and is_database_url(tracking_uri):
         check_database(tracking_uri, "--tracking-uri", "MLflow tracking store")
 
 
@@ -178,6 +108,10 @@ def recorded_study(storage_url: str, name: str, tracking_uri: str | None = None)
             f"--tracking-uri '{mask_url(tracking_uri)}' is not the tracking store the study '{name}' logs to "
             f"('{mask_url(out['tracking_uri'])}'); leave --tracking-uri out to use the study's."
         )
+    if (
+        "tracking_uri" in out
+    ):  # recorded with its password masked: filled in from this command or the environment
+        out["tracking_uri"] = reveal(out["tracking_uri"])
     return out
 
 

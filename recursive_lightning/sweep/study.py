@@ -260,9 +260,10 @@ def record_run_dir(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_ur
         json.dumps(
             {
                 "name": spec.name,
-                # stores inside the sweep directory are kept relative to it: a moved copy finds its own
-                "storage": portable_uri(storage_url, run_dir),
-                "tracking_uri": portable_uri(tracking_uri, run_dir),
+                # stores inside the sweep directory are kept relative to it: a moved copy finds its own; a
+                # password is masked (filled in again where read: uris.reveal)
+                "storage": mask_url(portable_uri(storage_url, run_dir)),
+                "tracking_uri": mask_url(portable_uri(tracking_uri, run_dir)),
                 "parent_run_id": parent,
                 # the kept sweep.yaml's relative paths (base:, evaluate.ppl) resolve from here
                 "sweep_dir": str(spec.path.parent.resolve()) if spec.path is not None else None,

@@ -29,6 +29,8 @@ from recursive_lightning.sweep.spec import SweepSpec, point_key
 from recursive_lightning.sweep.study import NEUTRAL_KEYS, claim_lock, grid_point, open_storage
 from recursive_lightning.tracking.runs import log_metrics, set_tags, set_terminated
 from recursive_lightning.training.run import TrainResult, build_datamodule, rebased
+from recursive_lightning.training.run_lock import describe_holder, run_dir_lock
+from recursive_lightning.uris import mask_url
 
 SWEEP_RESULT = "sweep_result.json"  # a trial's result as the sweep records it, before telling the study
 POLL_S = 2.0  # how often a worker looks again at running trials (of other workers, here or elsewhere)
@@ -335,9 +337,10 @@ def _suggest(trial, spec: SweepSpec) -> dict[str, Any]:
 def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri: str, parent: str) -> None:
     """Run one claimed trial to its end and tell the study: unless it finished before (``finished_before``) it
     trains, resuming from its last checkpoint; its result is recorded (``sweep_result.json``) before the study
-    is told."""
+    is told. The trial directory is held for it (``run_lock``): another process still writing it (a worker
+    whose claim went stale while it kept training, a ``train`` into it) is waited for, and what it finished is
+    then found on disk."""
     import optuna  # heavy
-    from optuna.trial import TrialState  # heavy
 
     trial = optuna.trial.Trial(study, trial_id)
     point = (
@@ -347,6 +350,25 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
     if key is None:  # a grid point is enqueued with its key; a trial of a search gets it here
         key = point_key(point)
         trial.set_user_attr("point_key", key)
+    trial_dir = run_dir / "trials" / key
+
+    def waiting(holder: dict) -> None:
+        print(
+            f"[sweep {spec.name}] trial {trial.number}: waiting for its directory {trial_dir}, held by "
+            f"{describe_holder(holder)}",
+            flush=True,
+        )
+
+    with run_dir_lock(trial_dir, on_wait=waiting):
+        _run_held(spec, study, trial, point, key, run_dir, tracking_uri, parent)
+
+
+def _run_held(
+    spec: SweepSpec, study, trial, point: dict, key: str, run_dir: Path, tracking_uri: str, parent: str
+) -> None:
+    """``run_trial`` once the trial directory is held."""
+    from optuna.trial import TrialState  # heavy
+
     cfg = spec.trial_config(point)
     flat = cfg.flat()
     trial_dir = run_dir / "trials" / key
@@ -417,7 +439,7 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
         }
         atomic_write_text(trial_dir / SWEEP_RESULT, json.dumps(record, indent=2, default=str))
     faults.point("before_tell")
-    # one request: with a tracking server each is a round trip (issue 21's bookkeeping per trial)
+    # one request: with a tracking server each is a round trip (the per-trial bookkeeping)
     set_tags(
         tracking_uri,
         record["mlflow_run_id"],
@@ -454,10 +476,10 @@ def _failed(spec: SweepSpec, study, storage, trial_id: int, e: Exception) -> Non
         )
         return
     attempt = int(trial.user_attrs.get("attempt", 0))
-    msg = f"{type(e).__name__}: {e}"
+    msg = mask_url(f"{type(e).__name__}: {e}")  # shown in the report: a URL in it without its password
     print(f"[sweep {spec.name}] trial {trial.number} failed: {msg}", file=sys.stderr, flush=True)
     storage.set_trial_user_attr(trial_id, "error", msg[:2000])
-    storage.set_trial_user_attr(trial_id, "traceback", traceback.format_exc()[-4000:])
+    storage.set_trial_user_attr(trial_id, "traceback", mask_url(traceback.format_exc())[-4000:])
     study.tell(trial.number, state=TrialState.FAIL)
     if attempt < spec.max_retries:
         params = trial.params or dict(trial.system_attrs.get("fixed_params", {}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
 import tempfile
@@ -13,7 +14,7 @@ from typing import Any
 from recursive_lightning.errors import UserError
 from recursive_lightning.files import atomic_write_text, writable_dir_problem
 from recursive_lightning.tracking.sqlite_store import create_store
-from recursive_lightning.uris import mask_url
+from recursive_lightning.uris import mask_url, reveal
 
 RUN_ID_FILE = "mlflow_run_id"
 TRACKING_URI_FILE = "mlflow_tracking_uri"  # where that run lives (a sweep's trials log to the sweep's store)
@@ -60,14 +61,16 @@ def _is_sweep_dir(d: Path) -> bool:
 
 
 def record_tracking_uri(run_dir: str | os.PathLike, uri: str) -> None:
-    """Keep ``uri`` in ``run_dir`` (relative where it points inside it, see ``portable_uri``)."""
-    atomic_write_text(Path(run_dir) / TRACKING_URI_FILE, portable_uri(uri, run_dir))
+    """Keep ``uri`` in ``run_dir`` (relative where it points inside it, see ``portable_uri``; its password masked,
+    filled in again when read back: ``default_tracking_uri``)."""
+    atomic_write_text(Path(run_dir) / TRACKING_URI_FILE, mask_url(portable_uri(uri, run_dir)))
 
 
 def default_tracking_uri(run_dir: str | os.PathLike) -> str:
     """The tracking store a run directory's MLflow run was created in, else SQLite inside the directory.
 
-    A recorded relative SQLite path is resolved against the directory's current location."""
+    A recorded relative SQLite path is resolved against the directory's current location; a recorded masked
+    password is filled in from this command's options or the environment (``uris.reveal``)."""
     run_dir = Path(run_dir).resolve()
     recorded = run_dir / TRACKING_URI_FILE
     if recorded.is_file():
@@ -80,14 +83,14 @@ def default_tracking_uri(run_dir: str | os.PathLike) -> str:
             for d in (run_dir, *(a for a in run_dir.parents if _is_sweep_dir(a))):
                 if (d / name).is_file():
                     return f"sqlite:///{d / name}{parts[1]}"
-        return uri
+        return reveal(uri)
     return f"sqlite:///{run_dir / 'mlflow.db'}"
 
 
 def ui_command(run_dir: str | os.PathLike, tracking_uri: str) -> str:
     """How to look at a run or sweep directory's runs in the MLflow UI."""
     if tracking_uri.startswith(("http://", "https://")):
-        return f"open {tracking_uri} in a browser"
+        return f"open {mask_url(tracking_uri)} in a browser"
     shown = os.path.relpath(run_dir)
     if shown.startswith(".."):  # outside the current directory: its full path
         shown = str(run_dir)
@@ -256,15 +259,29 @@ def log_batch(
     tags: dict[str, Any] | None = None,
 ) -> None:
     """Metrics (at step 0) and tags of one run in one request (one transaction; one round trip to a tracking
-    server)."""
+    server). These are a run's current values (a report's rank, a row's mean): a metric whose latest value is
+    already this one is not logged again, so a report run again adds no point to its history; a changed value
+    is a new step-0 point, the latest, which the runs table and the charts show."""
     from mlflow.entities import Metric, RunTag  # heavy
 
+    c = client(tracking_uri)
+    metrics = {k: float(v) for k, v in (metrics or {}).items()}
+    if metrics:
+        latest = c.get_run(run_id).data.metrics
+        metrics = {k: v for k, v in metrics.items() if not _same_value(latest.get(k), v)}
+    if not metrics and not tags:
+        return
     now = int(time.time() * 1000)
-    client(tracking_uri).log_batch(
+    c.log_batch(
         run_id,
-        metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()],
+        metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
         tags=[RunTag(k, mask_url(str(v))) for k, v in (tags or {}).items()],
     )
+
+
+def _same_value(logged: float | None, value: float) -> bool:
+    """Whether a metric's logged value is ``value`` (NaN equal to NaN)."""
+    return logged is not None and (logged == value or (math.isnan(logged) and math.isnan(value)))
 
 
 def log_corpus(tracking_uri: str, run_id: str, corpus: dict[str, Any]) -> None:
@@ -369,6 +386,6 @@ def check_outputs(
         problem = tracking_store_problem(tracking_uri)
         if problem is not None:
             raise UserError(
-                f"{command} cannot log to the MLflow store {tracking_uri}: {problem}; pass {tracking_options} "
+                f"{command} cannot log to the MLflow store {mask_url(tracking_uri)}: {problem}; pass {tracking_options} "
                 "to log elsewhere."
             )

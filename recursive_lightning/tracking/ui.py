@@ -35,6 +35,7 @@ from recursive_lightning.tracking.runs import (
     sqlite_parts,
 )
 from recursive_lightning.tracking.view import entry_page, experiment_links, server_links
+from recursive_lightning.uris import mask_url, remember, reveal
 
 DEFAULT_DIRS = (Path("runs") / "sweeps" / "default",)
 
@@ -52,8 +53,8 @@ def store_of(run_dir: str | os.PathLike) -> str:
             uri = json.loads(info.read_text()).get("tracking_uri")
         except ValueError:
             uri = None
-        if uri:
-            return absolute_uri(uri, base=d)
+        if uri:  # recorded with its password masked: filled in from the environment
+            return reveal(absolute_uri(uri, base=d))
     uri = default_tracking_uri(d)
     parts = sqlite_parts(uri)
     if parts is not None and not Path(parts[0]).is_file():
@@ -122,8 +123,6 @@ def start_server(uri: str, host: str, port: int, workdir: Path) -> subprocess.Po
         "-m",
         "mlflow",
         "server",
-        "--backend-store-uri",
-        uri,
         "--host",
         host,
         "--port",
@@ -135,7 +134,9 @@ def start_server(uri: str, host: str, port: int, workdir: Path) -> subprocess.Po
         "--artifacts-destination",
         str(workdir / "served-artifacts"),
     ]
-    env = {**os.environ, "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
+    # the store through the environment (mlflow's own --backend-store-uri variable): a password stays off the
+    # server's command line
+    env = {**os.environ, "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "MLFLOW_BACKEND_STORE_URI": uri}
     log = open(workdir / "server.log", "wb")  # noqa: SIM115 (open for the server's lifetime)
     # its own session: Ctrl-C reaches this command, which stops it; SIGTERM if this command dies otherwise
     proc = subprocess.Popen(
@@ -205,10 +206,10 @@ def main(argv: list[str]) -> int:
     check_address(args.host, args.port)
     if args.tracking_uri and args.tracking_uri.startswith(("http://", "https://")):
         return _served_elsewhere(
-            args.tracking_uri, f"the runs are served by their tracking server {args.tracking_uri}"
+            args.tracking_uri, f"the runs are served by their tracking server {mask_url(args.tracking_uri)}"
         )
     if args.tracking_uri:
-        uri = absolute_uri(args.tracking_uri)
+        uri = reveal(remember(absolute_uri(args.tracking_uri)))
     else:
         run_dir = args.run_dir or next((str(d) for d in DEFAULT_DIRS if d.is_dir()), None)
         if run_dir is None:
@@ -218,7 +219,7 @@ def main(argv: list[str]) -> int:
             )
         uri = store_of(run_dir)
         if uri.startswith(("http://", "https://")):
-            return _served_elsewhere(uri, f"'{run_dir}' logs to the tracking server {uri}")
+            return _served_elsewhere(uri, f"'{run_dir}' logs to the tracking server {mask_url(uri)}")
 
     def _stop(
         signum, frame
@@ -235,7 +236,7 @@ def main(argv: list[str]) -> int:
         port = free_port(args.host, args.port)
         proc = start_server(uri, args.host, port, workdir)
         base = f"http://{args.host}:{port}"
-        print(f"MLflow UI at {base}  (store {uri}; Ctrl-C to stop)", flush=True)
+        print(f"MLflow UI at {base}  (store {mask_url(uri)}; Ctrl-C to stop)", flush=True)
         for line in experiment_links(uri, base, entry_page(base)):
             print(line, flush=True)
         try:

@@ -26,6 +26,7 @@ from urllib.parse import quote
 
 from recursive_lightning.tracking.mlflow_app import CLASSIC_PAGE, WORKFLOW_KEY
 from recursive_lightning.tracking.runs import client, set_experiment_tag, ui_command
+from recursive_lightning.uris import mask_url
 
 SHARED_VIEW_TAG = "mlflow.sharedViewState."  # MLflow's experiment tag prefix of a shared runs-table view
 VIEW_KEY = "ranked"  # our share key: the runs table ranked by the report's metric
@@ -341,7 +342,8 @@ def ours_to_replace(note: str | None) -> bool:
 def server_links(tracking_uri: str) -> list[str]:
     """For a store served by its own tracking server (``http(s)://``): the ranked links on that server."""
     base = tracking_uri.rstrip("/")
-    return experiment_links(tracking_uri, base, entry_page(base))
+    # the links printed: a password in the address masked
+    return experiment_links(tracking_uri, mask_url(base), entry_page(base))
 
 
 def ui_hint(run_dir: str, tracking_uri: str) -> str:

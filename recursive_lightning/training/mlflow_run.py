@@ -35,7 +35,9 @@ from recursive_lightning.tracking.runs import (
     set_terminated,
     to_json,
 )
+from recursive_lightning.tracking.stores import check_database, is_database_url
 from recursive_lightning.training.loop_flops import expected_training_flops
+from recursive_lightning.uris import mask_url
 
 
 def open_run(
@@ -55,7 +57,13 @@ def open_run(
     one with ``run_params`` and ``params`` (a sweep's axes), ``tags``, the config and ``describe`` counts as
     artifacts and ``corpus`` (``TextDataModule.corpus_summary()``) as its datasets. On a resume a param whose
     value changed becomes a ``resumed/<param>`` tag."""
+    given = bool(tracking_uri)
     tracking_uri = absolute_uri(tracking_uri) if tracking_uri else default_tracking_uri(run_dir)
+    if is_database_url(tracking_uri) and not tracking_uri.startswith("sqlite"):
+        # a database server that does not answer, or a password it lacks (the run directory records the URL
+        # masked): one sentence now, not MLflow's minutes of retries and a traceback
+        option = "--tracking-uri" if given else f"of '{run_dir}'"
+        check_database(tracking_uri, option, "MLflow tracking store")
     exp_id = ensure_experiment(tracking_uri, experiment or cfg.name, run_dir / "mlartifacts")
     id_file = run_dir / RUN_ID_FILE
     if id_file.exists():
@@ -103,8 +111,8 @@ def _check_run_exists(tracking_uri: str, run_id: str, run_dir: Path) -> None:
         client(tracking_uri).get_run(run_id)
     except MlflowException:
         raise ConfigError(
-            f"the MLflow run {run_id} of '{run_dir}' is not in {tracking_uri}; pass the store it was logged "
-            "to with --tracking-uri, or train into a new --run-dir."
+            f"the MLflow run {run_id} of '{run_dir}' is not in {mask_url(tracking_uri)}; pass the store it was "
+            "logged to with --tracking-uri, or train into a new --run-dir."
         ) from None
 
 

@@ -45,7 +45,8 @@ def compile_model(model: torch.nn.Module, scope: bool | str = "layers") -> None:
     """``torch.compile`` the model in place (``scope``: a ``train.compile`` value; ``True`` means ``layers``).
 
     ``layers``: every transformer layer on its own (the shared core's layers once, reused by every loop step
-    and resolution; composes with FSDP2's per-layer wrapping). ``glue``: the layers as with ``layers``, and the
+    and resolution; composes with FSDP2's per-layer wrapping); a model's ``compile_units`` where it names
+    other units (Mela: the decoder layers and each memory block's attention, not the block's chunk loop). ``glue``: the layers as with ``layers``, and the
     work between them as regions of their own (each step's S_down, S_up with the shift, and MeSH's routers,
     write and read: ``RecursiveLM.compile_glue``; Mela: each neural memory's chunk update,
     ``MelaLM.compile_glue``), so the glue is fused without compiling the unrolled loop as one graph.
@@ -63,9 +64,13 @@ def compile_model(model: torch.nn.Module, scope: bool | str = "layers") -> None:
     if scope == "model":
         model.compile()
         return
-    for layers in model.layer_lists():
-        for layer in layers:
-            layer.compile()
+    units = (
+        model.compile_units()
+        if hasattr(model, "compile_units")
+        else [u for ls in model.layer_lists() for u in ls]
+    )
+    for unit in units:
+        unit.compile()
     if scope == "glue" and hasattr(model, "compile_glue"):
         model.compile_glue()
 

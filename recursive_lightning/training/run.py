@@ -8,9 +8,12 @@ Run directory layout::
     <run-dir>/mlartifacts/         MLflow artifacts of the SQLite store
     <run-dir>/mlflow_run_id        the MLflow run this directory logs to (a resume continues it)
     <run-dir>/mlflow_tracking_uri  the store of that run; a SQLite file inside the directory (or the store of
-                                   the sweep around it) is kept relative, so the directory can be moved or copied
+                                   the sweep around it) is kept relative, so the directory can be moved or copied;
+                                   a password is kept masked (``uris.reveal`` fills it in from the environment)
     <run-dir>/result.json          final metrics, written (atomically) when training finishes; a --resume of a
                                    finished run validates its last checkpoint again and rewrites the same metrics
+    <run-dir>/.writer.lock         locked (flock) by the one process writing the directory, removed when it ends
+                                   (training/run_lock.py); a second `train` into it is refused
 
 ``train`` runs in phases: the run directory and the checkpoint it resumes from (training/resume.py), the data,
 the MLflow run (training/mlflow_run.py), the model, the trainer and fit (training/trainer.py), the summary
@@ -20,6 +23,7 @@ the MLflow run (training/mlflow_run.py), the model, the trainer and fit (trainin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -35,6 +39,8 @@ from recursive_lightning.errors import ConfigError, UserError
 from recursive_lightning.files import atomic_write_text, default_cache_dir
 from recursive_lightning.tracking.runs import default_tracking_uri, ui_command
 from recursive_lightning.training.host import keep_freed_memory
+from recursive_lightning.training.run_lock import first_rank, run_dir_lock
+from recursive_lightning.uris import TRACKING_ENV, mask_url, remember, reveal
 from recursive_lightning.validation import undo_on_refusal
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "cpu" / "looped-mesh.yaml"
@@ -65,7 +71,7 @@ class TrainResult:
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "best_checkpoint": str(self.best_checkpoint) if self.best_checkpoint else None,
             "mlflow_run_id": self.mlflow_run_id,
-            "tracking_uri": self.tracking_uri,
+            "tracking_uri": mask_url(self.tracking_uri),  # no password on disk (read back: uris.reveal)
             "seconds": self.seconds,
             "segments": self.segments,
         }
@@ -152,7 +158,40 @@ def train(
 ) -> TrainResult:
     """Train ``cfg`` into ``run_dir``; with ``resume`` continue from its newest good checkpoint.
 
-    ``params``: MLflow params beside the config's (a sweep's axes)."""
+    ``params``: MLflow params beside the config's (a sweep's axes). Another live process writing ``run_dir`` is
+    refused in one sentence (``run_lock.RunDirBusy``)."""
+    run_dir = Path(run_dir).resolve()
+    # one writer per run directory; a multi-device run's further ranks write through its first
+    with run_dir_lock(run_dir) if first_rank() else contextlib.nullcontext():
+        return _train(
+            cfg,
+            run_dir,
+            resume=resume,
+            ckpt_path=ckpt_path,
+            tracking_uri=tracking_uri,
+            experiment=experiment,
+            run_name=run_name,
+            parent_run_id=parent_run_id,
+            tags=tags,
+            callbacks=callbacks,
+            params=params,
+        )
+
+
+def _train(
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    resume: bool,
+    ckpt_path: str | None,
+    tracking_uri: str | None,
+    experiment: str | None,
+    run_name: str | None,
+    parent_run_id: str | None,
+    tags: dict[str, str] | None,
+    callbacks: list | None,
+    params: dict[str, Any] | None,
+) -> TrainResult:
     import lightning as L  # heavy
 
     from recursive_lightning.training import mlflow_run, parallel  # heavy
@@ -167,7 +206,6 @@ def train(
     if cfg.train.keep_host_memory:
         keep_freed_memory()
     # ---- the run directory and the checkpoint it resumes from
-    run_dir = Path(run_dir).resolve()
     run_dir_state.prepare_run_dir(cfg, run_dir, resume)
     resume_from = run_dir_state.resume_checkpoint(cfg, run_dir, resume, ckpt_path)
     run_dir_state.keep_config(cfg, run_dir)
@@ -275,7 +313,7 @@ def _datamodule(cfg: RunConfig, run_dir: Path, source: Any) -> Any:
             f"model.vocab_size {cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab}); "
             f"set model.vocab_size >= {vocab} or use a smaller data.tokenizer."
         )
-    if cfg.model.arch == "mela":  # a memory that cannot learn at this length says so (Mela, issue 31)
+    if cfg.model.arch == "mela":  # a memory that cannot learn at this length says so (Mela)
         from recursive_lightning.model.mela.model import memory_gradient_warning  # heavy
 
         warning = memory_gradient_warning(cfg.model, cfg.data.seq_len)
@@ -405,13 +443,19 @@ def main(argv: list[str]) -> int:
     if args.resume and (run_dir / "config.yaml").exists() and not args.config:
         cfg = load_run_config(run_dir / "config.yaml", overrides)
     tags, params = _pairs("--tag", args.tag), _pairs("--param", args.param)
-    with undo_on_refusal(run_dir):  # a refused run leaves nothing behind (no config.yaml, no tracking store)
+    # the tracking URI defaults to the environment's (how a sweep worker hands it to its `train` process, off the
+    # command line); a masked password (as files and other commands show it) is filled in from there
+    tracking_uri = reveal(remember(args.tracking_uri or os.environ.get(TRACKING_ENV)))
+    # one writer per run directory, taken before anything is written to it; then a refused run leaves nothing
+    # behind (no config.yaml, no tracking store)
+    lock = run_dir_lock(run_dir) if first_rank() else contextlib.nullcontext()
+    with lock, undo_on_refusal(run_dir):
         result = train(
             cfg,
             run_dir,
             resume=args.resume,
             ckpt_path=args.ckpt_path,
-            tracking_uri=args.tracking_uri,
+            tracking_uri=tracking_uri,
             experiment=args.experiment,
             run_name=args.run_name,
             parent_run_id=args.parent_run_id,

@@ -2,8 +2,8 @@
 
 ``result.json``'s ``seconds`` and the summary line are the sum of the segments (each from the start of its
 ``train`` command to its last checkpoint, the last one to its end), and ``steps`` the run's real step count;
-the summary also says what this segment trained (issue 28: a resumed run's summary read as if all its steps
-took this segment's seconds).
+the summary also says what this segment trained, so that a resumed run's summary does not read as if all its
+steps took this segment's seconds.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 # Submit a sweep's workers (scripts/slurm/sweep-array.sbatch as a job array) and its final report
 # (scripts/slurm/sweep-report.sbatch, started once every array task has ended: --dependency=afterany).
 # Arguments are sbatch options for the array (--array=0-7, --partition, --time, --gpus-per-node ...);
-# RL_SWEEP, RL_STORAGE and RL_RUN_DIR must be exported (README, "Run a sweep on a cluster"). Prints the two
-# job ids.
+# RL_SWEEP, RL_STORAGE and RL_RUN_DIR must be exported (docs/sweeps.md, "Run a sweep on a cluster"). Prints
+# the two job ids.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 for v in RL_SWEEP RL_STORAGE RL_RUN_DIR; do
   if [ -z "${!v:-}" ]; then
-    echo "submit-sweep.sh: export $v before submitting (README, 'Run a sweep on a cluster')." >&2
+    echo "submit-sweep.sh: export $v before submitting (docs/sweeps.md, 'Run a sweep on a cluster')." >&2
     exit 2
   fi
 done

@@ -1,4 +1,4 @@
-"""Downstream accuracy without the network (issue 17): the embedded tasks (built from the embedded corpus's
+"""Downstream accuracy without the network: the embedded tasks (built from the embedded corpus's
 held-out documents) are deterministic and disjoint from the training split, run through real lm-eval and land
 in the checkpoint's MLflow run; ``eval --ppl`` offline skips the default tasks it cannot have in one line."""
 

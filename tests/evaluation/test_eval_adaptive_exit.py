@@ -1,4 +1,4 @@
-"""Adaptive exit in the ``eval`` command (evaluation/adaptive_exit.py, issue 33): threshold 0 is the ordinary
+"""Adaptive exit in the ``eval`` command (evaluation/adaptive_exit.py): threshold 0 is the ordinary
 perplexity of the same tokens (to float rounding), the reference is the ordinary perplexity bit for bit, a huge
 threshold exits every decoded token after two loop steps and equals a reference computed here with
 ``hidden_adaptive``; ``--exit-max-tokens`` cuts the windows; MLflow gets ``eval/exit_kl_<thr>/...``; a bad

@@ -1,4 +1,4 @@
-"""Test-time depth in the ``eval`` and ``generate`` commands (evaluation/depth.py, issue 33): the trained count
+"""Test-time depth in the ``eval`` and ``generate`` commands (evaluation/depth.py): the trained count
 reproduces the ordinary evaluation bit for bit, other counts are the model under ``at_depth``; MLflow gets
 ``eval/loops_<k>/...`` and the PNG; a dial the model lacks is one sentence, exit 2, nothing on disk."""
 

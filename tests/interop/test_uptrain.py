@@ -1,4 +1,4 @@
-"""Uptraining (interop/init.py and training/uptrain.py, issue 19): layer maps by strategy, identity starts,
+"""Uptraining (interop/init.py and training/uptrain.py): layer maps by strategy, identity starts,
 HF sources offline, one-sentence errors, the record in checkpoints and MLflow, train_only, exact resume
 without the source."""
 
@@ -161,7 +161,7 @@ def test_looped_and_spiral_starts_compute_the_selected_layers(vanilla, layout, t
 
 
 @pytest.mark.parametrize("layout", ["2+4R2+2", "2+4x{1/4,1/2,1}+2", "2+4+4+2"])
-def test_every_topology_starts_as_the_readme_table_says(vanilla, layout):
+def test_every_topology_starts_as_the_uptraining_page_table_says(vanilla, layout):
     from recursive_lightning.model.config import TOPOLOGIES
 
     coarse = "x{" in layout
@@ -404,7 +404,7 @@ def test_cli_init_from_defaults_to_the_source_tokenizer(tmp_path):
         "--data.tokenizer",
         "init",
     ]
-    # a recipe's tokenizer (for training from scratch) gives way to the source's (issue 28) ...
+    # a recipe's tokenizer (for training from scratch) gives way to the source's ...
     (tmp_path / "d.yaml").write_text("data:\n  tokenizer: bpe:4096\n")
     assert uptrain.cli_overrides("rel-source", str(tmp_path / "d.yaml"), args)[-2:] == [
         "--data.tokenizer",

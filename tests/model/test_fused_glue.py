@@ -1,4 +1,4 @@
-"""The fused eager glue and the compiled glue regions (issue 18) against their reference forms, in float64.
+"""The fused eager glue and the compiled glue regions against their reference forms, in float64.
 
 Eager fast paths with written-out backwards: the attention input's head split + rotary (``block._QKVRotary``),
 MeSH's factored read (``mesh._FactoredRead``), S_down / S_up as views (``resolution._SelfAggregation``,

@@ -138,3 +138,14 @@ def test_unknown_compile_scope_is_one_sentence(value):
             RunConfig.from_dict({"model": {"preset": "cpu-tiny"}, "train": {"compile": ok}}).train.compile
             == ok
         )
+
+
+def test_a_model_file_with_a_repeated_key_is_one_sentence(tmp_path):
+    """`ModelConfig.from_yaml` of a file giving d_model twice names the key, the file and both lines (the second
+    silently won)."""
+    p = tmp_path / "model.yaml"
+    p.write_text("preset: cpu-tiny\nd_model: 64\nd_model: 128\n")
+    with pytest.raises(
+        ConfigError, match=r"d_model is given twice in model file '.*model.yaml' \(lines 2 and 3\)"
+    ):
+        ModelConfig.from_yaml(p)

@@ -56,7 +56,7 @@ def test_causal_every_topology_and_layout(layout, topology):
 
 
 def test_pythia_parameter_counts_exact():
-    """README numbers: 12d^2 + 13d per layer; MeSH Table 6."""
+    """docs/models.md, Numbers the code reproduces: 12d^2 + 13d per layer; MeSH Table 6."""
     vanilla = describe(preset("pythia-1.4b"), seq_len=8)
     assert vanilla["params_non_embedding"] == 1_208_602_624
     d = 2048

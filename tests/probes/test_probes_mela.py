@@ -88,9 +88,10 @@ def test_recorded_gates_are_the_sigmoid_of_the_heads(model, tokens, app):
     for name, want in (("theta", theta), ("eta", eta), ("alpha", alpha)):
         got = torch.from_numpy(getattr(cap, name)[a]).float()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
-    # Newton-Schulz: the retained singular values of the update sit near 1, none far above
+    # Newton-Schulz: the update's singular values at most ~1 (a unit step, scaled down by the step floor where
+    # the surprise is small against the memory: model.memory_step_floor), none far above
     sv = cap.singular[a]
-    assert sv.shape == (T, 2, 16) and 0.6 < sv[..., 0].min() and sv.max() < 1.3
+    assert sv.shape == (T, 2, 16) and 0 < sv[..., 0].min() and sv.max() < 1.3
 
 
 def test_json_holds_every_application_and_chunk(model, tokens):

@@ -246,3 +246,24 @@ def test_training_flops_of_a_sampled_loop_row_are_its_expected_flops(data_cache)
     want = expected_training_flops(sampled.model, seq, sampled.train.loops)["flops_train_per_token_expected"]
     assert training_flops({"describe": d_sampled, "tokens": 1000}) == pytest.approx(want * 1000, rel=1e-12)
     assert want * seq != 3 * d_fixed["flops_forward"]
+
+
+def test_a_report_run_again_adds_no_metric_points(tiny_report_sweep, tmp_path, capsys):
+    """`report` run twice more on a finished sweep: every trial's `report/rank` and `row/<metric>`, and the
+    parent's `best/<metric>` and `trials/*`, keep the one point the sweep's own report logged (each re-run
+    appended another step-0 point of the same value)."""
+    from recursive_lightning.cli import main
+
+    copy = tmp_path / "sweep"
+    shutil.copytree(tiny_report_sweep, copy)
+    for _ in range(2):
+        assert main(["report", "--run-dir", str(copy)]) == 0, capsys.readouterr().err
+    c = MlflowClient(f"sqlite:///{copy / 'mlflow.db'}")
+    parent = json.loads((copy / "sweep.json").read_text())["parent_run_id"]
+    counted = {}
+    for rec, _, _ in _trials(copy).values():
+        for key in ("report/rank", "row/val/heldout/ppl"):
+            counted[(rec["mlflow_run_id"], key)] = len(c.get_metric_history(rec["mlflow_run_id"], key))
+    for key in ("best/val/heldout/ppl", "trials/finished", "trials/failed"):
+        counted[(parent, key)] = len(c.get_metric_history(parent, key))
+    assert set(counted.values()) == {1}, counted

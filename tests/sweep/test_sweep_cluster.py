@@ -1,4 +1,4 @@
-"""A cluster sweep that finishes or says why (issue 27, part 3): take-over of a dead worker's trial that never
+"""A cluster sweep that finishes or says why: take-over of a dead worker's trial that never
 sent a heartbeat, `--attach` checks of the run directory (a refused command leaves nothing on disk), masked
 database passwords, one metric point per step after a resume, loopback tracking URIs as one server. Kills
 happen at named fault points, never by timing."""

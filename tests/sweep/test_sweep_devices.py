@@ -1,4 +1,4 @@
-"""One node, many GPUs (issue 27, part 2), on a CPU machine: the device pool is CUDA_VISIBLE_DEVICES, each
+"""One node, many GPUs, on a CPU machine: the device pool is CUDA_VISIBLE_DEVICES, each
 trial's `train` process gets its own devices of it, recorded as the child run's tag `devices`; a point that
 asks for more than the pool has, and `--max-trials 0`, are refused before any work; a worker waiting for a
 device stops on SIGTERM. Concurrency is shown by a barrier at a named point, never by a sleep."""

@@ -1,4 +1,4 @@
-"""A sweep that grows (issue 27, part 1): one more seed, one more value of an axis, one more row of a named
+"""A sweep that grows: one more seed, one more value of an axis, one more row of a named
 axis, re-run into the same run directory, train exactly the new grid points. The finished ones are kept (not
 retrained, the same metrics), the report and the MLflow parent run cover every point and the parent ends
 FINISHED. What would change earlier points (a new axis, a changed override) is refused in one sentence and

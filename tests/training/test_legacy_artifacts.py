@@ -1,5 +1,5 @@
 """A checkpoint, a run directory and a sweep directory written by the code before the package was reorganised
-(issue 32; ``tests/fixtures/legacy``, commit 018207c) still load, resume, evaluate, generate and report, with the
+(``tests/fixtures/legacy``, commit 018207c) still load, resume, evaluate, generate and report, with the
 figures the old code gave."""
 
 import json

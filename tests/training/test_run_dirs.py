@@ -1,4 +1,4 @@
-"""Run directories and the commands around them (issue 20): a finished run's result survives a resume, a
+"""Run directories and the commands around them: a finished run's result survives a resume, a
 finished run can be extended, directories can be moved and copied, outputs are checked before any work,
 SIGTERM exits non-zero, and bad input gets one sentence."""
 
@@ -73,7 +73,7 @@ def test_resume_with_a_larger_max_steps_extends_a_finished_run(finished, tmp_pat
 
     run_dir = _copy(finished[0], tmp_path / "run")
     assert main(["--run-dir", str(run_dir), "--resume", "--max-steps", "16"]) == 0
-    out = capsys.readouterr().out  # what this command trained, then where the run stands (issue 28)
+    out = capsys.readouterr().out  # what this command trained, then where the run stands
     assert "trained 4 steps" in out and "the run now at step 16" in out and "over 2 segments" in out
     run = _run_of(run_dir)
     assert run.info.status == "FINISHED"  # not FAILED on "Changing param values is not allowed"
@@ -131,7 +131,7 @@ def test_tracking_uris_are_kept_relative_where_they_point_inside(tmp_path):
     moved = tmp_path / "elsewhere"
     sweep.rename(moved)
     assert default_tracking_uri(moved / "trials" / "k") == f"sqlite:///{moved.resolve() / 'mlflow.db'}"
-    legacy = tmp_path / "legacy"  # recorded absolute (before this change), then moved: its own store
+    legacy = tmp_path / "legacy"  # a legacy directory: an absolute URI recorded, then moved: its own store
     legacy.mkdir()
     (legacy / "mlflow.db").write_text("")
     (legacy / "mlflow_tracking_uri").write_text(f"sqlite:///{tmp_path / 'gone' / 'mlflow.db'}")

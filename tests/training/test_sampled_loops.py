@@ -1,4 +1,4 @@
-"""train.loops (issue 33; Huginn Sec. 3.3): loop counts drawn per (seed, step), their distribution, the config's
+"""train.loops (Huginn Sec. 3.3): loop counts drawn per (seed, step), their distribution, the config's
 refusals, describe's expected training FLOPs, gradients under truncation, and an exact resume after a kill."""
 
 import math
@@ -140,7 +140,7 @@ def test_truncated_backprop_reaches_every_parameter_with_an_anchor(topology, tin
     )
     if topology == "anchor":  # h^(t+1) = f(h^(t)) + h^(0): the prelude reaches every differentiated step
         assert dead == []
-    else:  # base: the state entering the first differentiated step is detached (README's reading)
+    else:  # base: the state entering the first differentiated step is detached (docs/training.md's reading)
         assert any(n.startswith("prelude.") for n in dead)
         assert all(n.startswith(("prelude.", "embed.")) for n in dead)  # the embedding: through the prelude
 
@@ -159,7 +159,7 @@ def test_killed_run_resumes_to_identical_losses_and_loop_counts(tmp_path, tiny_r
     run = RunConfig.from_dict(cfg)
     straight = tmp_path / "straight"
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the CLI runs so narrow a model (README "Threads"): the same float sums
+    torch.set_num_threads(1)  # as the CLI runs so narrow a model (docs/training.md): the same float sums
     try:
         train(run, straight)
         _killed_and_resumed(cfg, run, tmp_path)

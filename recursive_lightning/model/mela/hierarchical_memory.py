@@ -105,6 +105,7 @@ class MemoryBlock(nn.Module):
                 cfg.ns_steps,
                 cfg.memory_read,
                 cfg.memory_max_lr,
+                cfg.memory_step_floor,
             )
             if cfg.neural_memory
             else None

@@ -103,6 +103,14 @@ class MelaLM(Generates, nn.Module):
             if isinstance(module, NeuralMemory):
                 module.compile_glue(**options)
 
+    def compile_units(self) -> list[nn.Module]:
+        """What ``train.compile: layers`` compiles one by one: the decoder layers and each memory block's gated
+        attention. A memory block as a whole is left to eager mode around its compiled chunk update (``glue``):
+        its Python chunk loop would unroll into the graph, and the memory's grad modes (cycles without gradients,
+        then one with) and per-block instances multiply its variants past dynamo's recompile limit."""
+        blocks = [*self.hmm.l_module.blocks, *self.hmm.h_module.blocks]
+        return [*self.layers, *(b.attn for b in blocks if b.attn is not None)]
+
     def layer_lists(self) -> list[nn.ModuleList]:
         """The wrapping units of FSDP2 / activation checkpointing / per-layer compile."""
         return [self.layers, self.hmm.l_module.blocks, self.hmm.h_module.blocks]

@@ -49,18 +49,23 @@ from recursive_lightning.model.precision import no_autocast, upcast
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
-def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+def newton_schulz(
+    g: torch.Tensor, steps: int = 5, eps: float = 1e-7, floor: torch.Tensor | None = None
+) -> torch.Tensor:
     """Approximate orthogonalisation of the last two dims (Muon): X <- aX + (bA + cA^2)X, A = XX^T, on the
     wide orientation (the m x m Gram matrix of the shorter side); three batched GEMMs a step with the scalings
-    fused in, and a hand-written backward (:class:`_NewtonSchulz`)."""
-    return newton_schulz_all([g], steps, eps)[0]
+    fused in, and a hand-written backward (:class:`_NewtonSchulz`). With ``floor`` (shape ``g.shape[:-2] + (1,
+    1)``) the result is scaled by ||g||_F / max(||g||_F, floor): the bounded step of :func:`step_floors`."""
+    return newton_schulz_all([g], steps, eps, None if floor is None else [floor])[0]
 
 
-def newton_schulz_all(gs: list[torch.Tensor], steps: int = 5, eps: float = 1e-7) -> list[torch.Tensor]:
-    """:func:`newton_schulz` of each tensor, the ones of one wide shape in one batched call: an MLP memory's
-    W_1 (d x e d) and W_2 (e d x d) are both d x e d in the wide orientation, so one chunk's update runs one
-    iteration loop instead of two (half the kernel launches that bound a GPU step, ``README``: GPU speed). The
-    Frobenius normalisation is per matrix, so each result is that of its own call."""
+def newton_schulz_all(
+    gs: list[torch.Tensor], steps: int = 5, eps: float = 1e-7, floors: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """:func:`newton_schulz` of each tensor (each with its ``floors`` entry), the ones of one wide shape in one
+    batched call: an MLP memory's W_1 (d x e d) and W_2 (e d x d) are both d x e d in the wide orientation, so
+    one chunk's update runs one iteration loop instead of two (half the kernel launches that bound a GPU step,
+    ``docs/benchmarks.md``: Mela). The Frobenius normalisation is per matrix, so each result is that of its own call."""
     tall = [g.shape[-2] > g.shape[-1] for g in gs]
     # (batch, m, n) with m <= n: flattened, then tall matrices transposed (a view)
     wide = [g.reshape(-1, *g.shape[-2:]) for g in gs]
@@ -71,9 +76,14 @@ def newton_schulz_all(gs: list[torch.Tensor], steps: int = 5, eps: float = 1e-7)
     out: list[torch.Tensor] = [None] * len(gs)  # type: ignore[list-item]
     for members in groups.values():
         flat = [wide[i] for i in members]
-        done = _NewtonSchulz.apply(flat[0] if len(flat) == 1 else torch.cat(flat), steps, eps)
+        tau = None
+        if floors is not None:
+            taus = [floors[i].reshape(-1, 1, 1) for i in members]
+            tau = taus[0] if len(taus) == 1 else torch.cat(taus)
+        done = _NewtonSchulz.apply(flat[0] if len(flat) == 1 else torch.cat(flat), tau, steps, eps)
         for i, x in zip(members, done.split([f.shape[0] for f in flat])):
-            out[i] = (x.transpose(-2, -1) if tall[i] else x).reshape(gs[i].shape)
+            # contiguous: the memory keeps one layout from chunk to chunk (one compiled graph for every chunk)
+            out[i] = (x.transpose(-2, -1).contiguous() if tall[i] else x).reshape(gs[i].shape)
     return out
 
 
@@ -85,15 +95,16 @@ class _NewtonSchulz(torch.autograd.Function):
         A  = XX^T             dX += (dA + dA^T) X
 
     three GEMMs of the size of X and two of A's per step, no element-wise pass over X; autograd through
-    the same loop takes four and three."""
+    the same loop takes four and three. With a floor tau the output is X_k s, s = min(1, |g| / tau): that
+    adds ds = <G, X_k> and, where s < 1, d|g| = ds / tau and dtau = -ds |g| / tau^2."""
 
     @staticmethod
-    def forward(ctx, g: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
+    def forward(ctx, g: torch.Tensor, tau: torch.Tensor | None, steps: int, eps: float) -> torch.Tensor:
         with no_autocast(g):  # in the update's own dtype, forward and backward
-            return _NewtonSchulz._forward(ctx, g, steps, eps)
+            return _NewtonSchulz._forward(ctx, g, tau, steps, eps)
 
     @staticmethod
-    def _forward(ctx, g: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
+    def _forward(ctx, g: torch.Tensor, tau: torch.Tensor | None, steps: int, eps: float) -> torch.Tensor:
         a, b, c = NS_COEFFICIENTS
         norm = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True)
         x = g / (norm + eps)
@@ -103,9 +114,14 @@ class _NewtonSchulz(torch.autograd.Function):
             B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # bA + cA^2
             saved += [x, A, B]
             x = torch.baddbmm(x, B, x, beta=a)  # aX + BX
-        ctx.save_for_backward(g, norm, *saved)
-        ctx.eps = eps
-        return x
+        ctx.eps, ctx.bounded = eps, tau is not None
+        if tau is None:
+            ctx.save_for_backward(g, norm, *saved)
+            return x
+        tau = tau.to(g.dtype).clamp_min(torch.finfo(g.dtype).tiny)
+        scale = (norm / tau).clamp(max=1.0)
+        ctx.save_for_backward(g, norm, tau, scale, x, *saved)
+        return x * scale
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -117,16 +133,46 @@ class _NewtonSchulz(torch.autograd.Function):
     def _backward(ctx, grad: torch.Tensor, saved: tuple[torch.Tensor, ...]):
         a, b, c = NS_COEFFICIENTS
         g, norm, *saved = saved
+        d_norm = d_tau = None
+        if ctx.bounded:
+            tau, scale, out, *saved = saved
+            ds = torch.where(scale < 1, (grad * out).sum(dim=(-2, -1), keepdim=True), 0.0)
+            d_norm, d_tau = ds / tau, -ds * norm / (tau * tau)
+            grad = grad * scale
         for i in range(len(saved) - 3, -1, -3):
             x, A, B = saved[i : i + 3]
             dB = torch.bmm(grad, x.transpose(-2, -1))
             dx = torch.baddbmm(grad, B, grad, beta=a)
             dA = torch.baddbmm(torch.baddbmm(dB, dB, A, beta=b, alpha=c), A, dB, alpha=c)
             grad = torch.baddbmm(dx, dA + dA.transpose(-2, -1), x)
-        # x_0 = g / (|g| + eps): dg = G / n - <G, g> g / (n^2 |g|)
+        # x_0 = g / (|g| + eps): dg = G / n - <G, g> g / (n^2 |g|); the floor's d|g| adds d|g| g / |g|
         n = norm + ctx.eps
         inner = (grad * g).sum(dim=(-2, -1), keepdim=True)
-        return grad / n - inner * g / (n * n * norm.clamp_min(torch.finfo(g.dtype).tiny)), None, None
+        per_g = -inner / (n * n) if d_norm is None else d_norm - inner / (n * n)
+        return grad / n + per_g * g / norm.clamp_min(torch.finfo(g.dtype).tiny), d_tau, None, None
+
+
+def step_floors(weights: list[torch.Tensor], theta: torch.Tensor, floor: float) -> list[torch.Tensor]:
+    """tau_t = floor * sum_i theta_i * ||M_{t-1}||_F per memory tensor, sequence and head, (b, h, 1, 1) [reading,
+    ``memory_step_floor``]: Eq. 10's step becomes NewtonSchulz(S_t) * ||S_t||_F / max(||S_t||_F, tau_t), Muon's
+    Frobenius normalisation with a floor relative to the memory's scale (applied by :class:`_NewtonSchulz`,
+    which has the norm). The orthogonalised step of Eq. 10 while the surprise is large against the memory; a
+    step that shrinks with the surprise below that.
+
+    Newton-Schulz is blind to the surprise's scale: a surprise that vanishes as the memory fits its chunk still
+    moves M by unit singular values, in a direction set by what is left of the gradient. That is normalised
+    gradient descent with a fixed step, whose effective learning rate 1 / ||S_t|| passes any stability limit
+    near a fit, so the memory orbits chaotically: with the literal Eq. 10 a perturbation of 1e-13 in M_0 grows
+    about 5x a chunk in float64 and float32 leaves float64 after ~8 chunks (``docs/models.md``: Numerics). Below the
+    floor the step is gradient descent at a learning rate theta_i / tau_t, stable once the floor is above the
+    associative loss's curvature: above ~1.2 for ``cpu-mela`` at initialisation, between 3 and 6 after 120 training
+    steps (measured, ``benchmarks/bench_mela_numerics.py``); 6 by default. The floor scales with ||M_{t-1}||
+    rather than being absolute: with forgetting (alpha_t ~ 0.5 at initialisation) an absolute floor lets the
+    memory decay to M = 0, where the bias-free MLP's surprise is exactly zero. The paper adopts the
+    orthogonalised update because it "stabilize[s] the learning of memory parameters" (Sec. 5.3); the floor
+    keeps it stable when the surprise is small. ``memory_step_floor: 0`` is Eq. 10 literally."""
+    rate = floor * theta.sum(-1)[..., None, None]  # (b, h, 1, 1): floor * sum_i theta_i
+    return [rate * torch.linalg.vector_norm(w, dim=(-2, -1), keepdim=True) for w in weights]
 
 
 def mlp_forward(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -198,10 +244,12 @@ class NeuralMemory(nn.Module):
         ns_steps: int = 5,
         read: str = "after",
         max_lr: float = 0.01,
+        step_floor: float = 0.0,
     ) -> None:
         super().__init__()
         self.heads, self.head_dim, self.chunk_size = heads, d // heads, chunk_size
         self.update, self.ns_steps, self.read, self.max_lr = update, ns_steps, read, max_lr
+        self.step_floor = step_floor  # the bounded orthogonal step's floor (step_floors)
         self.qkv = nn.Linear(d, 3 * d, bias=False)  # W_q, W_k, W_v (Eqs. 7, 9)
         self.out = nn.Linear(d, d, bias=False)  # W_o over the concatenated heads [reading]
         self.theta = nn.Linear(d, heads)  # per-position learning rate theta_i
@@ -220,7 +268,9 @@ class NeuralMemory(nn.Module):
             nn.init.normal_(w, std=1 / math.sqrt(w.shape[-2]))
 
     def initial_state(self, batch: int) -> MemoryState:
-        weights = [w.unsqueeze(0).expand(batch, *w.shape) for w in self.init_weights]
+        # materialised (not a stride-0 expand): every chunk's update then sees one layout, so the compiled
+        # region (compile_glue) is not specialised again for the first chunk
+        weights = [w.unsqueeze(0).expand(batch, *w.shape).contiguous() for w in self.init_weights]
         momentum = [torch.zeros_like(w) for w in weights] if self.eta is not None else None
         return MemoryState(weights, momentum)
 
@@ -243,7 +293,7 @@ class NeuralMemory(nn.Module):
         )
         # the inner loop in float32 even under autocast [reading]: Newton-Schulz lifts an update's near-null
         # directions towards singular value 1, so bf16 rounding there (~4e-3) would be written into the memory
-        # as O(1) updates (README: Numerics); the projections above stay in the autocast dtype
+        # as O(1) updates (docs/models.md: Numerics); the projections above stay in the autocast dtype
         q, k, v, theta = (upcast(t) for t in (q, k, v, theta))
         eta, alpha = (None if t is None else upcast(t) for t in (eta, alpha))
         with no_autocast(x):
@@ -322,14 +372,15 @@ class NeuralMemory(nn.Module):
         if momentum is not None:  # Eqs. 3, 5, 11: S_t = eta_t S_{t-1} - theta grad
             momentum = [torch.addcmul(u, eta_t, m) for m, u in zip(momentum, grads)]
             steps = momentum
-        if self.update == "newton_schulz":
-            steps = newton_schulz_all(steps, self.ns_steps)
+        if self.update == "newton_schulz":  # Eq. 10, its step bounded below the floor (step_floors)
+            floors = step_floors(weights, theta, self.step_floor) if self.step_floor else None
+            steps = newton_schulz_all(steps, self.ns_steps, floors=floors)
         return grads, steps, momentum
 
     def compile_glue(self, **options) -> None:
         """``torch.compile`` one chunk's memory update (:meth:`update_memory`) as a region of its own
         (``train.compile: glue``): the surprise, momentum, Newton-Schulz and decay of a chunk fused, where
-        eager mode launches a kernel per operation (``README``: GPU speed)."""
+        eager mode launches a kernel per operation (``docs/benchmarks.md``: Mela)."""
         self.glue = torch.compile(self.update_memory, **options)
 
     def _record(self, t, grads, steps, theta, eta_t, alpha_t) -> None:

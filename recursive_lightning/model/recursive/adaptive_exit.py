@@ -1,4 +1,4 @@
-"""Per-token adaptive exit at decode (issue 33; Huginn Sec. 6, "zero-shot adaptive compute"): a generated token
+"""Per-token adaptive exit at decode (Huginn Sec. 6, "zero-shot adaptive compute"): a generated token
 stops looping once two successive loop steps' next-token distributions agree,
 
     KL(p^(t) || p^(t-1)) < threshold,    p^(t) = softmax(head(norm(f_coda(finish(h^(t))))))

@@ -1,4 +1,4 @@
-"""Test-time depth: a looped model run for K' loop steps where it was trained with K (issue 33; Huginn's
+"""Test-time depth: a looped model run for K' loop steps where it was trained with K (Huginn's
 recurrent depth). The same shared core runs more (or fewer) times; what a step's *own* parameters are past the
 trained K is the extrapolation rule of each topology, our reading (neither MeSH nor SpiralFormer runs a model
 at another depth than it was trained with):

@@ -1,0 +1,80 @@
+"""Database stores (an Optuna study, an MLflow backend store) checked before any work: one sentence for a URL
+that cannot be parsed, a driver that is not installed, or a server that does not answer or refuses us."""
+
+from __future__ import annotations
+
+from recursive_lightning.errors import ConfigError
+from recursive_lightning.uris import STORAGE_ENV, TRACKING_ENV, mask_url
+
+CONNECT_TIMEOUT_S = 10
+
+
+def _first_line(e: BaseException) -> str:
+    text = mask_url(str(getattr(e, "orig", None) or e)).strip()
+    return text.splitlines()[0].strip().rstrip(".") if text else type(e).__name__
+
+
+def is_database_url(url: str) -> bool:
+    """Whether ``url`` names a database (SQLAlchemy), not a tracking server or a folder."""
+    return "://" in url and url.split("://", 1)[0].lower() not in ("http", "https", "file", "databricks")
+
+
+def check_database(url: str, option: str, what: str) -> None:
+    """Refuse in one sentence a database URL (``option``, naming ``what`` it holds) that SQLAlchemy cannot
+    parse, whose driver is not installed, or whose server cannot be reached or refuses us (a password left out:
+    where to give it), within ``CONNECT_TIMEOUT_S`` rather than after a client's minutes of retries. SQLite
+    files are left to the commands' own checks (they are created on first use)."""
+    from sqlalchemy import create_engine, text  # heavy
+    from sqlalchemy.engine import make_url  # heavy
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError  # heavy
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise ConfigError(
+            f"{option} '{mask_url(url)}' is not a database URL; write postgresql+psycopg://USER@HOST:PORT/DATABASE "
+            "(or sqlite:///PATH for one machine)."
+        ) from None
+    if parsed.get_backend_name() == "sqlite":
+        return
+    if (
+        parsed.drivername == "postgresql"
+    ):  # SQLAlchemy's default driver for it is psycopg2, not installed here
+        try:
+            import psycopg2  # noqa: F401  # optional
+        except ImportError:
+            raise ConfigError(
+                f"{option} '{mask_url(url)}' asks SQLAlchemy for the psycopg2 driver, which is not installed; "
+                f"write {parsed.set(drivername='postgresql+psycopg').render_as_string(hide_password=True)} to "
+                "use psycopg 3 (requirements.lock)."
+            ) from None
+    try:
+        connect_args = (
+            {"connect_timeout": CONNECT_TIMEOUT_S} if parsed.get_backend_name() == "postgresql" else {}
+        )
+        engine = create_engine(parsed, connect_args=connect_args)
+    except (NoSuchModuleError, ImportError, ModuleNotFoundError) as e:
+        raise ConfigError(
+            f"{option} '{mask_url(url)}' needs the database driver '{parsed.drivername}', which is not installed "
+            f"({_first_line(e)}); use postgresql+psycopg://... (psycopg 3 is in requirements.lock)."
+        ) from None
+    try:
+        with engine.connect() as con:
+            con.execute(text("SELECT 1"))
+    except Exception as e:
+        reason = _first_line(e)
+        if "does not exist" in reason and parsed.database and "database" in reason:
+            fix = f"create it first (createdb {parsed.database})"
+        elif "password" in reason.lower():
+            # a URL read back from a file, or given as printed, has its password masked and left out
+            fix = (
+                "give its password in the URL, in PGPASSWORD or ~/.pgpass, or the whole URL in "
+                f"{STORAGE_ENV} / {TRACKING_ENV}"
+            )
+        else:
+            fix = "start the database server or fix the URL"
+        raise ConfigError(
+            f"cannot open the {what} {option} '{mask_url(url)}' ({reason}); {fix}, then run the command again."
+        ) from None
+    finally:
+        engine.dispose()
