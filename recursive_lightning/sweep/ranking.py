@@ -14,7 +14,7 @@ from typing import Any
 
 from recursive_lightning import formatting as fmt
 from recursive_lightning.sweep.spec import SEED_AXIS
-from recursive_lightning.sweep.tables import Row, mean_std, trial_value
+from recursive_lightning.sweep.tables import CONFIDENCE, Row, mean_std, paired_difference, trial_value
 from recursive_lightning.tracking import view
 from recursive_lightning.tracking.runs import client, log_batch
 
@@ -54,14 +54,37 @@ def run_name(trial: dict[str, Any]) -> str:
 
 
 def summary(ranking: Sequence[Ranked], metric: str) -> str:
-    """The one line the sweep prints and the parent's description opens with."""
+    """The one line the sweep prints and the parent's description opens with: the best row, its best trial and
+    whether it is distinguishable from the runner-up (:func:`against_runner_up`)."""
     row, trial = best(ranking)
     if row is None:
         return f"no finished trial has `{metric}`"
     n = sum(trial_value(t, metric) is not None for t in row.trials)
     return (
         f"`{metric}` {row.mean:.4g} ± {row.std:.2g} (mean ± std over {n} seed(s)); "
-        f"its best trial is the run `{run_name(trial)}`"
+        f"its best trial is the run `{run_name(trial)}`{against_runner_up(ranking, metric)}"
+    )
+
+
+def against_runner_up(ranking: Sequence[Ranked], metric: str) -> str:
+    """ "; not distinguishable from the runner-up `anchor` (paired -5.25 [-55.7, +45.2] ...)": the best row minus
+    the second over the seeds both finished, with the report's paired t-interval (``tables.paired_difference``);
+    distinguishable only where the interval excludes zero. With one common seed no interval exists, and the
+    line says so; nothing when there is no runner-up."""
+    if len(ranking) < 2 or ranking[0].mean is None or ranking[1].mean is None:
+        return ""
+    other = ranking[1]
+    d = paired_difference(ranking[0], other, metric)  # type: ignore[arg-type]  # Ranked has a Row's trials
+    if d is None:
+        return f"; no seed in common with the runner-up `{other.name}`: no paired difference"
+    if d["lo"] is None:
+        return (
+            f"; one seed in common with the runner-up `{other.name}` ({d['mean']:+.4g}): no interval exists"
+        )
+    real = d["hi"] < 0 or d["lo"] > 0
+    return (
+        f"; {'distinguishable' if real else 'not distinguishable'} from the runner-up `{other.name}` (paired "
+        f"{d['mean']:+.4g} [{d['lo']:+.4g}, {d['hi']:+.4g}], {CONFIDENCE:.0%} t-interval over {d['n']} seeds)"
     )
 
 

@@ -267,3 +267,33 @@ def test_a_report_run_again_adds_no_metric_points(tiny_report_sweep, tmp_path, c
     for key in ("best/val/heldout/ppl", "trials/finished", "trials/failed"):
         counted[(parent, key)] = len(c.get_metric_history(parent, key))
     assert set(counted.values()) == {1}, counted
+
+
+def test_the_best_line_says_whether_the_best_row_is_distinguishable_from_the_runner_up():
+    """One definition of the paired interval (tables.paired_difference) behind the sweep's `best:` line and the
+    parent's description: excluded zero -> distinguishable, otherwise not, one seed -> no interval."""
+    from recursive_lightning.sweep.ranking import rank, summary
+    from recursive_lightning.sweep.tables import Row
+
+    def row(name, values):
+        trials = [
+            {"key": f"{name}-{s}", "params": {"train.seed": s}, "metrics": {"ppl": v}} for s, v in values
+        ]
+        return Row(name, {}, trials)
+
+    apart = rank(
+        [row("mesh", [(0, 10.0), (1, 11.0), (2, 12.0)]), row("base", [(0, 20.0), (1, 21.5), (2, 22.0)])],
+        "ppl",
+    )
+    assert "; distinguishable from the runner-up `base` (paired -10.17 [" in summary(apart, "ppl")
+    close = rank([row("mesh", [(0, 10.0), (1, 30.0)]), row("base", [(0, 20.0), (1, 21.0)])], "ppl")
+    line = summary(close, "ppl")
+    assert "; not distinguishable from the runner-up `base`" in line and "over 2 seeds" in line
+    d = [10.0 - 20.0, 30.0 - 21.0]  # mesh - base per seed: mean -0.5
+    half = stats.t.ppf(0.975, 1) * math.sqrt(sum((x + 0.5) ** 2 for x in d)) / math.sqrt(2)
+    assert f"(paired -0.5 [{-0.5 - half:+.4g}, {-0.5 + half:+.4g}]" in line
+    one = rank([row("mesh", [(0, 10.0)]), row("base", [(0, 20.0)])], "ppl")
+    assert summary(one, "ppl").endswith(
+        "one seed in common with the runner-up `base` (-10): no interval exists"
+    )
+    assert "runner-up" not in summary(rank([row("mesh", [(0, 10.0)])], "ppl"), "ppl")
