@@ -3,11 +3,13 @@ sentence naming the holder (exit 2) and changes nothing; a dead holder's lock is
 whose trial directory is held waits for it instead of training into it. Two real processes each time, held at
 a named fault point or by a helper process that holds the lock until its stdin closes: no timing is guessed."""
 
+import contextlib
 import hashlib
 import json
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -25,6 +27,24 @@ with run_dir_lock(sys.argv[1]):
     print("held", flush=True)
     sys.stdin.read()
 """
+
+
+@contextlib.contextmanager
+def holding(folder: Path) -> Iterator[int]:
+    """A helper process holding ``folder``'s writer lock (its pid) until the block ends and closes its stdin."""
+    helper = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(folder)],
+        env=ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert helper.stdout.readline() == "held\n"
+        yield helper.pid
+    finally:
+        helper.stdin.close()
+        helper.wait(timeout=60)
 
 
 def _train(*args) -> list[str]:
@@ -117,27 +137,14 @@ def test_the_holders_own_processes_go_on_and_a_refused_lock_leaves_nothing(tmp_p
     from recursive_lightning.training import run_lock
 
     d = tmp_path / "held"
-    helper = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(d)],
-        env=ENV,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert helper.stdout.readline() == "held\n"
-        with pytest.raises(run_lock.RunDirBusy, match=f"pid {helper.pid} on {socket.gethostname()}"):
+    with holding(d) as pid:
+        with pytest.raises(run_lock.RunDirBusy, match=f"pid {pid} on {socket.gethostname()}"):
             with run_lock.run_dir_lock(d):
                 pass
-        monkeypatch.setenv(
-            run_lock.HELD_ENV, json.dumps({str(d.resolve()): [helper.pid, socket.gethostname()]})
-        )
+        monkeypatch.setenv(run_lock.HELD_ENV, json.dumps({str(d.resolve()): [pid, socket.gethostname()]}))
         with run_lock.run_dir_lock(d):  # started by the holder to do its work: goes on
             pass
         monkeypatch.delenv(run_lock.HELD_ENV)
-    finally:
-        helper.stdin.close()
-        helper.wait(timeout=60)
     assert not (d / run_lock.LOCK_FILE).exists()  # removed by its holder at its end
     with run_lock.run_dir_lock(d), run_lock.run_dir_lock(d):  # nested in one process
         assert (d / run_lock.LOCK_FILE).exists()
@@ -158,15 +165,7 @@ def test_a_sweep_worker_waits_for_a_trial_directory_another_process_writes(tmp_p
     run_dir = tmp_path / "run"
     (point,) = load_sweep(spec).grid()
     trial_dir = run_dir / "trials" / point_key(point)
-    helper = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(trial_dir)],
-        env=ENV,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert helper.stdout.readline() == "held\n"
+    with holding(trial_dir) as pid:  # at its end the holder ends: the worker takes the directory and trains
         sweep = run_sweep([spec, "--run-dir", run_dir, "--no-report"])
         seen = []
         for line in sweep.stdout:  # until the worker says it waits (or the sweep ends without waiting)
@@ -174,11 +173,8 @@ def test_a_sweep_worker_waits_for_a_trial_directory_another_process_writes(tmp_p
             if "waiting for its directory" in line:
                 break
         text = "".join(seen)
-        assert f"held by pid {helper.pid} on {socket.gethostname()}" in seen[-1], text
+        assert f"held by pid {pid} on {socket.gethostname()}" in seen[-1], text
         assert sorted(p.name for p in trial_dir.iterdir()) == [".writer.lock"]  # nothing written meanwhile
-    finally:
-        helper.stdin.close()  # the holder ends: the worker takes the directory and trains the trial
-        helper.wait(timeout=60)
     out, _ = sweep.communicate(timeout=600)
     assert sweep.returncode == 0, text + out
     assert (trial_dir / "sweep_result.json").exists() and not (trial_dir / ".writer.lock").exists()

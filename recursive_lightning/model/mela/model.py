@@ -106,8 +106,9 @@ class MelaLM(Generates, nn.Module):
     def compile_units(self) -> list[nn.Module]:
         """What ``train.compile: layers`` compiles one by one: the decoder layers and each memory block's gated
         attention. A memory block as a whole is left to eager mode around its compiled chunk update (``glue``):
-        its Python chunk loop would unroll into the graph, and the memory's grad modes (cycles without gradients,
-        then one with) and per-block instances multiply its variants past dynamo's recompile limit."""
+        compiled whole, its Python chunk loop unrolls into the graph, which is specialised again for each grad
+        mode of the cycles and each layout of the carried memory (three times the compile time of these units
+        for a small Mela on the CPU)."""
         blocks = [*self.hmm.l_module.blocks, *self.hmm.h_module.blocks]
         return [*self.layers, *(b.attn for b in blocks if b.attn is not None)]
 

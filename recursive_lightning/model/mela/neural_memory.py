@@ -82,8 +82,7 @@ def newton_schulz_all(
             tau = taus[0] if len(taus) == 1 else torch.cat(taus)
         done = _NewtonSchulz.apply(flat[0] if len(flat) == 1 else torch.cat(flat), tau, steps, eps)
         for i, x in zip(members, done.split([f.shape[0] for f in flat])):
-            # contiguous: the memory keeps one layout from chunk to chunk (one compiled graph for every chunk)
-            out[i] = (x.transpose(-2, -1).contiguous() if tall[i] else x).reshape(gs[i].shape)
+            out[i] = (x.transpose(-2, -1) if tall[i] else x).reshape(gs[i].shape)
     return out
 
 
@@ -268,9 +267,7 @@ class NeuralMemory(nn.Module):
             nn.init.normal_(w, std=1 / math.sqrt(w.shape[-2]))
 
     def initial_state(self, batch: int) -> MemoryState:
-        # materialised (not a stride-0 expand): every chunk's update then sees one layout, so the compiled
-        # region (compile_glue) is not specialised again for the first chunk
-        weights = [w.unsqueeze(0).expand(batch, *w.shape).contiguous() for w in self.init_weights]
+        weights = [w.unsqueeze(0).expand(batch, *w.shape) for w in self.init_weights]
         momentum = [torch.zeros_like(w) for w in weights] if self.eta is not None else None
         return MemoryState(weights, momentum)
 
