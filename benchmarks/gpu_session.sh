@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks and timings on a lent GPU, as one prepared script (the device tool runs it in the repository root):
-#   bash benchmarks/gpu_session.sh [steps]      steps: a comma list of env,eager,numerics,mela,mela-compiled,tests,compile
-#                                               (default: all, in that order)
+#   bash benchmarks/gpu_session.sh [steps]      steps: a comma list of env,eager,numerics,mela,mela-graphs,
+#                                               mela-compiled,cpu-numerics,tests,compile (default: env,eager,mela,
+#                                               mela-graphs,cpu-numerics,tests: what fits one 10-minute call)
 # The lent machine has torch, lightning and torchmetrics but not this package's other dependencies: where
 # .whl/ holds their Python 3.12 wheels (benchmarks/gpu_wheels.sh downloads them), they are installed into
 # /tmp/site first.
 # Each step has its own time limit and log ($OUT/<step>.log, or ./gpu-logs/ without $OUT), so a step that fails
 # or runs long leaves the others' figures.
 set -u
-STEPS=${1:-env,eager,numerics,mela,mela-compiled,tests,compile}
+STEPS=${1:-env,eager,mela,mela-graphs,cpu-numerics,tests}
 LOGS=${OUT:-gpu-logs}
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 LITDATA_DISABLE_VERSION_CHECK=1
@@ -32,20 +33,30 @@ if has env; then
     lightning.__version__, \"mlflow\", mlflow.__version__, \"cuda\", torch.version.cuda,
     torch.cuda.get_device_name()); import recursive_lightning.training.run"'
 fi
-# timings first, on a quiet GPU: SpiralFormer-B / LoopedFormer and MeSH / base, eager, both sizes and lengths
-has eager && step eager 150 python3 benchmarks/bench_gpu.py --goals --modes eager --reps 10 --warmup 2
+# timings first, on a quiet GPU: SpiralFormer-B / LoopedFormer and MeSH / base, eager and replayed as CUDA graphs,
+# both sizes and lengths
+has eager && step eager "${EAGER_LIMIT:-190}" python3 benchmarks/bench_gpu.py --goals --modes "${EAGER_MODES:-eager,graphs}" \
+  --reps 6 --warmup 2
 # Mela's float32 and bf16 logits against the CPU's float64, chunk by chunk (the bounded step, docs/models.md: Numerics)
 has numerics && step numerics "${NUMERICS_LIMIT:-90}" python3 benchmarks/bench_mela_numerics.py --device cuda \
   --chunks 64 --batch 2 --updates newton_schulz,forgetting
-has mela && step mela 120 python3 benchmarks/bench_gpu_mela.py --reps 6
+has mela && step mela "${MELA_LIMIT:-120}" python3 benchmarks/bench_gpu_mela.py --part "${MELA_PART:-train}" --reps 6
+has mela-graphs && step mela-graphs "${MELA_GRAPHS_LIMIT:-90}" python3 benchmarks/bench_gpu_mela.py --part train --graphs --reps 6
 # Mela and Transformer++ with train.compile: glue (the layers, and each neural memory's chunk update)
 has mela-compiled && TORCH_LOGS="${MELA_TORCH_LOGS:-recompiles}" step mela-compiled "${MELA_COMPILE_LIMIT:-240}" \
   python3 benchmarks/bench_gpu_mela.py \
   --part train --compile glue --reps 6
+# the Mela numerics tests on this machine's CPU (another vendor than the development machine's), 1 and 2 threads
+has cpu-numerics && step cpu-numerics "${CPU_NUMERICS_LIMIT:-80}" bash -c 'lscpu | grep -m1 "Model name";
+  for t in 1 2; do OMP_NUM_THREADS=$t CUDA_VISIBLE_DEVICES= python3 -m pytest -q -p no:cacheprovider \
+    tests/model/test_mela.py -k "float32_matches_float64 or bf16_autocast_error or amplifies" 2>&1 | tail -3; done;
+  CUDA_VISIBLE_DEVICES= python3 benchmarks/bench_mela_numerics.py --carries cycles --threads 1,2'
 has tests && step tests "${TESTS_LIMIT:-270}" python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 240 tests/test_cuda.py -rfEs \
   ${TESTS_K:+-k "$TESTS_K"}
 # compiled scopes and CUDA graphs beside eager, where the time is left
 has compile && step compile "${COMPILE_LIMIT:-240}" python3 benchmarks/bench_gpu.py --goals \
   --presets "${COMPILE_PRESETS:-pythia-410m}" --seq-lens "${COMPILE_SEQ:-4096}" \
   --modes "${COMPILE_MODES:-eager,glue,model}" --reps 8 --warmup 2
+echo "=== the goals"
+grep -h -E "^ *(PASS|MISS)" "$LOGS"/*.log
 exit 0

@@ -264,6 +264,11 @@ def _pop_threads(argv: list[str]) -> tuple[list[str], int | None]:
             if not value.isdigit() or int(value) < 1:
                 raise UserError(f"--threads must be a whole number of CPU threads >= 1, not {value!r}.")
             threads = int(value)
+            if threads > thread_policy.cores():  # thousands of OpenMP threads crash torch before any work
+                raise UserError(
+                    f"--threads {threads} is more than the {thread_policy.cores()} CPU core(s) this process may "
+                    f"run on; pass --threads {thread_policy.cores()} or fewer."
+                )
             continue
         out.append(a)
         i += 1
@@ -272,6 +277,10 @@ def _pop_threads(argv: list[str]) -> tuple[list[str], int | None]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # text the terminal cannot encode (a prompt on an ASCII terminal): printed escaped, not a crash
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         argv, threads = _pop_threads(argv)
     except UserError as e:

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from recursive_lightning.errors import ConfigError
+from recursive_lightning.files import absent
 from recursive_lightning.interop.init import parse_strategy
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.sampled_loops import check_train_loops
@@ -102,9 +103,13 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     accumulate: int = 1
-    precision: str = "auto"  # auto: bf16-mixed where the hardware has it, else 32-true
+    # auto: bf16-mixed where the hardware has it, else 32-true; 64-true: float64 throughout (a numerics reference)
+    precision: str = "auto"
     compile: bool | str = False  # false | true (= layers) | layers | glue | model (training/parallel.py)
     activation_checkpointing: bool = False
+    # each step's forward + backward captured once as a CUDA graph and replayed (training/cuda_graphs.py):
+    # one GPU, fixed depth, no gradient accumulation, eager layers
+    cuda_graphs: bool = False
     seed: int = 0
     val_every: int = 100  # steps between validations (and best-checkpoint selection)
     checkpoint_every: int = 100  # steps between `last` checkpoints
@@ -128,6 +133,28 @@ class TrainConfig:
 
 
 SECTIONS = ("name", "model", "data", "train")  # a run YAML's top level
+
+
+def check_cuda_graphs(t: TrainConfig) -> None:
+    """One sentence for a setting ``train.cuda_graphs`` cannot replay: the graph holds one step's kernels, with
+    its gradients set (not summed), on one GPU, at one depth."""
+    clash = (
+        ("train.loops", "a depth sampled per step, where a graph replays one", t.loops is not None),
+        (
+            "train.accumulate > 1",
+            "gradients summed over micro-batches, where a graph sets them",
+            t.accumulate != 1,
+        ),
+        ("train.strategy ddp or fsdp", "collectives inside the backward", t.strategy != "auto"),
+        ("train.devices other than 1", "collectives inside the backward", t.devices not in (1, "1")),
+        ("train.num_nodes > 1", "collectives inside the backward", t.num_nodes != 1),
+        ("train.compile", "compiled regions, where the graph replays eager kernels", bool(t.compile)),
+    )
+    for setting, why, bad in clash:
+        if bad:
+            raise ConfigError(
+                f"train.cuda_graphs cannot be combined with {setting} ({why}); set one of them off."
+            )
 
 
 def check_sections(data: dict[str, Any]) -> None:
@@ -237,14 +264,17 @@ class RunConfig:
             )
         if t.strategy not in ("auto", "ddp", "fsdp"):
             raise ConfigError(f"train.strategy '{t.strategy}' is unknown; choose auto, ddp or fsdp.")
+        if t.cuda_graphs:
+            check_cuda_graphs(t)
         if t.init_from is not None or t.init_strategy != "stepwise":  # uptraining
             parse_strategy(t.init_strategy)
         if t.train_only is not None or t.train_only_steps:
             check_train_only(t.train_only, t.train_only_steps, t.max_steps)
         t.loops = check_train_loops(t.loops, self.model)
-        if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):
+        if t.precision not in ("auto", "32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true"):
             raise ConfigError(
-                f"train.precision '{t.precision}' is unknown; choose auto, 32-true, bf16-mixed, 16-mixed or bf16-true."
+                f"train.precision '{t.precision}' is unknown; choose auto, 32-true, 64-true, bf16-mixed, 16-mixed "
+                "or bf16-true."
             )
         return self
 
@@ -351,7 +381,7 @@ def load_yaml(
     file, ``example`` and ``fields`` what the fix names)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{what} '{path}' does not exist; pass a YAML file such as {example}.")
+        raise ConfigError(f"{what} '{path}' {absent(path)}; pass a YAML file such as {example}.")
     try:
         data = parse_yaml(path.read_text(encoding="utf-8"), f"{what} '{path}'")
     except StrictYAMLError as e:  # a duplicate key or an ambiguous scalar: the message is the sentence

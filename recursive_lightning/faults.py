@@ -7,12 +7,14 @@ process that is still at work. With ``barrier=K`` it waits there until K process
 reached the point, each leaving a file in ``RECURSIVE_LIGHTNING_FAULT_DIR``: it shows that K processes are
 there at the same instant (e.g. two trials holding their devices), with no timing guessed. With ``pause`` it waits there for SIGTERM or SIGINT (handled as the process
 handles them), then goes on: a scheduler's pre-emption at exactly that instant, whenever the test sends it; the
-file named by ``RECURSIVE_LIGHTNING_FAULT_MARK``, if set, is created once it waits. Only tests set them;
-nothing else reads them.
+file named by ``RECURSIVE_LIGHTNING_FAULT_MARK``, if set, is created once it waits. With ``raise`` it raises
+``OSError(ENOSPC)`` there: a disk that fills at exactly that instant. Only tests set them; nothing else reads
+them.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -46,6 +48,8 @@ def point(name: str) -> None:
     if mode == "pause":
         _pause()
         return
+    if mode == "raise":
+        raise OSError(errno.ENOSPC, f"No space left on device (fault point {name})")
     if mode == "hang":
         while True:
             time.sleep(3600)
@@ -59,6 +63,8 @@ def _pause() -> None:
 
     def seen(signum, frame) -> None:
         got.append(signum)
+        for s, h in previous.items():  # the process's own handlers in place, as at any other instant
+            signal.signal(s, h)
         handler = previous[signum]
         if callable(handler):
             handler(signum, frame)

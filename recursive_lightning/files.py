@@ -6,19 +6,48 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 
+def absent(path: str | os.PathLike) -> str:
+    """What a path that is neither a regular file nor a folder is, as the end of a sentence naming it: "does not
+    exist", or what it is instead (a named pipe, a socket, a device, a link that leads nowhere)."""
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        return "is a symbolic link that leads nowhere" if p.is_symlink() else "does not exist"
+    except OSError as e:  # ELOOP: a symbolic link loop; EACCES: a folder on the way we may not enter
+        return f"cannot be read ({e.strerror})"
+    if stat.S_ISFIFO(mode):
+        return "is a named pipe (FIFO), not a file"
+    if stat.S_ISSOCK(mode):
+        return "is a socket, not a file"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "is a device, not a file"
+    return "does not exist"
+
+
+def _home_cache() -> Path:
+    """``$XDG_CACHE_HOME``, else ``~/.cache``; with no home (``HOME`` unset or the filesystem root, as in some
+    containers) a folder of this user's under the temporary directory, never one at the root."""
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"])
+    home = os.environ.get("HOME")
+    if home and Path(home) != Path("/"):
+        return Path(home) / ".cache"
+    return Path(tempfile.gettempdir()) / f"cache-{os.getuid()}"
+
+
 def default_cache_dir() -> Path:
     """The cache folder: ``$RECURSIVE_LIGHTNING_CACHE``, else ``$XDG_CACHE_HOME/recursive_lightning`` (default
-    ``~/.cache/recursive_lightning``); a run's ``data.cache_dir`` takes its place for its data."""
-    return Path(
-        os.environ.get("RECURSIVE_LIGHTNING_CACHE")
-        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "recursive_lightning"
-    )
+    ``~/.cache/recursive_lightning``; without a home, under the temporary directory); a run's
+    ``data.cache_dir`` takes its place for its data."""
+    return Path(os.environ.get("RECURSIVE_LIGHTNING_CACHE") or _home_cache() / "recursive_lightning")
 
 
 def read_json(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -81,6 +110,9 @@ def _nearest_existing(path: Path) -> Path:
 def writable_dir_problem(path: str | os.PathLike) -> str | None:
     """Why results cannot be written into the folder ``path`` (created if missing), or None if they can."""
     path = Path(path)
+    for p in (Path(os.path.abspath(path)), *Path(os.path.abspath(path)).parents):
+        if p.is_symlink() and not p.exists():  # a loop, or a target that is gone: nothing can be made there
+            return f"'{p}' is a symbolic link that leads nowhere (a loop, or its target is gone)"
     base = _nearest_existing(path)
     if not base.is_dir():
         return f"'{base}' is a file, not a folder"

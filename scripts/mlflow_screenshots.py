@@ -29,11 +29,26 @@ FLAGS = [
 ]
 
 
-def shoot(url: str, path: Path, width: int, height: int, crop: int | None = None) -> None:
+def shoot(url: str, path: Path, width: int, height: int, crop: int | None = None, warm: bool = False) -> None:
+    """``warm``: load the page once before the screenshot, in the same profile (the chart view's plots load
+    their metric histories after the page; a first visit's budget can end before they are drawn)."""
     from PIL import Image
 
     with tempfile.TemporaryDirectory() as profile:
         raw = Path(profile) / "shot.png"
+        for _ in range(warm):
+            subprocess.run(
+                [
+                    shutil.which("chromium") or "chromium",
+                    *FLAGS,
+                    f"--user-data-dir={profile}",
+                    "--dump-dom",
+                    url,
+                ],
+                capture_output=True,
+                timeout=180,
+                check=True,
+            )
         subprocess.run(
             [
                 shutil.which("chromium") or "chromium",
@@ -74,7 +89,7 @@ def main(sweep_dir: str, out: str) -> int:
         exp_id, parent_id = rest.split("/runs/")[0], rest.split("/runs/")[1].split("?")[0]
         best = client(store_of(sweep_dir)).get_run(parent_id).data.tags["best_trial_run_id"]
         shoot(table, out_dir / "runs-table.png", 1700, 620)
-        shoot(f"{table}&compareRunsMode=CHART", out_dir / "chart-view.png", 1700, 1100, crop=900)
+        shoot(f"{table}&compareRunsMode=CHART", out_dir / "chart-view.png", 1700, 1100, crop=900, warm=True)
         shoot(parent, out_dir / "parent-run.png", 1700, 1400, crop=1000)
         origin = f"{server.scheme}://{server.netloc}"
         shoot(run_url(origin, exp_id, best, page=server.path), out_dir / "trial-run.png", 1700, 1000)

@@ -9,6 +9,7 @@ wrong kind, damaged artefacts, unwritable outputs, interrupted/incomplete runs, 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 SWEEP_BASE = (
@@ -38,6 +39,11 @@ def make_inputs(folder: Path, root: Path) -> None:
     (folder / "tracking.db").write_bytes(b"SQLite format 3\0" + b"\0" * 64)  # a run's mlflow.db, say
     (folder / "model-null.yaml").write_text("name: x\nmodel:\ntrain: {max_steps: 2}\n")
     (folder / "name-path.yaml").write_text("name: ../../escape\nmodel: {preset: cpu-tiny}\n")
+    if not (folder / "fifo").exists():  # files of the wrong kind: a named pipe, a symbolic link loop
+        os.mkfifo(folder / "fifo")
+    for a, b in (("loop-a", "loop-b"), ("loop-b", "loop-a")):
+        if not (folder / a).is_symlink():
+            (folder / a).symlink_to(folder / b)
     # YAML that PyYAML reads otherwise than it looks: a repeated key (the last one wins), YAML 1.1's octal,
     # base-60 and yes/no/on/off scalars
     mesh = "model: {preset: cpu-tiny, layout: 1+2R2+1, topology: mesh}\n"
@@ -282,6 +288,16 @@ CASES: list[tuple[str, list[str], str]] = [
         "truncated.ckpt",
     ),
     (
+        "train-run-dir-symlink-loop",
+        ["train", "--config", "{run}/config.yaml", "--run-dir", "{in}/loop-a"],
+        "'{in}/loop-a' is a symbolic link that leads nowhere",
+    ),
+    (
+        "train-config-fifo",
+        ["train", "--config", "{in}/fifo", "--run-dir", "{out}/r"],
+        "config file '{in}/fifo' is a named pipe (FIFO), not a file",
+    ),
+    (
         "train-init-from-text",
         ["train", "--config", "{run}/config.yaml", "--init-from", "{in}/text.txt", "--run-dir", "{out}/r"],
         "neither a checkpoint nor a model directory",
@@ -295,6 +311,45 @@ CASES: list[tuple[str, list[str], str]] = [
         "train-init-from-empty-dir",
         ["train", "--config", "{run}/config.yaml", "--init-from", "{in}/emptydir", "--run-dir", "{out}/r"],
         "emptydir",
+    ),
+    (
+        "train-init-from-hf-without-weights",
+        [
+            "train",
+            "--config",
+            "{run}/config.yaml",
+            "--init-from",
+            "{broken}/hf-no-weights",
+            "--run-dir",
+            "{out}/r",
+        ],
+        "train.init_from '{broken}/hf-no-weights': its weights cannot be read",
+    ),
+    (
+        "train-init-from-hf-cut-weights",
+        [
+            "train",
+            "--config",
+            "{run}/config.yaml",
+            "--init-from",
+            "{broken}/hf-cut-weights",
+            "--run-dir",
+            "{out}/r",
+        ],
+        "train.init_from '{broken}/hf-cut-weights': its weights cannot be read",
+    ),
+    (
+        "train-init-from-hf-without-config",
+        [
+            "train",
+            "--config",
+            "{run}/config.yaml",
+            "--init-from",
+            "{broken}/hf-no-config",
+            "--run-dir",
+            "{out}/r",
+        ],
+        "holds Hugging Face model weights but no config.json",
     ),
     (
         "train-init-from-looped",
@@ -312,6 +367,16 @@ CASES: list[tuple[str, list[str], str]] = [
         "lists no source layers",
     ),
     ("train-resume-damaged-last", ["train", "--resume", "--run-dir", "{damaged}"], "last.ckpt"),
+    (
+        "train-resume-config-deleted",
+        ["train", "--resume", "--run-dir", "{broken}/no-config"],
+        "--resume: '{broken}/no-config' holds a run but not its config.yaml",
+    ),
+    (
+        "train-resume-garbage-store",
+        ["train", "--resume", "--run-dir", "{broken}/garbage-db"],
+        "'{broken}/garbage-db/mlflow.db' is not a SQLite database",
+    ),
     (  # a directory that is no sharded checkpoint: refused before the run's MLflow status is touched
         "train-ckpt-path-dir",
         ["train", "--resume", "--run-dir", "{run}", "--ckpt-path", "{run}/checkpoints"],
@@ -351,6 +416,16 @@ CASES: list[tuple[str, list[str], str]] = [
         "train-seed-big",
         ["train", "--config", "{run}/config.yaml", "--seed", str(2**32), "--run-dir", "{out}/r"],
         "train.seed",
+    ),
+    (  # resource limits: refused before the run starts (no run directory, no MLflow run)
+        "train-model-too-big-for-memory",
+        ["train", "--config", "{run}/config.yaml", "--model.d_model", "100000000", "--run-dir", "{out}/r"],
+        "parameters, which need at least",
+    ),
+    (
+        "train-threads-above-cores",
+        ["train", "--config", "{run}/config.yaml", "--threads", "100000", "--run-dir", "{out}/r"],
+        "--threads 100000 is more than the",
     ),
     (
         "train-val-fraction",
@@ -405,17 +480,53 @@ CASES: list[tuple[str, list[str], str]] = [
     ("sweep-metric-shots", ["sweep", "{in}/sw-metric-eval.yaml", "--run-dir", "{out}/s"], "5shot"),
     ("sweep-pruning", ["sweep", "{in}/sw-pruning.yaml", "--run-dir", "{out}/s"], "pruning.warmup"),
     ("sweep-report-plot", ["sweep", "{in}/sw-plot.yaml", "--run-dir", "{out}/s"], "report.plot"),
+    (
+        "sweep-garbage-study",
+        ["sweep", "{in}/sw-ok.yaml", "--run-dir", "{broken}/sweep"],
+        "'{broken}/sweep/optuna.db' is a damaged SQLite database",
+    ),
     ("sweep-run-dir-file", ["sweep", "{in}/sw-noaxes.yaml", "--run-dir", "{in}/aplainfile"], "aplainfile"),
     # ---- report: missing and wrong directories
     ("report-missing", ["report", "--run-dir", "{out}/nothing"], "nothing"),
     ("report-empty-dir", ["report", "--run-dir", "{in}/emptydir"], "emptydir"),
     ("report-train-run", ["report", "--run-dir", "{run}"], "sweep"),
     ("report-file", ["report", "--run-dir", "{in}/aplainfile"], "aplainfile"),
+    (
+        "report-garbage-study",
+        ["report", "--run-dir", "{broken}/sweep"],
+        "'{broken}/sweep/optuna.db' is a damaged SQLite database",
+    ),
     # ---- eval: missing / wrong / damaged checkpoints, bad flags, nothing to evaluate, unwritable output
     ("eval-missing", ["eval", "{in}/gone.ckpt", "--no-mlflow"], "gone.ckpt"),
     ("eval-text", ["eval", "{in}/text.txt", "--no-mlflow"], "text.txt"),
     ("eval-truncated", ["eval", "{in}/truncated.ckpt", "--no-mlflow"], "truncated.ckpt"),
     ("eval-empty-dir", ["eval", "{in}/emptydir", "--no-mlflow"], "emptydir"),
+    (
+        "eval-hf-folder",
+        ["eval", "{broken}/hf-no-config", "--no-mlflow"],
+        "holds Hugging Face model weights, not a run of this package",
+    ),
+    ("eval-fifo", ["eval", "{in}/fifo", "--no-mlflow"], "checkpoint '{in}/fifo' is a named pipe"),
+    (
+        "eval-ppl-fifo",
+        ["eval", "{run}", "--ppl", "t={in}/fifo", "--tasks", "none", "--no-mlflow"],
+        "perplexity set '{in}/fifo' is a named pipe",
+    ),
+    (  # a run's tracking store that is there but empty, overwritten or cut short
+        "eval-empty-store",
+        ["eval", "{broken}/empty-db", "--ppl", "t={in}/text.txt", "--tasks", "none"],
+        "'{broken}/empty-db/mlflow.db' is empty (0 bytes); pass --no-mlflow",
+    ),
+    (
+        "eval-garbage-store",
+        ["eval", "{broken}/garbage-db", "--ppl", "t={in}/text.txt", "--tasks", "none"],
+        "'{broken}/garbage-db/mlflow.db' is not a SQLite database",
+    ),
+    (
+        "eval-truncated-store",
+        ["eval", "{broken}/truncated-db", "--ppl", "t={in}/text.txt", "--tasks", "none"],
+        "'{broken}/truncated-db/mlflow.db' is a damaged SQLite database",
+    ),
     (
         "eval-ctx-0",
         ["eval", "{run}", "--ppl", "t={in}/text.txt", "--context-lengths", "0", "--tasks", "none"],
@@ -530,6 +641,12 @@ CASES: list[tuple[str, list[str], str]] = [
     ("ui-missing", ["ui", "{out}/nothing"], "nothing"),
     ("ui-no-store", ["ui", "{in}/emptydir"], "emptydir"),
     ("ui-file", ["ui", "{in}/aplainfile"], "aplainfile"),
+    (
+        "ui-tracking-uri-missing-file",
+        ["ui", "--tracking-uri", "sqlite:///{in}/missing.db"],
+        "'{in}/missing.db' does not exist; pass the mlflow.db",
+    ),
+    ("ui-tracking-server-down", ["ui", "--tracking-uri", "http://127.0.0.1:1"], "does not answer"),
     # ---- generate
     ("generate-missing", ["generate", "{in}/gone.ckpt"], "gone.ckpt"),
     ("generate-text", ["generate", "{in}/text.txt"], "text.txt"),

@@ -167,3 +167,32 @@ def test_warmup_in_steps_overrides_the_ratio():
     assert cosine_with_warmup(19, 2000, 0.01, 0.1) == 1.0  # the ratio: 1 % of 2000 = 20 steps
     with pytest.raises(ConfigError, match=r"train.warmup_steps 300 must lie in \[0, train.max_steps\)"):
         RunConfig.from_dict({"train": {"max_steps": 300, "warmup_steps": 300}})
+
+
+# the papers' orderings at CPU scale (docs/orderings.md): each study runs end to end from its file
+STUDIES = {"cpu/mesh-ordering.yaml": ("base", ["anchor", "mesh"])}
+
+
+@pytest.mark.parametrize("name", sorted(STUDIES))
+def test_each_ordering_study_runs_end_to_end_at_smoke_size(name, tmp_path, data_cache):
+    """The study's own file, cut to 2 steps and 2 seeds: the sweep finishes, and its report states, for every
+    row against the baseline, the paired interval and whether it excludes 0."""
+    from conftest import sweep_output
+
+    baseline, rows = STUDIES[name]
+    raw = yaml.safe_load((ROOT / "ablations" / name).read_text())
+    raw["base"] = str((ROOT / "ablations" / name).parent / raw["base"])
+    raw["overrides"].update(
+        {"train.max_steps": 2, "train.warmup_steps": 1, "train.val_every": 2, "train.checkpoint_every": 2}
+    )
+    raw["overrides"].update({"data.batch_size": 2, "data.val_batches": 1, "data.cache_dir": data_cache})
+    raw["seeds"] = [0, 1]
+    spec = tmp_path / "study.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    code, out = sweep_output(spec, "--run-dir", tmp_path / "run")
+    assert code == 0, out[-3000:]
+    report = (tmp_path / "run" / "report.md").read_text()
+    section = report.split(f"## Paired difference to `{baseline}`", 1)[1].split("\n## ", 1)[0]
+    for row in rows:
+        line = next(r for r in section.splitlines() if r.startswith(f"| {row} | 2 |"))
+        assert line.endswith(("excludes 0 |", "includes 0 |")), line

@@ -191,18 +191,20 @@ def _stop_after(monkeypatch, step: int):
 
 
 @pytest.mark.parametrize(
-    "strategy,compile",
-    [("auto", False), ("fsdp", False), ("auto", "model"), ("auto", "glue")],
-    ids=["single", "fsdp", "compiled", "compiled-glue"],
+    "strategy,compile,graphs",
+    [("auto", False, False), ("fsdp", False, False), ("auto", "model", False), ("auto", "glue", False)]
+    + [("auto", False, True)],
+    ids=["single", "fsdp", "compiled", "compiled-glue", "cuda-graphs"],
 )
-def test_train_on_gpu_in_bf16_and_resume(tmp_path, tiny_run, monkeypatch, strategy, compile):
+def test_train_on_gpu_in_bf16_and_resume(tmp_path, tiny_run, monkeypatch, strategy, compile, graphs):
     """`train` on one GPU: precision auto -> bf16-mixed, loss falls, validation perplexity is logged, and a run
     stopped after its step-8 checkpoint resumes to the same losses (FSDP2: a sharded checkpoint; compiled: the
-    whole model under torch.compile, train.compile: model; compiled-glue: train.compile: glue)."""
+    whole model under torch.compile, train.compile: model; compiled-glue: train.compile: glue; cuda-graphs:
+    train.cuda_graphs, each step replayed, captured again after the resume)."""
     from recursive_lightning.training.parallel import resolve_precision
     from recursive_lightning.training.run import train
 
-    cfg = _gpu_run(tiny_run, strategy=strategy, compile=compile)
+    cfg = _gpu_run(tiny_run, strategy=strategy, compile=compile, cuda_graphs=graphs)
     assert resolve_precision(cfg.train, "gpu") == "bf16-mixed"
     straight = tmp_path / "straight"
     result = train(cfg, straight)
@@ -316,3 +318,32 @@ def test_mela_cached_decoding_on_gpu():
         steps = [model.hidden(idx[:, :3], cache=cache)]
         steps += [model.hidden(idx[:, i : i + 1], cache=cache) for i in range(3, idx.shape[1])]
     assert _rel(torch.cat(steps, 1), full) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["looped-mesh", "spiral-mesh", "mela"])
+def test_cuda_graph_step_replays_eager_loss_and_gradients(name):
+    """train.cuda_graphs' GraphedStep (training/cuda_graphs.py): the captured forward + backward, replayed on new
+    inputs, gives eager's loss and gradients for those inputs (float32, TF32 off); the gradients stay reachable
+    through ``.grad`` after a ``zero_grad`` (Lightning's closure runs one between the step and the backward)."""
+    from recursive_lightning.training.cuda_graphs import GraphedStep
+
+    model = (_mela() if name == "mela" else _model(name)).cuda()
+    n = 2 * model.cfg.tokens_per_chunk if name == "mela" else 64
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    batches = [torch.randint(0, 512, (2, n + 1), device="cuda", generator=gen) for _ in range(3)]
+    model.shared_grads_in_place = False
+    step = GraphedStep(model.loss, list(model.parameters()))
+    step(batches[0][:, :-1], batches[0][:, 1:])  # captures, then replays
+    static = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}  # the graph's gradients
+    assert static, "the captured backward wrote no gradient"
+    params = dict(model.named_parameters())
+    for b in batches[1:]:
+        got = float(step(b[:, :-1], b[:, 1:]))
+        model.zero_grad(set_to_none=True)
+        step.restore_grads()
+        assert all(params[k].grad is g for k, g in static.items())
+        want = model.loss(b[:, :-1], b[:, 1:])
+        ref = torch.autograd.grad(want, [params[k] for k in static])
+        assert abs(got - float(want)) <= 1e-5 * abs(float(want))
+        for (k, g), r in zip(static.items(), ref):
+            assert _rel(g, r) < 1e-4, k

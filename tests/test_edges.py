@@ -62,26 +62,64 @@ def damaged(trained_run, tmp_path_factory) -> Path:
     return run
 
 
+@pytest.fixture(scope="module")
+def broken(trained_run, hf_model_dirs, tmp_path_factory) -> Path:
+    """Copies of the trained run with one part emptied, overwritten, cut short or deleted, a sweep directory
+    whose study database is not one, and Hugging Face model folders without their weights, with them cut short
+    and without config.json (``{broken}/<name>`` in the cases)."""
+    import json
+
+    root = tmp_path_factory.mktemp("broken")
+    for name in ("hf-no-weights", "hf-cut-weights", "hf-no-config"):
+        shutil.copytree(hf_model_dirs["neox"], root / name)
+    (root / "hf-no-weights" / "model.safetensors").unlink()
+    weights = root / "hf-cut-weights" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    (root / "hf-no-config" / "config.json").unlink()
+    for name in ("empty-db", "garbage-db", "truncated-db", "no-config"):
+        shutil.copytree(trained_run, root / name)
+    (root / "empty-db" / "mlflow.db").write_bytes(b"")
+    (root / "garbage-db" / "mlflow.db").write_bytes(b"not a database\n" * 100)
+    db = root / "truncated-db" / "mlflow.db"
+    db.write_bytes(db.read_bytes()[: db.stat().st_size // 2])
+    (root / "no-config" / "config.yaml").unlink()
+    sweep = root / "sweep"
+    sweep.mkdir()
+    (sweep / "optuna.db").write_bytes(b"SQLite format 3\x00" + bytes(range(256)) * 8)
+    stores = {
+        "storage": f"sqlite:///{sweep / 'optuna.db'}",
+        "tracking_uri": f"sqlite:///{sweep / 'mlflow.db'}",
+    }
+    (sweep / "sweep.json").write_text(json.dumps({"name": "s", **stores, "parent_run_id": None}))
+    return root
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_a_hostile_input_is_one_sentence_and_changes_nothing(
-    case, trained_run, inputs, damaged, tmp_path, capsys
+    case, trained_run, inputs, damaged, broken, tmp_path, capsys
 ):
     name, argv, says = case
     out = tmp_path / "out"
     out.mkdir()
-    subs = {"{run}": str(trained_run), "{in}": str(inputs), "{out}": str(out), "{damaged}": str(damaged)}
+    subs = {
+        "{run}": str(trained_run),
+        "{in}": str(inputs),
+        "{out}": str(out),
+        "{damaged}": str(damaged),
+        "{broken}": str(broken),
+    }
     args = []
     for a in [*argv, says]:  # the sentence may name an input file too
         for k, v in subs.items():
             a = a.replace(k, v)
         args.append(a)
     args, says = args[:-1], args[-1]
-    before = snapshot(trained_run, inputs, out, damaged)
+    before = snapshot(trained_run, inputs, out, damaged, broken)
     rc, err = run_cli(args, capsys)
     sentence = one_sentence(err)
     assert rc == 2, (rc, err)
     assert says in sentence, sentence
-    assert snapshot(trained_run, inputs, out, damaged) == before, f"{name} changed files"
+    assert snapshot(trained_run, inputs, out, damaged, broken) == before, f"{name} changed files"
 
 
 # ----------------------------------- printed numbers and records: steps, segments, data, tokenizers, formats
@@ -117,7 +155,7 @@ def test_a_resumed_run_reports_its_real_steps_and_the_sum_of_its_segments(traine
     first = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)[
         "wall_clock"
     ]
-    assert first["segments"] == 1 and first["seconds"] > 0
+    assert first["segments"] == 1 and first["seconds"] > first["data_seconds"] > 0
     from recursive_lightning.cli import main
 
     assert main(["train", "--run-dir", str(run), "--resume", "--max-steps", "16"]) == 0
@@ -128,6 +166,12 @@ def test_a_resumed_run_reports_its_real_steps_and_the_sum_of_its_segments(traine
     result = json.loads((run / "result.json").read_text())
     assert result["steps"] == 16 and result["tokens"] == 16 * 8 * 64 and result["segments"] == 2
     assert result["seconds"] > first["seconds"]
+    # its data preparation, part of those seconds, summed over the segments too (the report subtracts it)
+    assert (
+        first["data_seconds"]
+        < result["data_seconds"]
+        < result["seconds"] - first["seconds"] + first["data_seconds"]
+    )
     assert result["best_checkpoint"].startswith(str(run))  # not the folder it was copied from
 
 
@@ -148,6 +192,7 @@ def test_resuming_a_finished_run_trains_no_step_and_adds_no_segment(trained_run,
     assert result["steps"] == before["steps"] == 12
     assert result["segments"] == before["segments"] == 1
     assert result["seconds"] == before["seconds"]  # the run's own record: it timed its end
+    assert result["data_seconds"] == before["data_seconds"] > 0
 
 
 def _with_data_path(trained_run: Path, tmp_path: Path, data_path: str) -> Path:
@@ -308,3 +353,83 @@ def test_eval_of_a_text_with_few_words_reports_an_infinite_word_perplexity(
     r = json.loads(record.read_text())["ppl"]["doc"]
     assert r["word_perplexity"] == math.inf and r["words"] < r["tokens"]
     assert math.isfinite(r["ppl"]) and r["ppl"] > 1 and 0 < r["bits_per_byte"] < math.inf
+
+
+def test_output_a_terminal_cannot_encode_a_path_with_spaces_and_a_resume_print_cleanly(trained_run, tmp_path):
+    """`generate` with a prompt an ASCII terminal cannot encode prints it escaped (no UnicodeEncodeError); a
+    resumed run in a directory whose path has a space prints a `ui` hint a shell reads back as one argument, and
+    no warning that its own checkpoint folder is not empty."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "ascii"}
+    env.pop("RECURSIVE_LIGHTNING_FAULT", None)
+    gen = subprocess.run(
+        [sys.executable, "-m", "recursive_lightning", "generate", str(trained_run), "--prompt", "héllo ☃"]
+        + ["--max-new-tokens", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert gen.returncode == 0 and "Traceback" not in gen.stderr, gen.stderr
+    assert gen.stdout.startswith("h\\xe9llo \\u2603"), gen.stdout
+    run = _copy_run(trained_run, tmp_path / "with space" / "run")
+    resumed = subprocess.run(
+        [sys.executable, "-m", "recursive_lightning", "train", "--resume", "--run-dir", str(run)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "is not empty" not in resumed.stdout + resumed.stderr
+    hint = resumed.stdout.strip().splitlines()[-1].rsplit("(", 1)[1].rstrip(")")
+    assert shlex.split(hint) == ["python", "-m", "recursive_lightning", "ui", "with space/run"], hint
+
+
+def test_without_a_home_the_cache_is_never_made_at_the_filesystem_root(monkeypatch, tmp_path):
+    """HOME unset, or the root (some containers): the cache folder lies under the temporary directory."""
+    import tempfile
+
+    from recursive_lightning.files import default_cache_dir
+
+    monkeypatch.delenv("RECURSIVE_LIGHTNING_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    for home in (None, "/"):
+        if home is None:
+            monkeypatch.delenv("HOME", raising=False)
+        else:
+            monkeypatch.setenv("HOME", home)
+        cache = default_cache_dir()
+        assert cache.is_relative_to(tempfile.gettempdir()) and cache.name == "recursive_lightning", cache
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / ".cache" / "recursive_lightning"
+
+
+def test_a_read_only_data_cache_is_one_sentence(trained_run, tmp_path, capsys):
+    """`data.cache_dir` on a read-only file system (a tmpfs mounted read-only; chmod does not stop root): one
+    sentence naming the field, exit 2, no run directory left."""
+    import subprocess
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True
+    ).returncode:
+        pytest.skip("mounting a read-only tmpfs needs root and CAP_SYS_ADMIN")
+    try:
+        run = tmp_path / "run"
+        argv = ["train", "--config", str(trained_run / "config.yaml"), "--data.cache_dir", str(ro / "c")]
+        rc, err = run_cli([*argv, "--run-dir", str(run)], capsys)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+    assert rc == 2, err
+    assert one_sentence(err) == (
+        f"error: data.cache_dir '{ro / 'c'}' cannot take the run's corpus, tokenizer and token shards "
+        f"(Read-only file system: '{ro / 'c'}'); set data.cache_dir to a folder you can write to."
+    )
+    assert not run.exists()

@@ -22,15 +22,17 @@ def _smoke(script: str, *args: str) -> str:
 
 
 def test_bench_gpu_smoke_prints_every_goal():
-    out = _smoke("bench_gpu.py", "--goals", "--modes", "eager")
-    assert "cpu-tiny L=64 x2 eager: spiral/looped time" in out
-    rows = [r for r in out.splitlines() if r.startswith("| cpu-tiny | 64 | 2 | eager |")]
-    assert [r.split(" | ")[4] for r in rows] == ["looped mesh", "spiral-B mesh", "looped base"]
+    out = _smoke("bench_gpu.py", "--goals", "--modes", "eager,graphs")
+    for mode in ("eager", "graphs"):  # graphs: train.cuda_graphs' step, run eagerly on the CPU
+        assert f"cpu-tiny L=64 x2 {mode}: spiral/looped time" in out
+        rows = [r for r in out.splitlines() if r.startswith(f"| cpu-tiny | 64 | 2 | {mode} |")]
+        assert [r.split(" | ")[4] for r in rows] == ["looped mesh", "spiral-B mesh", "looped base"]
     assert "causal FLOP ratio" in out and "+mesh" in out  # the goal lines, PASS or MISS
 
 
 def test_bench_gpu_mela_smoke_prints_train_and_eval():
     out = _smoke("bench_gpu_mela.py")
+    assert "failed" not in _smoke("bench_gpu_mela.py", "--part", "train", "--graphs")
     for model in ("| Mela |", "| Mela decoder alone |", "| Transformer++ |"):
         assert model in out
     assert "memory's wall-clock share" in out and "Mela / Transformer++ time" in out

@@ -27,7 +27,8 @@ def no_thread_env(monkeypatch):
         (["describe", "--preset", "cpu-tiny"], ["describe", "--preset", "cpu-tiny"], None),
     ],
 )
-def test_threads_option_is_taken_out_anywhere(argv, rest, n):
+def test_threads_option_is_taken_out_anywhere(argv, rest, n, monkeypatch):
+    monkeypatch.setattr(threads, "cores", lambda: 4)
     assert cli._pop_threads(argv) == (rest, n)
 
 

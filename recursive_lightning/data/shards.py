@@ -22,7 +22,9 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -184,6 +186,21 @@ def _isolated_optimizer_env(scratch: Path) -> Iterator[None]:
         multiprocessing.set_start_method(start_method, force=True)  # optimize() forces its own
 
 
+@contextlib.contextmanager
+def _own_ctrl_c_handler() -> Iterator[None]:
+    """The process's SIGINT handler back after ``litdata.optimize``, which installs its own (it stops its workers
+    and exits with status 0) and leaves it there: a later Ctrl-C (in training) would end the command with 0."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
+
+
 def default_start_method() -> str:
     """``"fork"`` where available and CUDA is not initialised (seconds faster: no re-import of torch), else ``"spawn"``."""
     if "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized():
@@ -212,7 +229,7 @@ def write_split(
     output_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".litdata-scratch-", dir=output_dir.parent) as scratch:
         quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
-        with _isolated_optimizer_env(Path(scratch)), quiet:
+        with _isolated_optimizer_env(Path(scratch)), _own_ctrl_c_handler(), quiet:
             optimize(
                 fn=fn,
                 inputs=list(inputs),

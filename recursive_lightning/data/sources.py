@@ -26,6 +26,7 @@ from pathlib import Path
 
 from recursive_lightning.data.corpus import embedded_corpus_fingerprint, write_embedded_corpus
 from recursive_lightning.errors import UserError
+from recursive_lightning.files import absent
 
 __all__ = [
     "MAX_DOCUMENT_CHARS",
@@ -117,7 +118,7 @@ def resolve_source(
             raise DataError(f"The glob {text!r} matches no files; check the pattern (quote it in the shell).")
         return DataSource(spec=text, kind="files", files=tuple(files))
     raise DataError(
-        f"The data path {path} does not exist; pass an existing file, folder, glob or hf:<dataset>."
+        f"The data path {path} {absent(path)}; pass an existing file, folder, glob or hf:<dataset>."
     )
 
 

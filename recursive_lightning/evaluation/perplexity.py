@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from recursive_lightning.data.corpus import embedded_corpus_documents
 from recursive_lightning.errors import UserError
+from recursive_lightning.files import absent
 from recursive_lightning.progress import Progress
 
 EOS_TOKEN = "<|endoftext|>"
@@ -427,7 +428,7 @@ def read_texts(path: str | os.PathLike) -> list[str]:
         return [t for f in files for t in read_texts(f)]
     if not p.is_file():
         raise UserError(
-            f"perplexity set '{p}' does not exist; pass a .txt, .jsonl or .json file or a folder of them."
+            f"perplexity set '{p}' {absent(p)}; pass a .txt, .jsonl or .json file or a folder of them."
         )
 
     def text_of(item: Any, where: str) -> str:

@@ -247,7 +247,7 @@ class ModelConfig:
     memory_max_lr: float = 0.01
     # [reading] Eq. 10's Newton-Schulz step times min(1, ||S_t|| / (memory_step_floor * sum theta * ||M||)):
     # unit singular values while the surprise is large, shrinking with it (neural_memory.step_floors); 0: Eq. 10
-    memory_step_floor: float = 6.0
+    memory_step_floor: float = 12.0
     hmm_attention: bool = True  # gated attention in every memory block (Table 4 "attention in memory module")
     hmm_gate: bool = True  # its sigmoid output gate (Qiu et al. 2025; Table 4 "gating")
     neural_memory: bool = True  # the neural memory in every memory block (Table 4)

@@ -30,7 +30,7 @@ from recursive_lightning.probes.figures import (
 )
 
 if TYPE_CHECKING:
-    from recursive_lightning.probes.capture import Capture
+    from recursive_lightning.probes.captured import Capture
 
 DYNAMIC_FRAC = 0.4  # SpiralFormer Sec. 4.1: top 40% of heads by cross-loop range
 METRICS = (("entropy", "Key-marginal entropy"), ("lam", "LAM"))

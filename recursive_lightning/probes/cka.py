@@ -28,7 +28,7 @@ from recursive_lightning.probes.figures import (
 )
 
 if TYPE_CHECKING:
-    from recursive_lightning.probes.capture import Capture
+    from recursive_lightning.probes.captured import Capture
 
 
 def cka_matrix(states: Tensor, kernel: str = "rbf", sigma_frac: float = 1.0) -> Tensor:

@@ -20,7 +20,7 @@ from recursive_lightning.probes.figures import (
 )
 
 if TYPE_CHECKING:
-    from recursive_lightning.probes.capture import Capture
+    from recursive_lightning.probes.captured import Capture
 
 COEFFICIENT_TERMS = ("core", "residual", "anchor", "anchor_emb")  # order of Combination.INIT
 

@@ -27,7 +27,7 @@ from recursive_lightning.probes.figures import (
 )
 
 if TYPE_CHECKING:
-    from recursive_lightning.probes.capture import Capture
+    from recursive_lightning.probes.captured import Capture
 
 
 def mesh_state_composition(write: Tensor, read: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning.probes import attention, cka, coefficients, mesh, skew, spectra, subspace
-from recursive_lightning.probes.capture import Capture
+from recursive_lightning.probes.captured import Capture
 from recursive_lightning.probes.figures import Sheet
 
 FORMAT_VERSION = 1

@@ -50,7 +50,8 @@ import torch
 
 from recursive_lightning.errors import UserError
 from recursive_lightning.probes import mela
-from recursive_lightning.probes.capture import Capture, ProbeSettings, capture
+from recursive_lightning.probes.capture import capture
+from recursive_lightning.probes.captured import Capture, ProbeSettings
 from recursive_lightning.probes.figures import Sheet
 from recursive_lightning.probes.mela_figures import draw_mela
 from recursive_lightning.probes.outputs import log_to_mlflow, write_json

@@ -29,7 +29,7 @@ from recursive_lightning.probes.figures import (
 )
 
 if TYPE_CHECKING:
-    from recursive_lightning.probes.capture import Capture
+    from recursive_lightning.probes.captured import Capture
 
 
 def computation_skew(h_in: Tensor, h_out: Tensor) -> Tensor:

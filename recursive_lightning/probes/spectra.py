@@ -32,7 +32,7 @@ from recursive_lightning.probes.figures import (
 )
 
 if TYPE_CHECKING:
-    from recursive_lightning.probes.capture import Capture
+    from recursive_lightning.probes.captured import Capture
 
 
 def singular_values(X: Tensor) -> Tensor:

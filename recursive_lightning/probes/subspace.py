@@ -25,7 +25,7 @@ from recursive_lightning.probes.figures import (
 )
 
 if TYPE_CHECKING:
-    from recursive_lightning.probes.capture import Capture
+    from recursive_lightning.probes.captured import Capture
 
 
 def shared_subspace_variance(states: Tensor, k_max: int | None = None, center: bool = True) -> Tensor:

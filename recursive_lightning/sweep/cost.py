@@ -3,7 +3,8 @@ against wall-clock, one point per grid point, mean ± std over its seeds on both
 
 Training FLOPs of a trial = 3 × forward FLOPs per token × training tokens: the backward pass costs twice the
 forward (Kaplan et al. 2020's C ≈ 6N per token, with the forward's 2N counted by ``model.describe.describe``,
-attention included); the tokens are ``result.json``'s. Wall-clock is ``result.json``'s ``seconds``.
+attention included); the tokens are ``result.json``'s. Wall-clock is ``result.json``'s ``seconds`` less its
+``data_seconds`` (one-off data preparation, in the report's results table apart).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 
 from recursive_lightning import formatting as fmt
 from recursive_lightning.files import atomic_write_figure
+from recursive_lightning.sweep import tables
 from recursive_lightning.sweep.tables import Row, mean_std, trial_value
+from recursive_lightning.tracking.view import RUN_TOKENS_PER_SEC
 
 BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 forwards
 
@@ -29,6 +32,13 @@ def training_flops(trial: dict[str, Any]) -> float | None:
         return float(sampled) * tokens
     per_token = trial_value(trial, "flops_per_token")
     return BACKWARD_FACTOR * per_token * tokens if per_token and tokens else None
+
+
+def trial_metrics(trial: dict[str, Any]) -> dict[str, float]:
+    """What the report logs on a trial's run so that MLflow's table shows the report's number: its training
+    tokens/s (``tracking.view.RUN_TOKENS_PER_SEC``, the report's ``train tokens/s``)."""
+    tps = trial_value(trial, "tokens_per_sec")
+    return {RUN_TOKENS_PER_SEC: tps} if tps is not None else {}
 
 
 def points(rows: Sequence[Row], metric: str) -> list[dict[str, Any]]:
@@ -64,7 +74,7 @@ def plot(
     colors = plt.get_cmap("tab10")
     for ax, key, label in (
         (axes[0], "flops", "training FLOPs (3 × forward FLOPs/token × tokens; sampled loops: expected)"),
-        (axes[1], "seconds", "wall-clock (s, the trial's train command)"),
+        (axes[1], "seconds", "wall-clock (s, the trial's train command less its data preparation)"),
     ):
         shown = [p for p in pts if p[key]]
         for i, p in enumerate(shown):
@@ -84,6 +94,7 @@ def plot(
         xs_all = [p[key][0] for p in shown]
         if xs_all and min(xs_all) > 0 and max(xs_all) / min(xs_all) > 10:
             ax.set_xscale("log")
+        _readable_axis(ax, xs_all, key)
         ax.set_xlabel(label, fontsize=9)
         ax.set_ylabel(f"{metric} (lower is better)", fontsize=9)
         ax.grid(alpha=0.3)
@@ -94,6 +105,31 @@ def plot(
     atomic_write_figure(fig, path, dpi=110)
     plt.close(fig)
     return path, pts
+
+
+NARROW = 0.01  # rows whose mean cost differs by less than this fraction: the axis starts at zero
+
+
+def narrow(pts: Sequence[dict[str, Any]], key: str) -> bool:
+    """Whether the rows' mean ``key`` (flops, seconds) differ by under ``NARROW`` of the largest: a figure
+    would stretch that range over its width, so its axis starts at zero and the table carries the values."""
+    xs = [p[key][0] for p in pts if p.get(key)]
+    return len(xs) > 1 and max(xs) > 0 and (max(xs) - min(xs)) / max(xs) < NARROW
+
+
+def _readable_axis(ax: Any, xs: Sequence[float], key: str) -> None:
+    """Tick labels in the quantity's own format (FLOPs with an SI prefix, seconds to four digits; no offset or
+    exponent label above the axis), at most four; a sub-percent range drawn from zero (:func:`narrow`)."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator  # heavy
+
+    show = (
+        fmt.flops if key == "flops" else (lambda v: f"{v:,.4g}")
+    )  # seconds: ticks closer than a second apart
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: show(v) if v else "0"))
+    if ax.get_xscale() == "linear":
+        ax.xaxis.set_major_locator(MaxNLocator(4))
+    if narrow([{key: (x, 0.0)} for x in xs], key):
+        ax.set_xlim(0, 1.15 * max(xs))
 
 
 def _whole(x: float) -> str:
@@ -107,23 +143,31 @@ def section(png: Path | None, pts: Sequence[dict[str, Any]], metric: str) -> lis
 
     def cell(v: tuple[float, float] | None, show: Callable[[float], str]) -> str:
         """mean ± std in the quantity's one format (``recursive_lightning.formatting``); no ± 0."""
-        if v is None:
-            return "—"
-        mean, std = v
-        return show(mean) if show(std) == show(0.0) else f"{show(mean)} ± {show(std)}"
+        return tables.MISSING if v is None else tables.fmt_mean_std(*v, show)
 
+    close = narrow(pts, "flops")  # three digits would print one number: each row's excess over the least too
     lines = [
         "## Cost: per FLOP and per second",
         "",
         f"`{metric}` against training compute (3 × forward FLOPs/token × training tokens) and against the "
         "trial's wall-clock, one point per grid point, mean ± std over its seeds on both axes.",
         "",
-        f"| row | seeds | training FLOPs | wall-clock (s) | {metric} |",
-        "|---|---|---|---|---|",
+        f"| row | seeds | training FLOPs |{' vs the least |' if close else ''} wall-clock (s) | {metric} |",
+        "|---|---|---|" + ("---|" if close else "") + "---|---|",
     ]
+    least = min((p["flops"][0] for p in pts if p["flops"]), default=None)
     for p in pts:
+        rel = f" {100 * (p['flops'][0] / least - 1):+.2f} % |" if p["flops"] else f" {tables.MISSING} |"
         lines.append(
-            f"| {p['row']} | {p['n']} | {cell(p['flops'], fmt.flops)} | {cell(p['seconds'], _whole)} | "
-            f"{cell(p['metric'], lambda x: fmt.metric(metric, x))} |"
+            f"| {p['row']} | {p['n']} | {cell(p['flops'], fmt.flops)} |{rel if close else ''} "
+            f"{cell(p['seconds'], _whole)} | {cell(p['metric'], lambda x: fmt.metric(metric, x))} |"
         )
-    return [*lines, "", f"![{metric} against training FLOPs and wall-clock]({png.name})", ""]
+    said = [
+        f"the rows' mean {what} differ by under {NARROW:.0%}: the figure draws that axis from zero, the table "
+        "gives the values"
+        for key, what in (("flops", "training FLOPs"), ("seconds", "wall-clock"))
+        if narrow(pts, key)
+    ]
+    text = "; ".join(said)
+    notes = ["", text[:1].upper() + text[1:] + "."] if said else []
+    return [*lines, *notes, "", f"![{metric} against training FLOPs and wall-clock]({png.name})", ""]

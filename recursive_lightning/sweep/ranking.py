@@ -8,7 +8,7 @@ row with a lower single value is never named best.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,49 +53,94 @@ def run_name(trial: dict[str, Any]) -> str:
     return str(trial.get("key"))
 
 
-def summary(ranking: Sequence[Ranked], metric: str) -> str:
+def summary(
+    ranking: Sequence[Ranked],
+    metric: str,
+    baseline: str | None = None,
+    paired: Mapping[str, Mapping[str, Any]] | None = None,
+) -> str:
     """The one line the sweep prints and the parent's description opens with: the best row, its best trial and
-    whether it is distinguishable from the runner-up (:func:`against_runner_up`)."""
+    whether it is distinguishable from the runner-up and from the baseline row (:func:`significance`)."""
     row, trial = best(ranking)
     if row is None:
         return f"no finished trial has `{metric}`"
     n = sum(trial_value(t, metric) is not None for t in row.trials)
+    said = "".join(f"; {s}" for s in significance(ranking, metric, baseline, paired).values())
     return (
         f"`{metric}` {row.mean:.4g} ± {row.std:.2g} (mean ± std over {n} seed(s)); "
-        f"its best trial is the run `{run_name(trial)}`{against_runner_up(ranking, metric)}"
+        f"its best trial is the run `{run_name(trial)}`{said}"
     )
 
 
-def against_runner_up(ranking: Sequence[Ranked], metric: str) -> str:
+def verdict(d: Mapping[str, Any] | None, other: str) -> str:
+    """Whether a paired difference (``tables.paired_difference``: best row − ``other``) tells the rows apart:
+    distinguishable only where its t-interval excludes zero; one common seed: no interval exists."""
+    if d is None:
+        return f"no seed in common with {other}: no paired difference"
+    if d["lo"] is None:
+        return f"one seed in common with {other} ({d['mean']:+.4g}): no interval exists"
+    real = d["hi"] < 0 or d["lo"] > 0
+    return (
+        f"{'distinguishable' if real else 'not distinguishable'} from {other} (paired "
+        f"{d['mean']:+.4g} [{d['lo']:+.4g}, {d['hi']:+.4g}], {CONFIDENCE:.0%} t-interval over {d['n']} seeds)"
+    )
+
+
+def significance(
+    ranking: Sequence[Ranked],
+    metric: str,
+    baseline: str | None = None,
+    paired: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, str]:
+    """{"runner_up": ..., "baseline": ...}: the best row against the second (:func:`against_runner_up`) and
+    against the report's baseline row, read from the report's paired differences to it (``paired``: {row:
+    {metric: difference}}, computed once by the report). The best row that is the baseline says so; a
+    runner-up that is the baseline is named once."""
+    row, _ = best(ranking)
+    if row is None:
+        return {}
+    out = {}
+    runner = against_runner_up(ranking, metric, baseline, paired)
+    if runner:
+        out["runner_up"] = runner.removeprefix("; ")
+    if baseline is None or (len(ranking) > 1 and ranking[1].name == baseline and ranking[1].mean is not None):
+        return out
+    if row.name == baseline:
+        out["baseline"] = "it is the baseline row"
+    else:
+        out["baseline"] = verdict((paired or {}).get(row.name, {}).get(metric), f"the baseline `{baseline}`")
+    return out
+
+
+def against_runner_up(
+    ranking: Sequence[Ranked],
+    metric: str,
+    baseline: str | None = None,
+    paired: Mapping[str, Mapping[str, Any]] | None = None,
+) -> str:
     """ "; not distinguishable from the runner-up `anchor` (paired -5.25 [-55.7, +45.2] ...)": the best row minus
-    the second over the seeds both finished, with the report's paired t-interval (``tables.paired_difference``);
-    distinguishable only where the interval excludes zero. With one common seed no interval exists, and the
-    line says so; nothing when there is no runner-up."""
+    the second over the seeds both finished, with the report's paired t-interval (``tables.paired_difference``;
+    the report's own where the runner-up is its ``baseline``); distinguishable only where the interval
+    excludes zero. With one common seed no interval exists, and the line says so; nothing when there is no
+    runner-up."""
     if len(ranking) < 2 or ranking[0].mean is None or ranking[1].mean is None:
         return ""
     other = ranking[1]
+    if other.name == baseline:
+        who = f"the runner-up `{other.name}` (the baseline)"
+        if paired is not None and metric in paired.get(ranking[0].name, {}):
+            return "; " + verdict(paired[ranking[0].name][metric], who)
+    else:
+        who = f"the runner-up `{other.name}`"
     d = paired_difference(ranking[0], other, metric)  # type: ignore[arg-type]  # Ranked has a Row's trials
-    if d is None:
-        return f"; no seed in common with the runner-up `{other.name}`: no paired difference"
-    if d["lo"] is None:
-        return (
-            f"; one seed in common with the runner-up `{other.name}` ({d['mean']:+.4g}): no interval exists"
-        )
-    real = d["hi"] < 0 or d["lo"] > 0
-    return (
-        f"; {'distinguishable' if real else 'not distinguishable'} from the runner-up `{other.name}` (paired "
-        f"{d['mean']:+.4g} [{d['lo']:+.4g}, {d['hi']:+.4g}], {CONFIDENCE:.0%} t-interval over {d['n']} seeds)"
-    )
+    return "; " + verdict(d, who)
 
 
 def summary_line(report: dict[str, Any]) -> str:
     """The sweep's CLI summary of a ``write_report`` result: the best row and its numbers."""
     row, _ = best(report["ranking"])
-    return (
-        f"`{row.name}` — {summary(report['ranking'], report['ranked'])}"
-        if row
-        else summary(report["ranking"], report["ranked"])
-    )
+    line = summary(report["ranking"], report["ranked"], report.get("baseline"), report.get("paired"))
+    return f"`{row.name}` — {line}" if row else line
 
 
 def runs_section(ranking: Sequence[Ranked], metric: str) -> list[str]:
@@ -133,13 +178,19 @@ def log_ranking(
     ranking: Sequence[Ranked],
     metric: str,
     table: Sequence[str],
+    baseline: str | None = None,
+    paired: Mapping[str, Mapping[str, Any]] | None = None,
+    trial_metrics: Mapping[str, Mapping[str, float]] | None = None,
 ) -> None:
-    """Write the ranking to MLflow: ``row/<metric>``, ``report/rank`` (1 = best) and a description on each
-    trial's run; the parent's tags (``best_row``, ``best_trial``, ``best_trial_run_id``, ``report.metric``),
+    """Write the ranking to MLflow: ``row/<metric>``, ``report/rank`` (1 = best), ``trial_metrics`` ({run id:
+    {metric: value}}, the report's per-trial numbers) and a description on each trial's run (the best trial's
+    says whether its row is distinguishable, :func:`significance`); the parent's tags (``best_row``,
+    ``best_trial``, ``best_trial_run_id``, ``report.metric``, ``best.vs_runner_up`` / ``best.vs_baseline``),
     metric ``best/<metric>`` (the best row's mean) and description (``tracking.view.parent_note``); and the
     experiment's ranked view of its runs table."""
     c = client(tracking_uri)
     exp_id = c.get_run(parent).info.experiment_id
+    said = significance(ranking, metric, baseline, paired)
     place = 0
     for r in ranking:
         if r.mean is None:
@@ -153,10 +204,16 @@ def log_ranking(
                 note = view.trial_note(
                     exp_id, parent, r.name, t["params"].get(SEED_AXIS), place, metric, value, r.mean
                 )
+                if place == 1 and said:  # the best trial's page names the winner with its caveat
+                    note += f". Best row `{r.name}`: " + "; ".join(said.values()) + "."
                 log_batch(
                     tracking_uri,
                     t["mlflow_run_id"],
-                    {view.ROW_PREFIX + metric: r.mean, view.RANK: place},
+                    {
+                        view.ROW_PREFIX + metric: r.mean,
+                        view.RANK: place,
+                        **(trial_metrics or {}).get(t["mlflow_run_id"], {}),
+                    },
                     {view.NOTE_TAG: note},
                 )
     row, trial = best(ranking)
@@ -164,6 +221,7 @@ def log_ranking(
     metrics = {}
     if row is not None:
         tags.update(best_row=row.name, best_trial=str(trial.get("key")))
+        tags.update({f"best.vs_{k}": v for k, v in said.items()})
         if trial.get("mlflow_run_id"):
             tags["best_trial_run_id"] = trial["mlflow_run_id"]
         metrics[f"best/{metric}"] = row.mean
@@ -172,7 +230,7 @@ def log_ranking(
         parent,
         metric,
         row.name if row is not None else None,
-        summary(ranking, metric),
+        summary(ranking, metric, baseline, paired),
         table,
         [(run_name(t), t.get("mlflow_run_id")) for r in ranking for t in r.trials],
     )

@@ -32,6 +32,7 @@ from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_figure, atomic_write_text
 from recursive_lightning.progress import tracked  # a bar on a terminal, a line every 30 s in a log
 from recursive_lightning.sweep import cost, curves, ranking, tables
+from recursive_lightning.sweep.parent import close_parent
 from recursive_lightning.sweep.ranking import log_ranking
 from recursive_lightning.sweep.report_html import markdown_to_html
 from recursive_lightning.sweep.servers import check_database
@@ -251,15 +252,26 @@ def _results_sections(
         "- **params (non-emb.)** and **fwd FLOPs/token**: `model.describe.describe` of the trial's "
         "`config.yaml` at its training length (2 FLOPs per multiply-accumulate, attention at full L×L; the "
         "forward of one sequence over its tokens).",
-        "- **train tokens/s**: tokens of the training steps over their summed step time (harmonic mean of the "
-        "child run's `train/tokens_per_sec` history; validation and checkpointing excluded).",
-        "- **wall-clock**: `seconds` of the trial's `result.json` (its `train` command: data setup, training, "
-        "validation, checkpoints; not the sweep's `evaluate:`; a resumed trial's seconds summed over its segments).",
+        "- **train tokens/s**: tokens of the logged training steps over their summed step time (harmonic mean "
+        "of the child run's per-step `train/tokens_per_sec` history; validation and checkpointing excluded), "
+        "logged on the trial's run as `report/train_tokens_per_sec`, the column MLflow's runs table shows.",
+        "- **wall-clock**: `seconds` of the trial's `result.json` less its `data_seconds` (its `train` command: "
+        "training, validation, checkpoints; not the sweep's `evaluate:`; a resumed trial's seconds summed over "
+        "its segments). **data prep**: its `data_seconds`, the corpus, tokenizer and shards set up before "
+        "training, one-off work that the first trial on a corpus does and later ones read back.",
         "- perplexities: `val/<set>/ppl` from training's final validation, `eval/ppl/<name>` from the sweep's "
         "`evaluate:`; accuracies in %.",
         "",
     ]
-    elsewhere = [t["number"] for t in trials if t["metrics_source"] != tables.SWEEP_RESULT]
+    damaged = [t["number"] for t in trials if t["metrics_source"] == tables.DAMAGED]
+    if damaged:  # a record that is there but cannot be read (cut short, edited): the study's copy stands in
+        lines[-1:-1] = [
+            f"- trial(s) {', '.join(map(str, damaged))}: `{tables.SWEEP_RESULT}` is damaged (not a JSON object): "
+            "their metrics are the Optuna study's copy."
+        ]
+    elsewhere = [
+        t["number"] for t in trials if t["metrics_source"] not in (tables.SWEEP_RESULT, tables.DAMAGED)
+    ]
     if elsewhere:  # trained where this directory cannot see (another machine): say whose numbers these are
         lines[-1:-1] = [
             f"- trial(s) {', '.join(map(str, elsewhere))} have no `{tables.SWEEP_RESULT}` in this directory "
@@ -301,8 +313,8 @@ def _results_sections(
             lines += [
                 f"Row − `{baseline}` on the same seed, mean over the seed pairs [{level} % Student-t interval: "
                 f"mean ± t({(1 + tables.CONFIDENCE) / 2:.3f}, n−1) · sd/√n over the n pairs]; lower perplexity and "
-                "higher accuracy (points) are better; **bold**: the interval excludes 0. An interval needs two "
-                "pairs.",
+                "higher accuracy (points) are better; each cell says whether its interval excludes 0 (**bold**: "
+                "the rows are distinguishable) or includes it. An interval needs two pairs.",
                 "",
                 "| " + " | ".join(["row", "pairs", *(c.title for c in diff_cols)]) + " |",
                 "|" + "---|" * (2 + len(diff_cols)),
@@ -316,7 +328,11 @@ def _results_sections(
                 cells = [r.name, str(n), *(tables.fmt_difference(diffs[c.key], c.kind) for c in diff_cols)]
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
-    elif seeds > 1 and len(rows) > 1:
+    said = ranking.significance(ranks, ranked, str(baseline) if baseline is not None else None, paired)
+    if said:  # the star's caveat, under the results table (the line the console and MLflow print)
+        lines.insert(4 + len(results_table), f"★ `{best}`: " + "; ".join(said.values()) + ".")
+        lines.insert(4 + len(results_table), "")
+    if baseline is None and seeds > 1 and len(rows) > 1:
         lines += [
             "Name a baseline row (`report: {baseline: <row>}` in the sweep file) for paired differences "
             "with confidence intervals.",
@@ -368,6 +384,7 @@ def _results_sections(
             "table": table,
             "paired": paired,
             "best": best,
+            "baseline": str(baseline) if baseline is not None else None,
             "ranking": ranks,
             "results_table": results_table,
             "cost": cost_points,
@@ -455,9 +472,13 @@ def write_report(
         )
         for label, mean, std, n, extra in order:
             star = " ★" if label == best else ""
-            cells = [f"{_fmt(label)}{star}", f"{fmt.metric(used, mean)} ± {fmt.metric(used, std)}", str(n)]
+            cells = [
+                f"{_fmt(label)}{star}",
+                tables.fmt_mean_std(mean, std, lambda v, u=used: fmt.metric(u, v)),
+                str(n),
+            ]
             cells += [
-                f"{fmt.metric(c, extra[c][0])} ± {fmt.metric(c, extra[c][1])}" if c in extra else ""
+                tables.fmt_mean_std(*extra[c], lambda v, c=c: fmt.metric(c, v)) if c in extra else ""
                 for c in extra_cols
             ]
             lines.append("| " + " | ".join(cells) + " |")
@@ -490,10 +511,22 @@ def write_report(
             for f in figures:
                 log_artifact(tracking_uri, parent, f, subdir="report")
             if rows:
-                log_ranking(tracking_uri, parent, data["ranking"], ranked, data["results_table"])
+                log_ranking(
+                    tracking_uri,
+                    parent,
+                    data["ranking"],
+                    ranked,
+                    data["results_table"],
+                    data["baseline"],
+                    data["paired"],
+                    {t["mlflow_run_id"]: cost.trial_metrics(t) for t in rows if t.get("mlflow_run_id")},
+                )
                 log_batch(tracking_uri, parent, {"trials/finished": len(rows), "trials/failed": len(failed)})
         except Exception as e:  # the report on disk is still complete
             print(mask_url(f"warning: could not log the report to MLflow ({e})"))
+        # every point ended but a command stopped before closing the parent (a pre-emption): closed as its grid
+        # stands; a sweep still under way is left to its workers
+        close_parent(spec, storage_url, tracking_uri)
     return {
         "path": path,
         "html": html_path,
@@ -502,6 +535,7 @@ def write_report(
         "rows": rows,
         "table": data["table"],
         "paired": data["paired"],
+        "baseline": data["baseline"],
         "best_row": data["best"],
         "ranking": data["ranking"],
         "ranked": ranked,

@@ -42,6 +42,7 @@ from recursive_lightning.sweep.study import (
     attached_study,
     check_attach_dir,
     check_run_dir_holds,
+    check_study_dir,
     check_study_file_exists,
     check_unchanged,
     create_study,
@@ -237,6 +238,8 @@ def main(argv: list[str]) -> int:
             "folder you can write to."
         )
     check_stores(storage, tracking)  # one sentence for a store the sweep cannot reach, before any work
+    if args.storage and not args.attach:  # an existing study is not re-pointed to another directory
+        check_study_dir(spec, storage, run_dir)
     if args.attach:  # the study, its grid and its run directory, checked before anything is written
         study = attached_study(spec, storage)
         check_unchanged(spec, study, run_dir, record=False, storage_url=storage)
@@ -286,9 +289,22 @@ def main(argv: list[str]) -> int:
             # trials that other live processes on this machine run are waited for, not reported as missing
             if crashed or args.max_trials or not _wait_for_local_trials(spec, storage):
                 break
+        # the report and the parent's end stay under the SIGTERM handler: a pre-emption while the report is
+        # written closes the parent too
+        if not args.no_report:
+            # one writer at a time: workers on several machines may end together (the report's files have fixed
+            # names)
+            with file_lock(run_dir / ".report.lock"), database_lock(storage, f"{spec.name}/report"):
+                report = write_report(run_dir, spec=spec, storage_url=storage, tracking_uri=tracking)
+            print(report["markdown"])
+            print(f"\nreport: {report['path']}")
+            print(f"best: {summary_line(report)}")
+        faults.point("before_close_parent")
+        status = close_parent(spec, storage, tracking)
     except BaseException as e:  # Ctrl-C, SIGTERM (train stops at a step boundary), a crash: the sweep stopped
-        if not args.attach:  # an attached worker stopping (pre-empted) does not end a sweep others still run
-            close_parent(spec, storage, tracking, interrupted=True)
+        # the parent ends as its grid stands (FINISHED once every point finished, whatever stopped this command);
+        # an attached worker stopping with points unfinished (pre-empted) leaves it to the workers still running
+        close_parent(spec, storage, tracking, interrupted=not args.attach)
         print(
             f"[sweep {spec.name}] stopped; re-run the same command to resume it", file=sys.stderr, flush=True
         )
@@ -297,15 +313,6 @@ def main(argv: list[str]) -> int:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if not args.no_report:
-        # one writer at a time: workers on several machines may end together (the report's files have fixed names)
-        with file_lock(run_dir / ".report.lock"), database_lock(storage, f"{spec.name}/report"):
-            report = write_report(run_dir, spec=spec, storage_url=storage, tracking_uri=tracking)
-        print(report["markdown"])
-        print(f"\nreport: {report['path']}")
-        print(f"best: {summary_line(report)}")
-    faults.point("before_close_parent")
-    status = close_parent(spec, storage, tracking)
     print(ui_hint(run_dir, tracking))
     if status == "FINISHED":
         print(f"[sweep {spec.name}] finished in {time.time() - t0:.0f}s", flush=True)

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,11 +63,17 @@ def check_tracking_server(uri: str, option: str = "--tracking-uri") -> None:
         with urllib.request.urlopen(req, timeout=CONNECT_TIMEOUT_S) as r:
             json.load(r)
     except urllib.error.HTTPError as e:
-        hint = (
-            "set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"
-            if e.code in (401, 403)
-            else "is it an `mlflow server`? fix the URL"
-        )
+        body = e.read(300).decode("utf-8", "replace") if e.fp is not None else ""
+        if e.code == 403 and "Invalid Host header" in body:  # MLflow's allowed-hosts check, not a credential
+            host = urllib.parse.urlsplit(uri).netloc.rsplit("@", 1)[-1]
+            hint = (
+                f"the server does not allow the host name '{host}' (its --allowed-hosts); start it with "
+                f"`mlflow server --allowed-hosts {host}` or use an address it allows"
+            )
+        elif e.code in (401, 403):
+            hint = "set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"
+        else:
+            hint = "is it an `mlflow server`? fix the URL"
         raise ConfigError(
             f"the MLflow tracking server {option} '{mask_url(uri)}' answered HTTP {e.code} to {mask_url(url)}; "
             f"{hint}."

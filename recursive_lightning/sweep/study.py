@@ -326,3 +326,28 @@ def check_attach_dir(spec: SweepSpec, study, run_dir: Path) -> None:
             f"{info.get('parent_run_id')}), not the study '{spec.name}' (parent run {parent}); pass --run-dir "
             f"with the study's directory{f' ({recorded})' if recorded else ''} or leave it out."
         )
+
+
+def check_study_dir(spec: SweepSpec, storage: str, run_dir: Path) -> None:
+    """Refuse, in one sentence, a run directory other than the one an existing study (``--storage``) runs in
+    while that directory still holds it (its ``sweep.json`` names the sweep): the study would be re-pointed to
+    the new directory, its trials and report split between the two. A study whose directory was moved (the
+    recorded one holds it no more) follows it."""
+    if storage.startswith("sqlite:///") and not Path(storage.removeprefix("sqlite:///")).is_file():
+        return  # no study yet (opening the file would create it)
+    try:
+        study = load_study(spec, storage)
+    except KeyError:
+        return
+    recorded = study.user_attrs.get("run_dir")
+    if not recorded or Path(recorded).resolve() == run_dir.resolve():
+        return
+    info = read_json(Path(recorded) / "sweep.json")
+    if not isinstance(info, dict) or info.get("name") != spec.name:
+        return
+    # an edited file meets the study wherever it runs: that conflict, and its fix (a new `name:`), first
+    check_unchanged(spec, study, run_dir, record=False, storage_url=storage)
+    raise ConfigError(
+        f"--run-dir '{run_dir}': the study '{spec.name}' in {mask_url(storage)} runs in '{recorded}'; pass "
+        f"--run-dir {recorded} to continue it there, or give the sweep file a new `name:` to start another study."
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ AVG_METRIC = re.compile(r"^eval/avg/(?P<shots>\d+)shot$")
 NOT_TASKS = {"avg", "ppl", "bpb", "ppl_ctx", "ppl_ctx_last"}
 MISSING = "—"
 CONFIDENCE = 0.95  # of the paired differences' t-intervals
+DAMAGED = "damaged"  # a trial's metrics_source when its sweep_result.json is there but cannot be read
 
 
 def _finite(v: Any) -> float | None:
@@ -43,7 +44,7 @@ def load_trial(
     """Complete a finished trial's row (from the study) with what its directory holds.
 
     ``metrics``: ``trials/<point>/sweep_result.json`` (the sweep's record: training's final validation plus
-    ``evaluate:``), else the study's copy; ``seconds`` / ``tokens`` / ``steps``: ``result.json`` (written by
+    ``evaluate:``), else the study's copy; ``seconds`` / ``data_seconds`` / ``tokens`` / ``steps``: ``result.json`` (written by
     ``train``); ``describe``: parameters and FLOPs counted by ``model.describe.describe`` on the trial's
     ``config.yaml`` (else the sweep file's config of the point); ``mlflow_run_id`` from the record."""
     trial_dir = run_dir / "trials" / str(row.get("key"))
@@ -52,14 +53,21 @@ def load_trial(
     out = dict(row)
     out["trial_dir"] = trial_dir
     if record is not None and isinstance(record.get("metrics"), dict):
-        out["metrics"] = dict(record["metrics"])
+        # a value that is not a number (an edited or damaged file) is missing, as a value left out
+        numbers = {
+            k: float(v)
+            for k, v in record["metrics"].items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        out["metrics"] = numbers
         out["metrics_source"] = SWEEP_RESULT
-    else:
-        out["metrics_source"] = "optuna study"
+    else:  # a record that is there but cannot be read is damaged, not a trial trained elsewhere
+        out["metrics_source"] = DAMAGED if (trial_dir / SWEEP_RESULT).exists() else "optuna study"
     out["mlflow_run_id"] = (
         (record or {}).get("mlflow_run_id") or result.get("mlflow_run_id") or row.get("mlflow_run_id")
     )
     out["seconds"] = _finite(result.get("seconds"))
+    out["data_seconds"] = _finite(result.get("data_seconds"))  # part of seconds: one-off data preparation
     out["tokens"] = _finite(result.get("tokens"))
     out["steps"] = _finite(result.get("steps"))
     cfg = _trial_config(trial_dir, row, spec)
@@ -140,8 +148,11 @@ def trial_value(trial: dict[str, Any], key: str) -> float | None:
         return f / n if f is not None and n else None
     if key == "tokens_per_sec":
         return _finite(trial.get("tokens_per_sec"))
-    if key == "seconds":
-        return _finite(trial.get("seconds"))
+    if key == "seconds":  # the train command's wall-clock less its data preparation (reported apart)
+        s = _finite(trial.get("seconds"))
+        return s - (_finite(trial.get("data_seconds")) or 0.0) if s is not None else None
+    if key == "data_seconds":
+        return _finite(trial.get("data_seconds"))
     v = _finite((trial.get("metrics") or {}).get(key))
     if v is not None and is_accuracy(key):
         return 100.0 * v  # accuracies in %, as the papers print them
@@ -186,6 +197,7 @@ def columns(
         Column("flops_per_token", "fwd FLOPs/token", "flops"),
         Column("tokens_per_sec", "train tokens/s", "rate"),
         Column("seconds", "wall-clock (s)", "seconds"),
+        Column("data_seconds", "data prep (s)", "seconds"),
         *(Column(k, k, "ppl", True) for k in ppl),
         *(Column(f"eval/avg/{s}shot", f"avg acc {s}-shot (%)", "acc", True) for s in shots),
     ]
@@ -253,14 +265,17 @@ def fmt_cell(values: Sequence[float | None], kind: str) -> str:
     have = [v for v in values if v is not None]
     if not have:
         return MISSING
-    if kind in ("count", "flops") and len(set(have)) == 1:
-        text = fmt_value(have[0], kind)
-    else:
-        m, s = mean_std(have)
-        text = fmt_value(m, kind) + (f" ± {fmt_value(s, kind)}" if len(have) > 1 else "")
+    m, s = mean_std(have)
+    text = fmt_mean_std(m, s, lambda v: fmt_value(v, kind))
     if len(have) < len(values):
         text += f" ({len(have)}/{len(values)} seeds)"
     return text
+
+
+def fmt_mean_std(mean: float, std: float, show: Callable[[float], str]) -> str:
+    """``mean ± std`` in the quantity's one format ``show``; the mean alone where the std shows as zero (one
+    seed, or seeds that agree to the digits shown): "5", never "5 ± 0"."""
+    return show(mean) if show(std) == show(0.0) else f"{show(mean)} ± {show(std)}"
 
 
 def fmt_signed(v: float, kind: str) -> str:
@@ -277,4 +292,6 @@ def fmt_difference(d: dict[str, Any] | None, kind: str) -> str:
     if d["lo"] is None:
         return text + " (1 pair, no interval)"
     text = f"{text} [{fmt_signed(d['lo'], kind)}, {fmt_signed(d['hi'], kind)}]"
-    return f"**{text}**" if d["lo"] > 0 or d["hi"] < 0 else text  # the interval excludes 0
+    if d["lo"] > 0 or d["hi"] < 0:
+        return f"**{text}** excludes 0"
+    return f"{text} includes 0"

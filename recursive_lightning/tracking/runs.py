@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
+import shlex
 import sqlite3
 import tempfile
 import time
@@ -14,6 +17,7 @@ from typing import Any
 from recursive_lightning.errors import UserError
 from recursive_lightning.files import atomic_write_text, writable_dir_problem
 from recursive_lightning.tracking.sqlite_store import create_store
+from recursive_lightning.tracking.stores import sqlite_file_problem
 from recursive_lightning.uris import mask_url, reveal
 
 RUN_ID_FILE = "mlflow_run_id"
@@ -94,7 +98,7 @@ def ui_command(run_dir: str | os.PathLike, tracking_uri: str) -> str:
     shown = os.path.relpath(run_dir)
     if shown.startswith(".."):  # outside the current directory: its full path
         shown = str(run_dir)
-    return f"python -m recursive_lightning ui {shown}"
+    return f"python -m recursive_lightning ui {shlex.quote(shown)}"  # a path with spaces: as a shell reads it
 
 
 # MLflow 3 opens an experiment without this tag on its GenAI overview (traces, prompts): ours are model training
@@ -158,7 +162,8 @@ def tracking_store_problem(tracking_uri: str) -> str | None:
     problem = writable_dir_problem(db.parent)
     if problem is None and db.is_file() and not os.access(db, os.W_OK):
         problem = f"'{db}' is read-only"
-    return problem
+    # a store that is there but empty or damaged: MLflow would make a new one in it, or fail in a traceback
+    return problem or sqlite_file_problem(db, table="runs", owner="MLflow's")
 
 
 def client(tracking_uri: str):
@@ -355,7 +360,10 @@ def log_artifact(tracking_uri: str, run_id: str, path: str | os.PathLike, subdir
 
 
 def set_terminated(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:
-    client(tracking_uri).set_terminated(run_id, status=status)
+    # MLflow prints "View run ... / View experiment ..." at every end of a server-backed run (a sweep worker's
+    # trial, then its parent): the commands print their own links once instead
+    with contextlib.redirect_stdout(io.StringIO()):
+        client(tracking_uri).set_terminated(run_id, status=status)
 
 
 def to_json(data: Any) -> str:

@@ -3,10 +3,59 @@ that cannot be parsed, a driver that is not installed, or a server that does not
 
 from __future__ import annotations
 
+import os
+import sqlite3
+from pathlib import Path
+
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.uris import STORAGE_ENV, TRACKING_ENV, mask_url
 
 CONNECT_TIMEOUT_S = 10
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def sqlite_file_problem(
+    path: str | os.PathLike, table: str | None = None, owner: str = "", empty_ok: bool = False
+) -> str | None:
+    """Why the SQLite file ``path`` cannot serve as a store, as a clause naming it: empty (unless ``empty_ok``:
+    the client makes its tables there), not a SQLite database, damaged (truncated, overwritten), or without
+    ``table`` (``owner``'s, e.g. MLflow's ``runs``). None when it is fine, or does not exist yet."""
+    p = Path(path)
+    try:
+        if not p.exists():
+            return None
+        if not p.is_file():
+            return f"'{p}' is not a file"
+        with open(p, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except OSError as e:
+        return f"'{p}' cannot be read ({e.strerror})"
+    if not head:
+        return None if empty_ok else f"'{p}' is empty (0 bytes)"
+    if head != SQLITE_HEADER:
+        return f"'{p}' is not a SQLite database"
+    try:
+        con = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+        try:
+            check = con.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                return f"'{p}' is a damaged SQLite database ({check})"
+            if (
+                table
+                and not con.execute(
+                    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
+                ).fetchone()
+            ):
+                return f"'{p}' is a SQLite database without {owner} tables"
+        finally:
+            con.close()
+    except sqlite3.OperationalError as e:
+        if "locked" in str(e):  # another process writes it: a live store
+            return None
+        return f"'{p}' is a damaged SQLite database ({e})"
+    except sqlite3.DatabaseError as e:
+        return f"'{p}' is a damaged SQLite database ({e})"
+    return None
 
 
 def _first_line(e: BaseException) -> str:
@@ -22,8 +71,8 @@ def is_database_url(url: str) -> bool:
 def check_database(url: str, option: str, what: str) -> None:
     """Refuse in one sentence a database URL (``option``, naming ``what`` it holds) that SQLAlchemy cannot
     parse, whose driver is not installed, or whose server cannot be reached or refuses us (a password left out:
-    where to give it), within ``CONNECT_TIMEOUT_S`` rather than after a client's minutes of retries. SQLite
-    files are left to the commands' own checks (they are created on first use)."""
+    where to give it), within ``CONNECT_TIMEOUT_S`` rather than after a client's minutes of retries. A SQLite
+    file is created on first use; one that is there but no sound database (``sqlite_file_problem``) is refused."""
     from sqlalchemy import create_engine, text  # heavy
     from sqlalchemy.engine import make_url  # heavy
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError  # heavy
@@ -35,7 +84,13 @@ def check_database(url: str, option: str, what: str) -> None:
             f"{option} '{mask_url(url)}' is not a database URL; write postgresql+psycopg://USER@HOST:PORT/DATABASE "
             "(or sqlite:///PATH for one machine)."
         ) from None
-    if parsed.get_backend_name() == "sqlite":
+    if parsed.get_backend_name() == "sqlite":  # a file that is there must be a sound database
+        problem = sqlite_file_problem(parsed.database, empty_ok=True) if parsed.database else None
+        if problem is not None:
+            raise ConfigError(
+                f"cannot open the {what} {option} '{mask_url(url)}': {problem}; move it aside (or put back a "
+                "good copy), then run the command again."
+            )
         return
     if (
         parsed.drivername == "postgresql"

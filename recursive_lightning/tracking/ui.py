@@ -20,12 +20,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from importlib.metadata import entry_points
 from pathlib import Path
 
 from recursive_lightning import faults
 from recursive_lightning.errors import UserError
+from recursive_lightning.files import absent
 from recursive_lightning.processes import dies_with_parent, stop_group
 from recursive_lightning.tracking.mlflow_app import APP_NAME
 from recursive_lightning.tracking.runs import (
@@ -34,6 +36,7 @@ from recursive_lightning.tracking.runs import (
     relocate_artifacts,
     sqlite_parts,
 )
+from recursive_lightning.tracking.stores import CONNECT_TIMEOUT_S
 from recursive_lightning.tracking.view import entry_page, experiment_links, server_links
 from recursive_lightning.uris import mask_url, remember, reveal
 
@@ -177,6 +180,14 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def _served_elsewhere(uri: str, what: str) -> int:
     """A store behind its own tracking server: its experiments' ranked links on that server."""
+    try:  # a server that is not there: one sentence in seconds (MLflow's client retries for minutes)
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=CONNECT_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        pass  # it answers
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"ui: {what} does not answer ({getattr(e, 'reason', e)}); start it or pass another --tracking-uri."
+        ) from None
     try:
         lines = server_links(uri)
     except Exception as e:  # unreachable: one sentence
@@ -210,6 +221,12 @@ def main(argv: list[str]) -> int:
         )
     if args.tracking_uri:
         uri = reveal(remember(absolute_uri(args.tracking_uri)))
+        parts = sqlite_parts(uri)
+        if parts is not None and not Path(parts[0]).is_file():  # MLflow would make an empty store there
+            raise UserError(
+                f"ui: --tracking-uri '{mask_url(args.tracking_uri)}': '{parts[0]}' {absent(parts[0])}; pass the "
+                "mlflow.db of a run or sweep directory, or the directory itself."
+            )
     else:
         run_dir = args.run_dir or next((str(d) for d in DEFAULT_DIRS if d.is_dir()), None)
         if run_dir is None:
@@ -236,10 +253,11 @@ def main(argv: list[str]) -> int:
         port = free_port(args.host, args.port)
         proc = start_server(uri, args.host, port, workdir)
         base = f"http://{args.host}:{port}"
-        print(f"MLflow UI at {base}  (store {mask_url(uri)}; Ctrl-C to stop)", flush=True)
-        for line in experiment_links(uri, base, entry_page(base)):
-            print(line, flush=True)
-        try:
+        try:  # from here on, whatever stops this command stops the server's processes too
+            print(f"MLflow UI at {base}  (store {mask_url(uri)}; Ctrl-C to stop)", flush=True)
+            faults.point("ui_links")
+            for line in experiment_links(uri, base, entry_page(base)):
+                print(line, flush=True)
             proc.wait()
         except KeyboardInterrupt:
             pass

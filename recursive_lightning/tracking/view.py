@@ -6,7 +6,11 @@ Only MLflow's own mechanisms are used, no patched UI:
 - a **shared view** of the runs table: the experiment tag ``mlflow.sharedViewState.<key>`` holds a JSON view
   state and the link carries ``viewStateShareKey=<key>`` (what MLflow's Share button writes). MLflow 3.17 reads
   the search facets ``searchFilter``, ``orderByKey``, ``orderByAsc`` and the table state ``selectedColumns`` and
-  ``columnOrder`` from it (column keys ``params.`name``` / ``metrics.`name```); the rest keeps its defaults.
+  ``columnOrder`` from it (column keys ``params.`name``` / ``metrics.`name```), the grouping ``groupBy``
+  (``{aggregateFunction: min|average|max, groupByKeys: [{mode: param|tag|dataset, groupByData}]}``),
+  ``groupsExpanded`` and ``useGroupedValuesInCharts``, and the chart view's ``compareRunCharts`` /
+  ``compareRunSections`` / ``globalLineChartConfig`` (its bundle's list of shareable keys); the rest keeps its
+  defaults.
 - ``workflowType=machine_learning`` on every link: MLflow 3.17 opens an experiment or a run in its GenAI view
   otherwise (the browser's last choice, GenAI on a first visit), whatever the experiment's kind tag says. On a
   server that runs our MLflow app (``ui`` does; ``mlflow_app.py``), the printed links open through its page
@@ -36,7 +40,15 @@ TRAIN_NOTE_HEAD = "**Trained to step "  # how a `train` run's own description be
 RANKED_TAG = "report.metric"  # on a sweep's parent run: the metric the report ranks by (lower is better)
 ROW_PREFIX = "row/"  # on a trial's run: ``row/<ranked>``, the mean of the metric over its grid point's seeds
 RANK = "report/rank"  # on a trial's run: its place in the report's order (1: the best row's best seed)
-TOKENS_PER_SEC = "train/tokens_per_sec"
+TOKENS_PER_SEC = "train/tokens_per_sec"  # a training run's per-step throughput (its last step in the table)
+# a sweep trial's throughput as its report states it: the tokens of its logged training steps over their summed
+# step time (``sweep/curves.py: training_tokens_per_sec``), logged by the report; the table shows it instead
+RUN_TOKENS_PER_SEC = "report/train_tokens_per_sec"
+# cost beside the ranking metric: parameters, forward FLOPs per token (both logged when a run is created,
+# ``training/mlflow_run.py: cost_metrics``) and training FLOPs so far (``train/flops``, logged every step)
+COST_METRICS = ("cost/params_non_embedding", "cost/fwd_flops_per_token", "train/flops")
+FLOPS = "train/flops"  # the chart view's x-axis of the ranking metric's curve
+SEED_PARAM = "train.seed"
 # the ranking metric of runs without a report (a `train` experiment): the first of these a run has
 RANKING_FALLBACK = ("val/heldout/ppl", "val/heldout/loss", "train/loss")
 # params shown for `train` runs when none differ between the experiment's runs
@@ -138,9 +150,10 @@ def runs_view(runs: Sequence[Any]) -> dict[str, Any] | None:
         metrics += [m for m in (RANK, row) if m in have]
         metrics.append(ranked)
         order = RANK if RANK in have else ranked
+    metrics += [m for m in COST_METRICS if m in have]
     metrics += _accuracy_metrics(runs)
-    if TOKENS_PER_SEC in have:
-        metrics.append(TOKENS_PER_SEC)
+    if RUN_TOKENS_PER_SEC in have or TOKENS_PER_SEC in have:
+        metrics.append(RUN_TOKENS_PER_SEC if RUN_TOKENS_PER_SEC in have else TOKENS_PER_SEC)
     columns = [param_column(p) for p in _axis_params(runs)] + [metric_column(m) for m in metrics]
     view: dict[str, Any] = {
         "searchFilter": "",
@@ -151,9 +164,42 @@ def runs_view(runs: Sequence[Any]) -> dict[str, Any] | None:
     # above it (MLflow 3.17 leaves a shared view's runsExpanded out, so the view does not set it)
     if order is not None:
         view.update(orderByKey=metric_column(order), orderByAsc=True)
+    view.update(grid_groups(runs))
     if ranked is not None:
         view.update(ranking_charts(ranked, _axis_params(runs), have))
     return view
+
+
+def grid_groups(runs: Sequence[Any]) -> dict[str, Any]:
+    """A sweep's runs table grouped by grid point (MLflow 3's run grouping, view-state keys ``groupBy`` /
+    ``groupsExpanded`` / ``useGroupedValuesInCharts``): one group per combination of the axis params other than
+    the seed, its metrics averaged over the seeds, the seeds folded under it; the groups keep the table's order
+    (the best row first). Nothing for runs outside a sweep, a search or a sweep of seeds only."""
+    names: set[str] = set()
+    for parent in (r for r in runs if _is_sweep_parent(r)):
+        try:
+            names |= set(json.loads(parent.data.params.get("sweep.axes", "{}")))
+        except ValueError:
+            pass
+    # a grid's axes only (a search's trials each have their own point)
+    keys = [p for p in _axis_params(runs) if p != SEED_PARAM and p.removeprefix("axis.") in names]
+    if not keys:
+        return {}
+    # MLflow's id of a group: "param.<key>.<value>" per grouping key, joined by ","; a group missing from
+    # groupsExpanded opens expanded
+    folded = {
+        ",".join(f"param.{k}.{r.data.params[k]}" for k in keys): False
+        for r in runs
+        if all(k in r.data.params for k in keys)
+    }
+    return {
+        "groupBy": {
+            "aggregateFunction": "average",
+            "groupByKeys": [{"mode": "param", "groupByData": k} for k in keys],
+        },
+        "groupsExpanded": folded,
+        "useGroupedValuesInCharts": True,
+    }
 
 
 def ranking_charts(ranked: str, axes: Sequence[str], have: set[str]) -> dict[str, Any]:
@@ -174,6 +220,9 @@ def ranking_charts(ranked: str, axes: Sequence[str], have: set[str]) -> dict[str
             "displayName": f"grid axes → {ranked}",
         },
     ]
+    # the curves against training FLOPs where the runs log them (MLflow's metric x-axis: the x value of a
+    # point is the x metric's value at the same step), else against the step
+    x = {"xAxisKey": "metric", "selectedXAxisMetricKey": FLOPS} if FLOPS in have else {"xAxisKey": "step"}
     for key in (ranked, "train/loss"):
         if key in have:
             charts.append(
@@ -182,12 +231,12 @@ def ranking_charts(ranked: str, axes: Sequence[str], have: set[str]) -> dict[str
                     "uuid": f"rl-curve-{key}",
                     "type": "LINE",
                     "metricKey": key,
-                    "displayName": key,
+                    "displayName": f"{key} against {FLOPS}" if FLOPS in have else key,
                     "lineSmoothness": 0,
                     "scaleType": "linear",
-                    "xAxisKey": "step",
+                    **x,
                     "xAxisScaleType": "linear",
-                    "useGlobalXaxisKey": True,
+                    "useGlobalXaxisKey": FLOPS not in have,
                     "useGlobalLineSmoothing": True,
                 }
             )

@@ -7,11 +7,15 @@ so a killed process never leaves a half-written ``last.ckpt``; the previous peri
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,10 +23,19 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from recursive_lightning import faults
 from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import UserError
+from recursive_lightning.files import absent
 from recursive_lightning.model.build import build_model
+
+HF_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 class CheckpointError(UserError):
@@ -30,15 +43,58 @@ class CheckpointError(UserError):
 
 
 def save_atomic(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
-    """torch.save to ``<path>.tmp``, fsync, then os.replace: readers see the old or the new file, never half."""
+    """torch.save to ``<path>.tmp``, fsync, then os.replace: readers see the old or the new file, never half.
+
+    A write that fails (a full disk) removes ``<path>.tmp``; Ctrl-C while the file is written takes effect once
+    it is in place (inside torch.save it would surface as the zip writer's own error, not as an interrupt)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(checkpoint, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with _ctrl_c_after_the_write():
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(
+                    checkpoint, _FaultPoint(f, f"checkpoint_write_{path.stem}") if faults.active() else f
+                )
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def _ctrl_c_after_the_write() -> Iterator[None]:
+    """Python's Ctrl-C (SIGINT's default handler) held back until the block ends, then raised."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    got: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if got:
+        raise KeyboardInterrupt
+
+
+class _FaultPoint:
+    """A file whose every write passes the named fault point first (tests only: ``faults.py``)."""
+
+    def __init__(self, f: Any, name: str) -> None:
+        self.f, self.name = f, name
+
+    def write(self, data: Any) -> int:
+        faults.point(self.name)
+        return self.f.write(data)
+
+    def __getattr__(self, name: str) -> Any:  # flush, tell, ...: the file's own
+        return getattr(self.f, name)
 
 
 def _step_of(p: Path) -> int:
@@ -65,7 +121,7 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
         return _read_distributed(path)
     if not path.is_file():
         raise CheckpointError(
-            f"checkpoint '{path}' does not exist; pass the path of a .ckpt file or a run directory."
+            f"checkpoint '{path}' {absent(path)}; pass the path of a .ckpt file or a run directory."
         )
     if not _zip_header(path):  # torch.save writes a zip archive; a truncated one still starts with its header
         raise CheckpointError(
@@ -147,6 +203,16 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     path = Path(path)
     if path.is_dir() and not (path / "meta.pt").exists() and not (path / ".metadata").exists():
         found = latest_good(path / "checkpoints") or latest_good(path)
+        if found is None and any((path / f).is_file() for f in HF_WEIGHTS):  # not one of this package's runs
+            raise CheckpointError(
+                f"'{path}' holds Hugging Face model weights, not a run of this package"
+                + (
+                    ""
+                    if (path / "config.json").is_file()
+                    else " (and no config.json, which such a folder needs)"
+                )
+                + "; pass a run directory or .ckpt file of this package (train --init-from reads such a folder)."
+            )
         if found is None:
             raise CheckpointError(f"no readable checkpoint under '{path}'; train first or pass a .ckpt file.")
         newest = (candidates(path / "checkpoints") or candidates(path))[0]

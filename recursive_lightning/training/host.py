@@ -21,6 +21,9 @@ import ctypes.util
 import functools
 import sys
 
+from recursive_lightning import formatting as fmt
+from recursive_lightning.errors import ConfigError
+
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's <malloc.h>
 M_MMAP_MAX = -4
 _NEVER_TRIM = 2**31 - 1  # mallopt takes an int: trim only above 2 GiB of free heap top
@@ -42,3 +45,47 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success; both must hold, else large blocks would still be unmapped
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, _NEVER_TRIM))
+
+
+# float32 weights, their gradients and AdamW's two moments: what a training step holds per parameter at least
+# (activations and the data come on top)
+TRAIN_BYTES_PER_PARAM = 16
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: ``MemAvailable`` of /proc/meminfo, lowered to what a cgroup v2
+    memory limit leaves; None where neither is known."""
+    out: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    out.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit.isdigit():
+            out.append(max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return min(out) if out else None
+
+
+def check_fits_in_memory(params: int, bytes_per_param: int = TRAIN_BYTES_PER_PARAM) -> None:
+    """Refuse in one sentence, before the run starts, a model whose ``params`` cannot be trained in the memory
+    this machine has available (``bytes_per_param`` each: float32 weights, gradients and AdamW's moments),
+    rather than fail in an allocation (or the kernel's OOM killer) once its run is RUNNING."""
+    free = available_memory()
+    need = params * bytes_per_param
+    if free is None or need <= free:
+        return
+    raise ConfigError(
+        f"the model has {fmt.params(params)} parameters, which need at least {need / 2**30:,.1f} GiB to train "
+        f"({bytes_per_param} bytes each: float32 weights, gradients and AdamW's moments), but this machine has "
+        f"{free / 2**30:,.1f} GiB available; choose a smaller model (model.d_model, model.layout, "
+        "model.preset) or a machine with more memory."
+    )

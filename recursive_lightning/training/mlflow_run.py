@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,16 +53,17 @@ def open_run(
     parent_run_id: str | None = None,
     tags: dict[str, str] | None = None,
     params: dict[str, Any] | None = None,
+    closer: RunCloser | None = None,
 ) -> tuple[str, str]:
     """(tracking URI, run id) of ``run_dir``'s MLflow run: the one it records (marked RUNNING again), else a new
     one with ``run_params`` and ``params`` (a sweep's axes), ``tags``, the config and ``describe`` counts as
     artifacts and ``corpus`` (``TextDataModule.corpus_summary()``) as its datasets. On a resume a param whose
-    value changed becomes a ``resumed/<param>`` tag."""
+    value changed becomes a ``resumed/<param>`` tag. ``closer`` learns the run the moment it is RUNNING."""
     given = bool(tracking_uri)
     tracking_uri = absolute_uri(tracking_uri) if tracking_uri else default_tracking_uri(run_dir)
-    if is_database_url(tracking_uri) and not tracking_uri.startswith("sqlite"):
+    if is_database_url(tracking_uri):
         # a database server that does not answer, or a password it lacks (the run directory records the URL
-        # masked): one sentence now, not MLflow's minutes of retries and a traceback
+        # masked), a SQLite file that is damaged: one sentence now, not MLflow's minutes of retries and a traceback
         option = "--tracking-uri" if given else f"of '{run_dir}'"
         check_database(tracking_uri, option, "MLflow tracking store")
     exp_id = ensure_experiment(tracking_uri, experiment or cfg.name, run_dir / "mlartifacts")
@@ -70,6 +72,8 @@ def open_run(
         run_id = id_file.read_text().strip()
         _check_run_exists(tracking_uri, run_id, run_dir)
         client(tracking_uri).update_run(run_id, status="RUNNING")  # a resumed (or extended) run runs again
+        if closer is not None:
+            closer.opened(tracking_uri, run_id)
     else:
         run_id = create_run(
             tracking_uri,
@@ -78,12 +82,15 @@ def open_run(
             tags={"run_dir": str(run_dir), **(tags or {})},
             parent_run_id=parent_run_id,
         )
+        if closer is not None:
+            closer.opened(tracking_uri, run_id)
         record_tracking_uri(run_dir, tracking_uri)  # before the id: eval / resume find the run
         atomic_write_text(id_file, run_id)
         stats = describe(cfg.model, seq_len=cfg.data.seq_len)
         if cfg.train.loops is not None:  # sampled-loop training: expected training FLOPs per token
             stats.update(expected_training_flops(cfg.model, cfg.data.seq_len, cfg.train.loops))
         log_params(tracking_uri, run_id, {**run_params(cfg, stats), **(params or {})})
+        log_metrics(tracking_uri, run_id, cost_metrics(stats))  # columns that sort and chart
         log_artifact_text(tracking_uri, run_id, "config.yaml", cfg.to_yaml())
         log_artifact_text(tracking_uri, run_id, "describe.json", to_json(stats))
         log_corpus(tracking_uri, run_id, corpus)
@@ -104,6 +111,20 @@ def run_params(cfg: RunConfig, stats: dict[str, Any]) -> dict[str, Any]:
     fields = {k.split(".")[-1] for k in flat} | {"flops_convention"}
     out.update({f"describe.{k}": v for k, v in stats.items() if k not in fields})
     return out
+
+
+def cost_metrics(stats: dict[str, Any]) -> dict[str, float]:
+    """A run's cost as metrics (MLflow's table sorts and charts metrics, not params): ``cost/params``,
+    ``cost/params_non_embedding`` and ``cost/fwd_flops_per_token`` (``describe``'s forward FLOPs of one
+    sequence over its tokens), and ``cost/train_flops_per_token`` (3 x forward; under ``train.loops`` the
+    expectation over the distribution), the factor of the cumulative ``train/flops`` it logs per step."""
+    fwd = stats["flops_forward"] / stats["seq_len"]
+    return {
+        "cost/params": float(stats["params_total"]),
+        "cost/params_non_embedding": float(stats["params_non_embedding"]),
+        "cost/fwd_flops_per_token": float(fwd),
+        "cost/train_flops_per_token": float(stats.get("flops_train_per_token_expected") or 3 * fwd),
+    }
 
 
 def _check_run_exists(tracking_uri: str, run_id: str, run_dir: Path) -> None:
@@ -128,23 +149,51 @@ def _tag_changed_params(tracking_uri: str, run_id: str, cfg: RunConfig) -> None:
     set_tags(tracking_uri, run_id, changed)
 
 
+class RunCloser:
+    """The end of a run this command set RUNNING, whatever stops the command after that instant (set-up, fit,
+    the summary): its status says what happened. A run whose ``result.json`` is written (a finished run, or one
+    extended by ``--resume --max-steps``) is FINISHED again, its recorded result standing; otherwise KILLED for
+    Ctrl-C or SIGTERM, FAILED for an error. Only ``rank_zero`` writes it."""
+
+    def __init__(self, run_dir: Path, rank_zero: bool = True) -> None:
+        self.run_dir, self.rank_zero = run_dir, rank_zero
+        self.run: tuple[str, str] | None = None
+
+    def opened(self, tracking_uri: str, run_id: str) -> None:
+        self.run = (tracking_uri, run_id)
+
+    def __enter__(self) -> RunCloser:
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> bool:
+        if error is None or self.run is None or not self.rank_zero:
+            return False
+        if (self.run_dir / "result.json").is_file():
+            status = "FINISHED"
+        elif isinstance(error, (Terminated, KeyboardInterrupt)):
+            status = "KILLED"
+        else:
+            status = "FAILED"
+        try:
+            set_terminated(*self.run, status=status)
+        except Exception as e:  # the store failing too (a full disk): the command's error is shown
+            print(
+                mask_url(f"warning: could not mark the MLflow run {self.run[1]} {status} ({e})"),
+                file=sys.stderr,
+            )
+        return False
+
+
 @contextlib.contextmanager
 def tracked(tracking_uri: str, run_id: str, resumed: bool, rank_zero: bool) -> Iterator[None]:
-    """The block that trains: system metrics while it runs (``rank_zero`` only), and the run marked KILLED
-    (Ctrl-C, SIGTERM) or FAILED when it raises."""
+    """The block that trains: system metrics while it runs (``rank_zero`` only); how the run ends when it
+    raises is :class:`RunCloser`'s."""
     monitor = _system_metrics(tracking_uri, run_id, resumed) if rank_zero else None
-    status = "FAILED"
     try:
         yield
-        status = "FINISHED"
-    except (Terminated, KeyboardInterrupt):
-        status = "KILLED"
-        raise
     finally:
         if monitor is not None:
             monitor.finish()
-        if rank_zero and status != "FINISHED":
-            set_terminated(tracking_uri, run_id, status=status)
 
 
 def _system_metrics(tracking_uri: str, run_id: str, resumed: bool) -> Any:

@@ -8,6 +8,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics.text import Perplexity
 
 from recursive_lightning import faults
@@ -17,6 +18,7 @@ from recursive_lightning.model.describe import describe
 from recursive_lightning.model.loss import cross_entropy
 from recursive_lightning.sampled_loops import LoopSchedule
 from recursive_lightning.training import parallel
+from recursive_lightning.training.cuda_graphs import GraphedStep
 from recursive_lightning.training.loop_flops import LoopFlops
 from recursive_lightning.training.optim import build_optimizer
 
@@ -67,12 +69,20 @@ class RecursiveLMModule(L.LightningModule):
             else None
         )
         self._step_flops_per_token = self.flops_per_token
+        # train/flops = train/tokens x this: 3 x forward per token, under train.loops the expectation over the
+        # distribution (as ``loop_flops.expected_training_flops`` and the sweep report's training FLOPs)
+        self.train_flops_per_token = (
+            self.loop_schedule.expectation(self.loop_flops.training) / seq
+            if self.loop_schedule
+            else self.flops_per_token
+        )
         self.peak_flops = accelerator_peak_flops()
         self._clock = time.perf_counter  # tests substitute a deterministic clock
         self._t_ref: float | None = None  # when the interval of the next step's tokens/s began
         self._measured_steps = 0  # steps of this fit so far (the first is warm-up and not reported)
         self._step_tokens = 0
         self._configured = False
+        self.graphed_step: GraphedStep | None = None  # train.cuda_graphs (configure_model)
         # this step's train/* values: Lightning hands them to the logger only after the step's checkpoint
         # is written, so a checkpoint carries them and a resumed run logs them if the kill lost them
         self._step_metrics: dict[str, Any] = {}
@@ -88,6 +98,13 @@ class RecursiveLMModule(L.LightningModule):
             parallel.apply_activation_checkpointing(self.model)
         if t.compile:
             parallel.compile_model(self.model, t.compile)
+        if (
+            t.cuda_graphs
+        ):  # train.cuda_graphs: each step's forward + backward replayed (training/cuda_graphs.py)
+            self.model.shared_grads_in_place = False  # a replay runs no Python state (model/shared_grad.py)
+            self.graphed_step = GraphedStep(
+                lambda batch: self._loss(batch, training=True)[0], list(self.model.parameters())
+            )
         mesh = getattr(self, "device_mesh", None)
         if mesh is not None:
             dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
@@ -133,7 +150,10 @@ class RecursiveLMModule(L.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         faults.point("training_step")  # tests: a kill -9 in the middle of a step (faults.py)
         loops = self.sampled_loops()
-        loss, y = self.training_loss(batch, loops)
+        if self.graphed_step is not None:  # forward and backward replayed here; backward() below skips them
+            loss, y = self.graphed_step(batch), batch[:, 1:]
+        else:
+            loss, y = self.training_loss(batch, loops)
         if loops is not None:
             self._step_flops_per_token = self.loop_flops.training(loops) / self.run_cfg.data.seq_len
         tokens = y.numel() * self.trainer.world_size
@@ -143,6 +163,7 @@ class RecursiveLMModule(L.LightningModule):
             "train/lr": self.trainer.optimizers[0].param_groups[0]["lr"],
             "train/tokens": float(step * tokens * self.run_cfg.train.accumulate),
         }
+        metrics["train/flops"] = metrics["train/tokens"] * self.train_flops_per_token
         if loops is not None:
             metrics["train/loops"] = float(loops)
         for name, value in metrics.items():
@@ -151,6 +172,12 @@ class RecursiveLMModule(L.LightningModule):
         self._step_metrics = metrics
         self._step_tokens = tokens * self.run_cfg.train.accumulate
         return loss
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if self.graphed_step is None:
+            super().backward(loss, *args, **kwargs)
+        else:  # train.cuda_graphs: the training step's graph ran the backward; its gradients, after zero_grad
+            self.graphed_step.restore_grads()
 
     # -------------------------------------------------------------- throughput over training time only
     # train/tokens_per_sec at a step = that step's tokens / the wall-clock since the previous step ended: the
@@ -192,6 +219,19 @@ class RecursiveLMModule(L.LightningModule):
             self.log(f"val/{name}/ppl", ppl, sync_dist=True)
             self.log(f"val/{name}/loss", ppl.log(), sync_dist=True)
         self._t_ref = None  # validation time is not training throughput
+        if self.trainer.state.fn == TrainerFn.VALIDATING:
+            # train's validation after fit logs at step G, where no training step logged: the tokens and FLOPs
+            # of its G steps there too, so that curves against them (MLflow's metric x-axis) reach it
+            d = self.run_cfg.data
+            tokens = float(
+                self.global_step
+                * d.batch_size
+                * d.seq_len
+                * self.run_cfg.train.accumulate
+                * self.trainer.world_size
+            )
+            self.log("train/tokens", tokens, sync_dist=False)
+            self.log("train/flops", tokens * self.train_flops_per_token, sync_dist=False)
 
     # -------------------------------------------------------------- optimisation
     def configure_optimizers(self):

@@ -78,6 +78,8 @@ def compile_model(model: torch.nn.Module, scope: bool | str = "layers") -> None:
 def check_supported(cfg: TrainConfig) -> None:
     """Refuse, before any work, combinations that are known to fail on this machine's kind."""
     on_cpu = cfg.accelerator == "cpu" or (cfg.accelerator == "auto" and not torch.cuda.is_available())
+    if cfg.cuda_graphs and on_cpu:
+        raise ConfigError("train.cuda_graphs needs a CUDA GPU; set it false on the CPU.")
     if cfg.compile and cfg.strategy == "fsdp" and on_cpu:
         # torch 2.13's C++ code generator emits a duplicate declaration for FSDP2-wrapped compiled layers
         raise ConfigError(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -32,13 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
 from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig, load_run_config
 from recursive_lightning.errors import ConfigError, UserError
-from recursive_lightning.files import atomic_write_text, default_cache_dir
-from recursive_lightning.tracking.runs import default_tracking_uri, ui_command
-from recursive_lightning.training.host import keep_freed_memory
+from recursive_lightning.files import atomic_write_text, default_cache_dir, writable_dir_problem
+from recursive_lightning.tracking.runs import RUN_ID_FILE, default_tracking_uri, ui_command
+from recursive_lightning.training.host import TRAIN_BYTES_PER_PARAM, check_fits_in_memory, keep_freed_memory
 from recursive_lightning.training.run_lock import first_rank, run_dir_lock
 from recursive_lightning.uris import TRACKING_ENV, mask_url, remember, reveal
 from recursive_lightning.validation import undo_on_refusal
@@ -61,6 +63,7 @@ class TrainResult:
     segment_steps: int | None = None  # steps this command trained (None: the whole run)
     segment_seconds: float | None = None
     segments: int = 1
+    data_seconds: float = 0.0  # the part of ``seconds`` spent preparing the data (training/wallclock.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +77,7 @@ class TrainResult:
             "tracking_uri": mask_url(self.tracking_uri),  # no password on disk (read back: uris.reveal)
             "seconds": self.seconds,
             "segments": self.segments,
+            "data_seconds": self.data_seconds,
         }
 
     @classmethod
@@ -98,6 +102,7 @@ class TrainResult:
             tracking_uri=default_tracking_uri(run_dir),
             seconds=float(d.get("seconds") or 0.0),
             segments=int(d.get("segments") or 1),
+            data_seconds=float(d.get("data_seconds") or 0.0),
         )
 
 
@@ -196,13 +201,10 @@ def _train(
 
     from recursive_lightning.training import mlflow_run, parallel  # heavy
     from recursive_lightning.training import resume as run_dir_state  # heavy
-    from recursive_lightning.training.module import RecursiveLMModule  # heavy
-    from recursive_lightning.training.step_logger import step_once_logger  # heavy
-    from recursive_lightning.training.trainer import build_trainer, fit  # heavy
-    from recursive_lightning.training.wallclock import WallClock  # heavy
 
     t0 = time.time()
     parallel.check_supported(cfg.train)
+    _check_memory(cfg)  # a model that cannot fit: one sentence, before anything is written
     if cfg.train.keep_host_memory:
         keep_freed_memory()
     # ---- the run directory and the checkpoint it resumes from
@@ -212,6 +214,56 @@ def _train(
     source = _uptraining_source(cfg, run_dir, resume_from)
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     dm = _datamodule(cfg, run_dir, source)
+    # from the instant its MLflow run is RUNNING, whatever stops this command closes it (mlflow_run.RunCloser)
+    with mlflow_run.RunCloser(run_dir, rank_zero=first_rank()) as closer:
+        return _fit_and_summarise(
+            cfg,
+            run_dir,
+            dm,
+            source,
+            resume_from,
+            t0,
+            closer,
+            resume=resume,
+            tracking_uri=tracking_uri,
+            experiment=experiment,
+            run_name=run_name,
+            parent_run_id=parent_run_id,
+            tags=tags,
+            callbacks=callbacks,
+            params=params,
+        )
+
+
+def _fit_and_summarise(
+    cfg: RunConfig,
+    run_dir: Path,
+    dm: Any,
+    source: Any,
+    resume_from: str | None,
+    t0: float,
+    closer: Any,
+    *,
+    resume: bool,
+    tracking_uri: str | None,
+    experiment: str | None,
+    run_name: str | None,
+    parent_run_id: str | None,
+    tags: dict[str, str] | None,
+    callbacks: list | None,
+    params: dict[str, Any] | None,
+) -> TrainResult:
+    """The MLflow run opened (``closer`` told the instant it is RUNNING), the model, the trainer, fit and the
+    summary."""
+    import lightning as L  # heavy
+
+    from recursive_lightning.training import mlflow_run  # heavy
+    from recursive_lightning.training import resume as run_dir_state  # heavy
+    from recursive_lightning.training.module import RecursiveLMModule  # heavy
+    from recursive_lightning.training.step_logger import step_once_logger  # heavy
+    from recursive_lightning.training.trainer import build_trainer, fit  # heavy
+    from recursive_lightning.training.wallclock import WallClock  # heavy
+
     # ---- MLflow: one experiment per config name, one run per run directory
     tracking_uri, run_id = mlflow_run.open_run(
         cfg,
@@ -224,13 +276,15 @@ def _train(
         parent_run_id=parent_run_id,
         tags=tags,
         params=params,
+        closer=closer,
     )
+    faults.point("run_opened")  # tests: Ctrl-C during the set-up, after the run is RUNNING
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)  # init: not what data prep consumed
     module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
     thread_policy.apply_for(cfg.model)  # inside a CLI command (recursive_lightning/threads.py)
     module.mlflow_run_id = run_id
     # ---- the trainer, and fit
-    clock = WallClock(t0)
+    clock = WallClock(t0, data=dm.prep_seconds)
     resumed = resume_from is not None
     trainer = build_trainer(
         cfg,
@@ -263,8 +317,10 @@ def _summarise(
     recorded = run_dir_state.previous_result(run_dir, steps) if not val or not trained else {}
     metrics = val or dict(recorded.get("metrics") or {})
     seconds, segments = clock.run_totals(steps)
+    data_seconds = clock.data_seconds(steps)
     if not trained:
         seconds, segments = recorded.get("seconds", seconds), recorded.get("segments", segments)
+        data_seconds = recorded.get("data_seconds", data_seconds)
     result = TrainResult(
         run_dir=run_dir,
         steps=steps,
@@ -278,11 +334,25 @@ def _summarise(
         segment_steps=steps - clock.start_step,
         segment_seconds=clock.segment_seconds(),
         segments=segments,
+        data_seconds=data_seconds,
     )
     if trainer.is_global_zero:
         mlflow_run.finish_run(tracking_uri, run_id, metrics, steps, result.tokens, result.seconds)
         atomic_write_text(run_dir / "result.json", json.dumps(result.to_dict(), indent=2))
     return result
+
+
+def _check_memory(cfg: RunConfig) -> None:
+    """Refuse a model this machine's memory cannot train (``host.check_fits_in_memory``): weights, gradients
+    and AdamW's moments in host memory for a CPU run; a run on an accelerator builds its float32 weights here."""
+    import torch  # heavy
+
+    from recursive_lightning.model.describe import describe  # heavy
+
+    t = cfg.train
+    on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and not torch.cuda.is_available())
+    params = describe(cfg.model, seq_len=cfg.data.seq_len)["params_total"]
+    check_fits_in_memory(params, TRAIN_BYTES_PER_PARAM if on_cpu else 4)
 
 
 def _uptraining_source(cfg: RunConfig, run_dir: Path, resume_from: str | None) -> Any:
@@ -300,9 +370,19 @@ def _uptraining_source(cfg: RunConfig, run_dir: Path, resume_from: str | None) -
 def _datamodule(cfg: RunConfig, run_dir: Path, source: Any) -> Any:
     """The run's data module, set up for fit; its tokenizer checked against an uptraining ``source`` and the
     model's vocabulary, and a Mela memory that cannot learn at this length warned of."""
+    t = time.time()
     dm = build_datamodule(cfg, run_dir)
-    dm.prepare_data()
-    dm.setup("fit")
+    try:
+        dm.prepare_data()
+        dm.setup("fit")
+    except OSError as e:  # a read-only or foreign cache: one sentence, not a traceback from deep in data prep
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise ConfigError(
+            f"data.cache_dir '{dm.cache_dir}' cannot take the run's corpus, tokenizer and token shards "
+            f"({e.strerror}: '{e.filename}'); set data.cache_dir to a folder you can write to."
+        ) from None
+    dm.prep_seconds = time.time() - t  # one-off: the first run on a corpus builds it (training/wallclock.py)
     if source is not None:
         from recursive_lightning.training import uptrain  # heavy
 
@@ -436,12 +516,25 @@ def main(argv: list[str]) -> int:
         overrides = cli_overrides(args.init_from, config, overrides)
     cfg = load_run_config(config, overrides)
     run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+    problem = writable_dir_problem(run_dir)
+    if problem is not None:  # a file, a read-only folder, a link that leads nowhere: before any lock or file
+        raise ConfigError(
+            f"--run-dir '{run_dir}' cannot hold the run: {problem}; choose a folder you can write to."
+        )
     if args.resume and not run_dir.exists():
         raise ConfigError(
             f"--resume: run directory '{run_dir}' does not exist; start the run without --resume first."
         )
     if args.resume and (run_dir / "config.yaml").exists() and not args.config:
         cfg = load_run_config(run_dir / "config.yaml", overrides)
+    elif (
+        args.resume and not args.config and any((run_dir / f).exists() for f in ("checkpoints", RUN_ID_FILE))
+    ):
+        # the default config would resume another model (a size mismatch deep in the checkpoint's loading)
+        raise ConfigError(
+            f"--resume: '{run_dir}' holds a run but not its config.yaml, the config it was started with; put "
+            "config.yaml back, or pass that config with --config."
+        )
     tags, params = _pairs("--tag", args.tag), _pairs("--param", args.param)
     # the tracking URI defaults to the environment's (how a sweep worker hands it to its `train` process, off the
     # command line); a masked password (as files and other commands show it) is filled in from there

@@ -41,4 +41,9 @@ def step_once_logger(experiment: str, tracking_uri: str, run_id: str, resumed: b
                     return
             super().log_metrics(metrics, step)
 
+        def finalize(self, status: str = "success") -> None:
+            """Nothing: the run's status is the command's to set (``mlflow_run.finish_run`` once its result is
+            written, ``mlflow_run.RunCloser`` whatever stops it), not Lightning's at the end of fit, which would
+            mark it FINISHED before the final validation and print MLflow's "View run" lines."""
+
     return _StepOnce()

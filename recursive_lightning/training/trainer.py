@@ -33,6 +33,8 @@ _NOISE = (
     r"The `srun` command is available on your system but is not used",
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
     r"Your `IterableDataset` has `__len__` defined",
+    # a resume writes into its own checkpoint folder (a new run into one with checkpoints is refused before)
+    r"Checkpoint directory .* exists and is not empty",
 )
 
 

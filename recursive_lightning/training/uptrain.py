@@ -43,7 +43,7 @@ from recursive_lightning.interop import hf
 from recursive_lightning.interop.init import MESH_ROUTER_MARGIN, initialise
 from recursive_lightning.model.recursive.model import RecursiveLM
 from recursive_lightning.tracking.runs import log_artifact_text, log_params, set_tags
-from recursive_lightning.training.checkpoint import load_checkpoint
+from recursive_lightning.training.checkpoint import HF_WEIGHTS, load_checkpoint
 
 TOKENIZER_FILE = "init_tokenizer.json"  # the source's tokenizer, kept in the run directory for --resume
 CHECKPOINT_KEY = "uptrain"
@@ -86,7 +86,16 @@ def _hf_source(name: str, model_type: str | None, local: bool) -> Source:
             "GPT-NeoX (Pythia) and LLaMA models."
         )
     kwargs = {"local_files_only": True} if local else {}
-    model = loaders[model_type](name, **kwargs)
+    try:
+        model = loaders[model_type](name, **kwargs)
+    except Exception as e:  # noqa: BLE001 - weights missing, cut short (SafetensorError), of another shape
+        if not local:
+            raise
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"train.init_from '{name}': its weights cannot be read ({reason}); put its complete "
+            "model.safetensors (or pytorch_model.bin) back in the folder."
+        ) from None
     tokenizer = None
     if local:
         if (Path(name) / "tokenizer.json").is_file():
@@ -112,6 +121,11 @@ def load_source(spec: str) -> Source:
                     f"train.init_from '{path}': config.json is not readable JSON ({e})."
                 ) from None
             return _hf_source(str(path), model_type, local=True)
+        if path.is_dir() and any((path / f).is_file() for f in HF_WEIGHTS):  # weights without config.json
+            raise ConfigError(
+                f"train.init_from '{path}' holds Hugging Face model weights but no config.json, which says what "
+                "model they are; put the model's config.json back in the folder."
+            )
         if path.is_file() and not zipfile.is_zipfile(path):  # torch.save writes a zip archive
             raise ConfigError(
                 f"train.init_from '{path}' is neither a checkpoint nor a model directory; pass a .ckpt file "

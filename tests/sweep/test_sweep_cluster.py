@@ -128,3 +128,66 @@ def test_the_last_worker_takes_over_a_trial_that_never_sent_a_heartbeat(pg, tmp_
     assert [t.state.name for t in study.get_trials()] == ["COMPLETE"]
     parent, (child,) = parent_and_children(tracking, "pg-last")
     assert parent.info.status == "FINISHED" and child.info.status == "FINISHED"
+
+
+def test_another_run_dir_for_an_existing_study_is_refused_naming_the_studys(tmp_path, data_cache):
+    """A study in a database of its own (a SQLite file outside the sweep directory here; a PostgreSQL study
+    alike) runs in one directory: the same sweep given another --run-dir is refused in one sentence naming the
+    study's directory (exit 2), creates nothing there and leaves the study as it was; its own directory goes on."""
+    spec = grow_spec(tmp_path, data_cache)
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    code, out = sweep_output(spec, "--run-dir", run_dir, "--storage", storage, "--prepare")
+    assert code == 0, out
+    code, out = sweep_output(spec, "--run-dir", elsewhere, "--storage", storage, "--prepare")
+    assert code == 2 and "Traceback" not in out, out
+    (line,) = [line for line in out.splitlines() if line.startswith("error:")]
+    assert line == (
+        f"error: --run-dir '{elsewhere}': the study 'grow-sweep' in {storage} runs in '{run_dir}'; pass "
+        f"--run-dir {run_dir} to continue it there, or give the sweep file a new `name:` to start another study."
+    )
+    assert not elsewhere.exists()
+    assert optuna.load_study(study_name="grow-sweep", storage=storage).user_attrs["run_dir"] == str(run_dir)
+    code, out = sweep_output(spec, "--run-dir", run_dir, "--storage", storage, "--prepare")
+    assert code == 0, out
+
+
+def test_a_tracking_server_that_does_not_allow_the_host_name_is_named_so(tmp_path, capsys):
+    """MLflow's allowed-hosts check answers HTTP 403 "Invalid Host header" to a host name it does not allow
+    (a cluster node's): the sentence names that check and `--allowed-hosts`, not credentials; nothing is
+    written."""
+    import http.server
+    import threading
+
+    class AllowedHostsOnly(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # what MLflow's HostValidationMiddleware sends
+            body = b"Invalid Host header - possible DNS rebinding attack detected"
+            self.send_response(403)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), AllowedHostsOnly)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://127.0.0.1:{server.server_address[1]}"
+        run_dir = tmp_path / "run"
+        argv = [
+            "sweep",
+            str(ROOT / "ablations/default.yaml"),
+            "--run-dir",
+            str(run_dir),
+            "--tracking-uri",
+            uri,
+        ]
+        code = cli.main(argv)
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"does not allow the host name '127.0.0.1:{server.server_address[1]}' (its --allowed-hosts)" in err
+    assert "MLFLOW_TRACKING_PASSWORD" not in err and not run_dir.exists()

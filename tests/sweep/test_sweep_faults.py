@@ -210,3 +210,51 @@ def test_spawned_workers_killed_at_a_named_point_resume_to_the_same_results(
         assert out.count("finished before; its result is kept") == 2 and "(resuming)" not in out, out
     else:
         assert out.count("(resuming)") == 2, out
+
+
+def test_sigterm_while_a_finished_sweep_writes_its_report_closes_its_parent(tmp_path, data_cache):
+    """SIGTERM (a pre-emption, a time limit) at the instant a finished sweep writes its report: the command
+    exits 143 and the MLflow parent run is FINISHED, not RUNNING (every grid point finished). A SIGKILL there
+    leaves it RUNNING; `report` then writes the report and closes it as its grid stands."""
+    import signal
+    import time
+
+    from conftest import run_sweep
+
+    spec = fault_sweep(tmp_path, data_cache, rows={"mesh": {"model.topology": "mesh"}})
+    run_dir, mark = fresh_run_dir(tmp_path), tmp_path / "in-report"
+    env = {
+        **ENV,
+        "RECURSIVE_LIGHTNING_FAULT": "during_report:1:pause",
+        "RECURSIVE_LIGHTNING_FAULT_MARK": str(mark),
+    }
+    p = run_sweep([spec, "--run-dir", run_dir], env=env)
+    try:
+        while not mark.exists():
+            assert p.poll() is None, p.communicate()[0]
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    assert p.returncode == 143, out
+    (parent,), (child,) = mlflow_runs(run_dir)
+    assert parent.info.status == "FINISHED" and child.info.status == "FINISHED", out
+
+    spec = fault_sweep(tmp_path, data_cache, rows={"mesh": {"model.topology": "mesh"}})
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    code, out = sweep(spec, killed, "during_report:1")
+    assert code == -9, out
+    (parent,), _ = mlflow_runs(killed)
+    assert parent.info.status == "RUNNING"
+    p = subprocess.run(
+        [sys.executable, "-m", "recursive_lightning", "report", "--run-dir", str(killed)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    (parent,), _ = mlflow_runs(killed)
+    assert parent.info.status == "FINISHED" and (killed / "report.md").is_file()

@@ -105,7 +105,8 @@ def test_one_definition_of_best(ranked_sweep):
 
 def test_report_plots_the_ranking_metric_against_flops_and_wall_clock(ranked_sweep):
     """Per row: training FLOPs = 3 x forward FLOPs/token (describe of the trial's config.yaml) x its tokens
-    (result.json) and wall-clock (result.json's seconds), mean over the seeds, as the figure's table says."""
+    (result.json) and wall-clock (result.json's seconds less its data_seconds), mean over the seeds, as the
+    figure's table says."""
     from recursive_lightning.config import load_run_config
     from recursive_lightning.model.describe import describe
 
@@ -113,8 +114,11 @@ def test_report_plots_the_ranking_metric_against_flops_and_wall_clock(ranked_swe
     md = (run_dir / "report.md").read_text()
     assert (run_dir / "report_cost.png").stat().st_size > 10_000
     section = md.split("## Cost: per FLOP and per second", 1)[1].split("\n## ", 1)[0]
+    head = [c.strip() for c in next(ln for ln in section.splitlines() if ln.startswith("| row |")).split("|")]
     for row in ("base", "mesh"):
-        cells = next(ln for ln in section.splitlines() if ln.startswith(f"| {row} |")).split("|")
+        cells = dict(
+            zip(head, next(ln for ln in section.splitlines() if ln.startswith(f"| {row} |")).split("|"))
+        )
         flops, seconds = [], []
         for d in (run_dir / "trials").iterdir():
             if d.name.startswith(f"{row}-"):
@@ -122,12 +126,15 @@ def test_report_plots_the_ranking_metric_against_flops_and_wall_clock(ranked_swe
                 cfg = load_run_config(d / "config.yaml")
                 per_token = describe(cfg.model, seq_len=cfg.data.seq_len)["flops_forward"] / cfg.data.seq_len
                 flops.append(3 * per_token * result["tokens"])
-                seconds.append(result["seconds"])
+                seconds.append(
+                    result["seconds"] - result["data_seconds"]
+                )  # less its one-off data preparation
         assert len(flops) == 2
-        value, unit = cells[3].split("±")[0].split()  # one format per quantity: "1.55 TFLOPs"
+        value, unit = cells["training FLOPs"].split("±")[0].split()  # one format per quantity: "1.55 TFLOPs"
         scale = {"kFLOPs": 1e3, "MFLOPs": 1e6, "GFLOPs": 1e9, "TFLOPs": 1e12, "PFLOPs": 1e15}[unit]
         assert float(value) * scale == pytest.approx(sum(flops) / 2, rel=5e-3)  # three significant digits
-        assert float(cells[4].split("±")[0].replace(",", "")) == pytest.approx(sum(seconds) / 2, abs=0.5)
+        wall = float(cells["wall-clock (s)"].split("±")[0].replace(",", ""))
+        assert wall == pytest.approx(sum(seconds) / 2, abs=0.5)
 
 
 def _dom(url: str, width: int = 2400, profile: Path | None = None) -> str:
@@ -152,15 +159,21 @@ def _dom(url: str, width: int = 2400, profile: Path | None = None) -> str:
     return out.stdout
 
 
-def _table_rows(dom: str, names: list[str]) -> dict[int, str]:
-    """{row index: run name} of the runs table (ag-grid's row-index attribute, the run-name cell)."""
-    rows: dict[int, str] = {}
-    starts = [(m.start(), int(m.group(1))) for m in re.finditer(r'row-index="(\d+)"', dom)]
-    for (pos, idx), (end, _) in zip(starts, [*starts[1:], (len(dom), -1)]):
-        found = [n for n in names if f">{n}<" in dom[pos:end]]
-        if found and idx not in rows:
-            rows[idx] = found[0]
-    return rows
+def _groups(dom: str) -> dict[str, list[float]]:
+    """{grid point: the numbers of its row} of a runs table grouped by ``axis.variant``, in table order."""
+    out: dict[str, list[float]] = {}
+    starts = [(m.start(), m.group(1)) for m in re.finditer(r'row-id="param\.axis\.variant\.([^"]+)"', dom)]
+    for (pos, name), (end, _) in zip(starts, [*starts[1:], (len(dom), "")]):
+        text = _text(dom[pos:end].split(">", 1)[-1])
+        out.setdefault(name, []).extend(float(v) for v in re.findall(r"\b\d+\.\d+\b", text))
+    return out
+
+
+def _text(html: str) -> str:
+    """A page's text: tags dropped, entities decoded, white space collapsed."""
+    import html as html_lib
+
+    return re.sub(r"\s+", " ", html_lib.unescape(re.sub(r"<[^>]+>", " ", html))).replace(" :", ":")
 
 
 def _lines(proc: subprocess.Popen, n: int, timeout: float = 120) -> list[str]:
@@ -207,30 +220,38 @@ def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep)
         names = [r["run"] for r in runs]
         assert ">axis.variant<" in dom, "no axis column"
         assert ">val/heldout/ppl<" in dom, "no column of the ranking metric"
-        order = _table_rows(dom, names)
-        assert sorted(order.values()) == sorted(names), order
-        assert [order[i] for i in sorted(order)] == names  # the report's order: best first
-        assert order[min(order)] == runs[0]["run"] and runs[0]["row"] == best_row
-        # its chart view (MLflow's compare mode) opens on the ranking: the metric per run, the axes against it
-        # the chart section draws its plots after the runs load; on a loaded machine one dump can end before
-        # the parallel-coordinates plot is drawn (seen once in CI): render again, a bounded number of times
+        for cost in ("cost/params_non_embedding", "cost/fwd_flops_per_token", "train/flops"):
+            assert f">{cost}<" in dom, f"no cost column {cost}"
+        assert ">report/train_tokens_per_sec<" in dom, "no column of the report's tokens/s"
+        # grouped by grid point: one folded row per grid point, best first, with its mean over the seeds
+        groups = _groups(dom)
+        rows = list(dict.fromkeys(r["row"] for r in runs))  # the report's order: best row first
+        assert list(groups) == rows and rows[0] == best_row, groups
+        assert not any(f">{n}<" in dom for n in names), "the seeds are folded under their grid point"
+        for row in rows:
+            mean = sum(r["value"] for r in runs if r["row"] == row) / 2
+            assert any(abs(v - mean) <= 0.01 for v in groups[row]), (row, mean, groups[row])
+        # its chart view (MLflow's compare mode) opens on the ranking: the grid points' means, the ranking
+        # metric against training FLOPs (MLflow's metric x-axis); a dump can end before the plots are drawn:
+        # render again, a bounded number of times
         for _ in range(3):
             charts = _dom(f"{table_url}&compareRunsMode=CHART", profile=browser)
-            if "Parallel Coordinates" in charts:
+            if 'data-unformatted="train/flops"' in charts:
                 break
         first = charts.find("Ranking: val/heldout/ppl")
         assert first != -1, "no ranking section in the chart view"
         assert all(first < charts.find(s) for s in (">train<", ">val/heldout<", "final/val/heldout")), (
             "not first"
         )
-        assert "Parallel Coordinates" in charts and "axis.variant" in charts[first:]
-        # a run opened from MLflow's own table: its link carries no workflowType, yet it opens classic because
-        # the printed link stored the choice; the same link in a fresh browser opens GenAI (the control)
-        row = re.search(
-            r'href="/?(#/experiments/\d+/runs/\w+)">(<span[^>]*>)?' + re.escape(names[0]) + "<", dom
+        assert re.search(r'class="g-xtitle"[^>]*>.{0,300}data-unformatted="train/flops"', charts[first:]), (
+            "no curve against train/flops"
         )
-        assert row, "the runs table links the best trial's run"
-        clicked = f"{base}/{row.group(1)}"
+        # a run opened from MLflow's own table (its link carries no workflowType) opens classic because the
+        # printed link stored the choice; the same link in a fresh browser opens GenAI (the control)
+        info = json.loads((run_dir / "sweep.json").read_text())
+        c = client(f"sqlite:///{run_dir / 'mlflow.db'}")
+        parent_run = c.get_run(info["parent_run_id"])
+        clicked = f"{base}/#/experiments/{parent_run.info.experiment_id}/runs/{parent_run.data.tags['best_trial_run_id']}"
         assert "Evaluation runs" in _dom(clicked, width=1600), "control: a first visit opens GenAI"
         page = _dom(clicked, width=1600, profile=browser)
         assert "Evaluation runs" not in page and "Model registry" in page and names[0] in page
@@ -238,6 +259,9 @@ def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep)
         page = _dom(parent_url, width=1600)
         assert "Evaluation runs" not in page and "Model registry" in page  # the classic view's side bar
         assert "Open the report (report.html)" in page and "Best: " in page
+        # the parent's description weighs the winner: its sentence as the parent's tag states it
+        said = parent_run.data.tags["best.vs_runner_up"]
+        assert "distinguishable from the runner-up" in said and said.replace("`", "") in _text(page), said
         assert re.search(
             r'href="/?#/experiments/\d+/runs/\w+/artifacts/report/report\.html\?workflowType=machine_learning"',
             page,
@@ -261,6 +285,7 @@ def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep)
         assert table_url in served.stdout and parent_url in served.stdout, served.stdout
         trial_page = _dom(f"{base}/{child.group(1)}", width=1600)  # a fresh browser, the link's workflowType
         assert "Evaluation runs" not in trial_page and names[0] in trial_page and "axis.variant" in trial_page
+        assert f"Best row {best_row}: {said.replace('`', '')}." in _text(trial_page)  # the best trial's page
     finally:
         os.killpg(ui.pid, signal.SIGTERM)
         ui.wait(timeout=60)
@@ -345,3 +370,39 @@ def test_a_large_sweep_s_description_fits_mlflow_s_limit():
     assert "| variant-000 |" in note and "48 more in the runs table" not in note  # the trials' line was cut
     small = parent_note("1", "e" * 32, "val/heldout/ppl", "variant-000", "the best", table[:5], runs)
     assert "48 more in the runs table" in small and len(small) < NOTE_LIMIT
+
+
+def test_a_grid_is_grouped_by_its_axes_and_a_search_or_a_train_run_is_not():
+    """MLflow's group ids ("param.<key>.<value>" joined by ",") folded, the seed never a grouping key."""
+    from types import SimpleNamespace
+
+    from recursive_lightning.tracking.view import grid_groups
+
+    def run(params, tags=None):
+        return SimpleNamespace(data=SimpleNamespace(params=params, tags=tags or {}, metrics={}))
+
+    def parent(axes):
+        return run({"sweep.axes": json.dumps(axes)}, {"kind": "sweep"})
+
+    trials = [
+        run({"axis.variant": v, "model.buffer": b, "train.seed": s, "train.lr": lr})
+        for v, b, s, lr in (
+            ("mesh", "3", "0", "1e-3"),
+            ("mesh", "3", "1", "2e-3"),
+            ("base", "4", "0", "3e-3"),
+        )
+    ]
+    grid = grid_groups(
+        [parent({"variant": ["mesh", "base"], "model.buffer": [3, 4], "train.seed": [0, 1]}), *trials]
+    )
+    assert grid["groupBy"]["groupByKeys"] == [
+        {"mode": "param", "groupByData": "axis.variant"},
+        {"mode": "param", "groupByData": "model.buffer"},
+    ]
+    assert grid["groupsExpanded"] == {
+        "param.axis.variant.mesh,param.model.buffer.3": False,
+        "param.axis.variant.base,param.model.buffer.4": False,
+    }
+    assert grid_groups([parent({}), *trials]) == {}  # a search: train.lr differs, yet no grid point
+    assert grid_groups([parent({"train.seed": [0, 1]}), *trials]) == {}  # seeds only
+    assert grid_groups(trials) == {}  # `train` runs

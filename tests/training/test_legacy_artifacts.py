@@ -96,8 +96,9 @@ def test_old_sweep_rerun_finds_every_trial_finished(legacy, home, capsys):
 
 
 def _results_table(report: str) -> list[str]:
-    """The rows of the report's results table, without the timing columns (tokens/s, wall-clock)."""
+    """The rows of the report's results table, without the timing columns (tokens/s, wall-clock, data prep)."""
     section = report.split("## Results", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| row")]
-    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
-    return [" | ".join(c[:4] + c[6:]) for c in cells]
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    head, *cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    keep = [i for i, h in enumerate(head) if h not in ("train tokens/s", "wall-clock (s)", "data prep (s)")]
+    return [" | ".join(c[i] for i in keep) for c in cells]

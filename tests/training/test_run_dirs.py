@@ -389,3 +389,77 @@ def test_ctrl_c_during_training_exits_130_and_marks_the_run_killed(tmp_path, tin
     run_id = (tmp_path / "run" / "mlflow_run_id").read_text().strip()
     status = MlflowClient(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}").get_run(run_id).info.status
     assert status == "KILLED"
+
+
+# ------------------------------------------ a command stopped at any instant: the run's status says what happened
+def _stopped_at(point: str, tmp_path: Path, cfg_file: Path, run_dir: Path, *extra, signum=signal.SIGINT):
+    """`train` run as a user types it, held at the named fault point (``pause``) until ``signum`` arrives:
+    (exit status, output)."""
+    import subprocess
+
+    from test_run_dir_lock import QUIET, _train, wait_for
+
+    mark = tmp_path / f"at-{point}"
+    env = {
+        **QUIET,
+        "RECURSIVE_LIGHTNING_FAULT": f"{point}:1:pause",
+        "RECURSIVE_LIGHTNING_FAULT_MARK": str(mark),
+    }
+    p = subprocess.Popen(
+        _train("--config", cfg_file, "--run-dir", run_dir, *extra),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # as from a terminal: Python's Ctrl-C handler installed (a shell's background job ignores SIGINT)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        wait_for(mark, p)
+        p.send_signal(signum)
+        out, _ = p.communicate(timeout=600)
+    finally:
+        p.kill()
+    return p.returncode, out
+
+
+@pytest.mark.parametrize("point", ["run_opened", "checkpoint_write_last"])
+def test_ctrl_c_during_set_up_or_while_last_ckpt_is_written_ends_the_run_killed(point, tmp_path, tiny_run):
+    """Ctrl-C after the MLflow run is RUNNING but before training starts, or while `last.ckpt` is being written
+    (inside torch.save it would surface as the zip writer's error): exit 130, the run KILLED, no `*.tmp` left;
+    a checkpoint being written is completed first and resumes. The set-up case prepares its data in the
+    command (a cache of its own): litdata's handler, which would exit 0 on Ctrl-C, is not left behind."""
+    cfg = tiny_run()
+    if point == "run_opened":
+        cfg["data"]["cache_dir"] = str(tmp_path / "cache")
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    code, out = _stopped_at(point, tmp_path, cfg_file, run_dir)
+    assert code == 130, out
+    assert "Traceback" not in out and "inline_container" not in out, out
+    assert _run_of(run_dir).info.status == "KILLED"
+    assert not list(run_dir.rglob("*.tmp")) and not (run_dir / "result.json").exists()
+    if point == "checkpoint_write_last":
+        from recursive_lightning.training.checkpoint import read_checkpoint
+
+        assert read_checkpoint(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 4
+
+
+def test_a_full_disk_while_a_finished_run_is_extended_keeps_it_finished(finished, tmp_path):
+    """The disk fills while `train --resume --max-steps 16` of a finished run writes `last.ckpt`: the command
+    fails, the run stays FINISHED with its result.json as it was, and no `*.tmp` file is left."""
+    import subprocess
+
+    from test_run_dir_lock import QUIET, _train
+
+    run_dir = _copy(finished[0], tmp_path / "run")
+    result = (run_dir / "result.json").read_bytes()
+    env = {**QUIET, "RECURSIVE_LIGHTNING_FAULT": "checkpoint_write_last:1:raise"}
+    p = subprocess.run(
+        _train("--run-dir", run_dir, "--resume", "--max-steps", 16), env=env, capture_output=True, text=True
+    )
+    assert p.returncode != 0 and "No space left on device" in p.stderr, p.stdout + p.stderr
+    assert _run_of(run_dir).info.status == "FINISHED"
+    assert (run_dir / "result.json").read_bytes() == result
+    assert not list(run_dir.rglob("*.tmp"))
