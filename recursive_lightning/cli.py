@@ -25,6 +25,8 @@ from recursive_lightning.sampled_loops import check_train_loops, format_training
 from recursive_lightning.uris import mask_url
 from recursive_lightning.validation import check_device
 
+MAX_DESCRIBE_SEQ = 2**24  # `describe --seq-len`: 16M tokens (attention counted at L x L)
+
 
 def _describe(argv: list[str]) -> int:
     from recursive_lightning.model.describe import (  # heavy
@@ -68,6 +70,12 @@ def _describe(argv: list[str]) -> int:
     loops = None
     if args.train_backprop is not None and args.train_loops is None:
         raise UserError("--train-backprop needs --train-loops (e.g. --train-loops poisson-lognormal:4).")
+    for flag, value, top in (
+        ("--seq-len", args.seq_len, MAX_DESCRIBE_SEQ),
+        ("--batch-size", args.batch_size, 2**16),
+    ):
+        if not 1 <= value <= top:  # counted on the meta device: beyond these its tensor sizes overflow
+            raise UserError(f"{flag} must lie in [1, {top:,}], not {value:,}.")
     if args.config:
         raw = load_yaml(args.config)
         if "model" not in raw and {"axes", "base", "overrides"} & set(raw):

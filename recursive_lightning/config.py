@@ -135,6 +135,25 @@ class TrainConfig:
 SECTIONS = ("name", "model", "data", "train")  # a run YAML's top level
 
 
+def _devices_ok(devices: Any) -> bool:
+    """Lightning's ``devices``: a count >= 1, ``auto``, -1, a list of ids, or a string of either ("2", "0,1")."""
+    if isinstance(devices, bool):
+        return False
+    if isinstance(devices, int):
+        return devices >= 1 or devices == -1
+    if isinstance(devices, list):
+        return bool(devices) and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in devices
+        )
+    if isinstance(devices, str):
+        text = devices.strip()
+        return text == "auto" or (
+            text not in ("", "0")
+            and all(p.strip().lstrip("-").isdigit() for p in text.split(",") if p.strip())
+        )
+    return False
+
+
 def check_cuda_graphs(t: TrainConfig) -> None:
     """One sentence for a setting ``train.cuda_graphs`` cannot replay: the graph holds one step's kernels, with
     its gradients set (not summed), on one GPU, at one depth."""
@@ -255,6 +274,21 @@ class RunConfig:
             raise ConfigError(
                 f"train.warmup_steps {t.warmup_steps} must lie in [0, train.max_steps) = [0, {t.max_steps}); "
                 "lower it (--train.warmup_steps N) or raise train.max_steps."
+            )
+        for name in ("beta1", "beta2"):  # AdamW's moment decays
+            if not 0 <= getattr(t, name) < 1:
+                raise ConfigError(
+                    f"train.{name} must lie in [0, 1), not {getattr(t, name)}; e.g. 0.9 or 0.95."
+                )
+        if t.weight_decay < 0 or t.grad_clip < 0:
+            raise ConfigError(
+                f"train.weight_decay and train.grad_clip must be >= 0 (0: off), not {t.weight_decay} and "
+                f"{t.grad_clip}."
+            )
+        if not _devices_ok(t.devices):
+            raise ConfigError(
+                f"train.devices must be a count >= 1, auto, -1 (every device) or a list of device ids, not "
+                f"{t.devices!r}."
             )
         if not 0 <= t.warmup_ratio < 1 or not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError("train.warmup_ratio must lie in [0, 1) and train.min_lr_ratio in [0, 1].")

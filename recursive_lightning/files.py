@@ -110,6 +110,9 @@ def _nearest_existing(path: Path) -> Path:
 def writable_dir_problem(path: str | os.PathLike) -> str | None:
     """Why results cannot be written into the folder ``path`` (created if missing), or None if they can."""
     path = Path(path)
+    longest = max((len(part.encode()) for part in Path(os.path.abspath(path)).parts), default=0)
+    if longest > 255:  # NAME_MAX of every common file system: the folder (or a file in it) cannot be made
+        return f"'{path}' has a name of {longest} bytes, above the 255 a file system allows"
     for p in (Path(os.path.abspath(path)), *Path(os.path.abspath(path)).parents):
         if p.is_symlink() and not p.exists():  # a loop, or a target that is gone: nothing can be made there
             return f"'{p}' is a symbolic link that leads nowhere (a loop, or its target is gone)"

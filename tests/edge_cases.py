@@ -95,6 +95,12 @@ CASES: list[tuple[str, list[str], str]] = [
     # ---- describe: bad flags, bad YAML, files of the wrong kind
     ("describe-preset", ["describe", "--preset", "nope"], "nope"),
     ("describe-layout", ["describe", "--layout", "4+x"], "4+x"),
+    (
+        "describe-seq-len-huge",
+        ["describe", "--seq-len", "99999999999999999999"],
+        "--seq-len must lie in [1, ",
+    ),
+    ("describe-batch-size-zero", ["describe", "--batch-size", "0"], "--batch-size must lie in [1, "),
     ("describe-config-missing", ["describe", "--config", "{in}/missing.yaml"], "missing.yaml"),
     ("describe-config-bad-yaml", ["describe", "--config", "{in}/bad.yaml"], "bad.yaml"),
     ("describe-config-list", ["describe", "--config", "{in}/list.yaml"], "list.yaml"),
@@ -286,6 +292,11 @@ CASES: list[tuple[str, list[str], str]] = [
         "train-ckpt-path-truncated",
         ["train", "--resume", "--run-dir", "{run}", "--ckpt-path", "{in}/truncated.ckpt"],
         "truncated.ckpt",
+    ),
+    (
+        "train-run-dir-name-too-long",
+        ["train", "--config", "{run}/config.yaml", "--run-dir", "{out}/" + "x" * 300],
+        "has a name of 300 bytes, above the 255 a file system allows",
     ),
     (
         "train-run-dir-symlink-loop",
@@ -511,6 +522,33 @@ CASES: list[tuple[str, list[str], str]] = [
         "eval-ppl-fifo",
         ["eval", "{run}", "--ppl", "t={in}/fifo", "--tasks", "none", "--no-mlflow"],
         "perplexity set '{in}/fifo' is a named pipe",
+    ),
+    (  # a tracking server that does not answer: one sentence in seconds, not MLflow's minutes of retries
+        "eval-tracking-server-down",
+        [
+            "eval",
+            "{run}",
+            "--ppl",
+            "t={in}/text.txt",
+            "--tasks",
+            "none",
+            "--tracking-uri",
+            "http://127.0.0.1:1",
+        ],
+        "cannot reach the MLflow tracking server --tracking-uri 'http://127.0.0.1:1'",
+    ),
+    (
+        "train-tracking-server-down",
+        [
+            "train",
+            "--config",
+            "{run}/config.yaml",
+            "--run-dir",
+            "{out}/r",
+            "--tracking-uri",
+            "http://127.0.0.1:1",
+        ],
+        "cannot reach the MLflow tracking server --tracking-uri 'http://127.0.0.1:1'",
     ),
     (  # a run's tracking store that is there but empty, overwritten or cut short
         "eval-empty-store",

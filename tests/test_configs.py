@@ -122,6 +122,12 @@ def test_dotted_overrides_and_errors():
         (["--train.max_steps", "abc"], "train.max_steps"),
         (["--model.buffer", "x"], "model.buffer"),
         (["--nope.x", "1"], "--nope.x"),
+        (["--train.beta2", "1.5"], "train.beta2 must lie in [0, 1)"),
+        (["--train.beta1", "-0.1"], "train.beta1 must lie in [0, 1)"),
+        (["--train.weight_decay", "-1"], "train.weight_decay and train.grad_clip must be >= 0"),
+        (["--train.grad_clip", "-1"], "train.weight_decay and train.grad_clip must be >= 0"),
+        (["--train.devices", "0"], "train.devices must be a count >= 1"),
+        (["--train.devices", "-2"], "train.devices must be a count >= 1"),
     ]:
         with pytest.raises(ConfigError) as e:
             load_run_config(ROOT / "experiments/cpu/looped-mesh.yaml", bad)
@@ -137,6 +143,7 @@ def test_dotted_overrides_and_errors():
         ({"axes": {"train.lr": [{"a": 1}]}}, "train.lr"),
         ({"axess": {}}, "axess"),
         ({"base": "nope.yaml"}, "nope.yaml"),
+        ({"axes": [{"model.topology": ["mesh"]}]}, "axes must be a mapping"),
     ],
 )
 def test_bad_sweep_files(tmp_path, body, needle):

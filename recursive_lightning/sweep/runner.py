@@ -110,6 +110,19 @@ def check_devices(spec: SweepSpec, pool: list[str]) -> None:
             )
 
 
+def check_machine(spec: SweepSpec) -> None:
+    """Refuse, before any training, a grid point this machine's kind cannot train (``parallel.check_supported``:
+    e.g. ``train.cuda_graphs`` without CUDA), naming the point, instead of failing every trial of it."""
+    from recursive_lightning.training.parallel import check_supported  # heavy
+
+    for point in spec.grid() if spec.search is None else [{}]:
+        try:
+            check_supported(spec.trial_config(point).train)
+        except ConfigError as e:
+            where = ", ".join(f"{k}={v}" for k, v in point.items())
+            raise ConfigError(f"sweep '{spec.name}'" + (f" at {where}" if where else "") + f": {e}") from None
+
+
 def prepare_data(spec: SweepSpec) -> None:
     """Build the tokenizer and token shards of every distinct data section of the grid, once."""
     seen = set()
@@ -224,6 +237,8 @@ def main(argv: list[str]) -> int:
             f"--max-trials must be >= 1, not {args.max_trials}; leave it out to run until no grid point is left."
         )
     check_devices(spec, device_pool())  # one sentence before any work
+    if not args.prepare:  # what this machine trains: combinations its kind refuses, before the first trial
+        check_machine(spec)
     # an attached worker finds the run directory and tracking store the study was prepared with
     recorded = (
         recorded_study(args.storage, spec.name, args.tracking_uri) if args.attach and args.storage else {}

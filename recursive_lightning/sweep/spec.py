@@ -213,6 +213,11 @@ def load_sweep(
     base = copy.deepcopy(base)
     for key, value in (raw.get("overrides") or {}).items():
         set_dotted(base, str(key), value)
+    if not isinstance(raw.get("axes") or {}, dict):
+        raise ConfigError(
+            f"{where}: axes must be a mapping of a field (or a named axis) to its values, e.g. "
+            "`axes: {model.topology: [base, mesh]}`, not a {type(raw['axes']).__name__}."
+        )
     axes = [_parse_axis(str(k), v, where) for k, v in (raw.get("axes") or {}).items()]
     if raw.get("seeds") is not None:
         if any(a.name == "train.seed" for a in axes):

@@ -17,7 +17,7 @@ from typing import Any
 from recursive_lightning.errors import UserError
 from recursive_lightning.files import atomic_write_text, writable_dir_problem
 from recursive_lightning.tracking.sqlite_store import create_store
-from recursive_lightning.tracking.stores import sqlite_file_problem
+from recursive_lightning.tracking.stores import check_tracking_server, sqlite_file_problem
 from recursive_lightning.uris import mask_url, reveal
 
 RUN_ID_FILE = "mlflow_run_id"
@@ -390,6 +390,8 @@ def check_outputs(
             f"{command} writes its results to '{out}' in the run directory by default, but {problem}; pass "
             f"--out DIR to write them elsewhere (and {tracking_options}, for the MLflow run)."
         )
+    if tracking_uri is not None and tracking_uri.split("://", 1)[0].lower() in ("http", "https"):
+        check_tracking_server(tracking_uri)  # a server that does not answer: one sentence in seconds
     if tracking_uri is not None:
         problem = tracking_store_problem(tracking_uri)
         if problem is not None:

@@ -3,8 +3,13 @@ that cannot be parsed, a driver that is not installed, or a server that does not
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import sqlite3
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 from recursive_lightning.errors import ConfigError
@@ -133,3 +138,59 @@ def check_database(url: str, option: str, what: str) -> None:
         ) from None
     finally:
         engine.dispose()
+
+
+def _auth_headers(userinfo: str = "") -> dict[str, str]:
+    """The credentials MLflow's own client would send: a URL's ``user:password@``, else its environment
+    variables."""
+    if userinfo:
+        user, _, password = userinfo.partition(":")
+        pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+        return {"Authorization": "Basic " + base64.b64encode(pair.encode()).decode()}
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    if token:
+        return {"Authorization": f"Bearer {token}"}
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+    return {}
+
+
+def check_tracking_server(uri: str, option: str = "--tracking-uri") -> None:
+    """Refuse in one sentence an ``http(s)://`` tracking URI that does not answer as an MLflow tracking
+    server within a few seconds (MLflow's client would retry for minutes, and only after training)."""
+    parts = urllib.parse.urlsplit(uri)
+    userinfo, _, host = parts.netloc.rpartition("@")  # urllib resolves no `user:password@`: sent as a header
+    url = (
+        urllib.parse.urlunsplit(parts._replace(netloc=host)).rstrip("/")
+        + "/api/2.0/mlflow/experiments/search"
+    )
+    req = urllib.request.Request(
+        url,
+        data=json.dumps({"max_results": 1}).encode(),
+        headers={"Content-Type": "application/json", **_auth_headers(userinfo)},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=CONNECT_TIMEOUT_S) as r:
+            json.load(r)
+    except urllib.error.HTTPError as e:
+        body = e.read(300).decode("utf-8", "replace") if e.fp is not None else ""
+        if e.code == 403 and "Invalid Host header" in body:  # MLflow's allowed-hosts check, not a credential
+            hint = (
+                f"the server does not allow the host name '{host}' (its --allowed-hosts); start it with "
+                f"`mlflow server --allowed-hosts {host}` or use an address it allows"
+            )
+        elif e.code in (401, 403):
+            hint = "set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"
+        else:
+            hint = "is it an `mlflow server`? fix the URL"
+        raise ConfigError(
+            f"the MLflow tracking server {option} '{mask_url(uri)}' answered HTTP {e.code} to {mask_url(url)}; "
+            f"{hint}."
+        ) from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise ConfigError(
+            f"cannot reach the MLflow tracking server {option} '{mask_url(uri)}' ({reason}); start `mlflow server` there "
+            "(see docs/sweeps.md) or fix the URL, then run the command again."
+        ) from None

@@ -36,7 +36,7 @@ from recursive_lightning.tracking.runs import (
     set_terminated,
     to_json,
 )
-from recursive_lightning.tracking.stores import check_database, is_database_url
+from recursive_lightning.tracking.stores import check_database, check_tracking_server, is_database_url
 from recursive_lightning.training.loop_flops import expected_training_flops
 from recursive_lightning.uris import mask_url
 
@@ -66,6 +66,8 @@ def open_run(
         # masked), a SQLite file that is damaged: one sentence now, not MLflow's minutes of retries and a traceback
         option = "--tracking-uri" if given else f"of '{run_dir}'"
         check_database(tracking_uri, option, "MLflow tracking store")
+    elif tracking_uri.split("://", 1)[0].lower() in ("http", "https"):  # MLflow's client retries for minutes
+        check_tracking_server(tracking_uri, "--tracking-uri" if given else f"of '{run_dir}'")
     exp_id = ensure_experiment(tracking_uri, experiment or cfg.name, run_dir / "mlartifacts")
     id_file = run_dir / RUN_ID_FILE
     if id_file.exists():

@@ -154,10 +154,14 @@ def fit(
         if trainer.global_step % cfg.train.val_every != 0 or not val_metrics(trainer):
             trainer.validate(module, datamodule=dm, verbose=False)
     except SIGTERMException:  # Lightning stops at the next step (or validation batch) and raises SystemExit()
-        raise Terminated(
-            f"train: stopped by SIGTERM at step {trainer.global_step}; the run is resumable from its last "
-            f"checkpoint: --run-dir {run_dir} --resume."
-        ) from None
+        saved = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
+        where = (
+            f"the run is resumable from its last checkpoint: --run-dir {run_dir} --resume."
+            if saved
+            else f"no checkpoint was written yet (train.checkpoint_every {cfg.train.checkpoint_every}): a "
+            "--resume starts from step 0."
+        )
+        raise Terminated(f"train: stopped by SIGTERM at step {trainer.global_step}; {where}") from None
     except SystemExit as e:
         # Lightning turns Ctrl-C inside fit into sys.exit(1) after its own shutdown (trainer/call.py): report it
         # as the interrupt it was (exit 130, run KILLED), not as a failure

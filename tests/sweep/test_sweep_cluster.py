@@ -191,3 +191,45 @@ def test_a_tracking_server_that_does_not_allow_the_host_name_is_named_so(tmp_pat
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"does not allow the host name '127.0.0.1:{server.server_address[1]}' (its --allowed-hosts)" in err
     assert "MLFLOW_TRACKING_PASSWORD" not in err and not run_dir.exists()
+
+
+def test_a_tracking_url_with_user_and_password_reaches_its_server_with_them():
+    """``http://user:password@host`` (MLflow's own client sends the pair as basic auth): the check before any
+    work sends them as the same header instead of resolving ``user:password@host`` as a host name; without
+    them the server's 401 names the credentials, and no sentence shows the password."""
+    import base64
+    import http.server
+    import threading
+    import urllib.parse
+
+    from recursive_lightning.errors import ConfigError
+    from recursive_lightning.tracking.stores import check_tracking_server
+
+    want = "Basic " + base64.b64encode(b"bob:p@ss w").decode()
+    seen = []
+
+    class BasicAuth(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(self.headers.get("Authorization"))
+            ok = seen[-1] == want
+            body = b'{"experiments": []}' if ok else b'{"error_code": "UNAUTHENTICATED"}'
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), BasicAuth)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        check_tracking_server(f"http://bob:{urllib.parse.quote('p@ss w')}@127.0.0.1:{port}")
+        assert seen == [want]
+        with pytest.raises(ConfigError, match="answered HTTP 401") as e:
+            check_tracking_server(f"http://bob:wrong@127.0.0.1:{port}")
+        assert "wrong" not in str(e.value) and "MLFLOW_TRACKING_USERNAME" in str(e.value)
+    finally:
+        server.shutdown()

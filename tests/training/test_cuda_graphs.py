@@ -50,3 +50,19 @@ def test_the_graphed_training_step_trains_to_the_plain_steps_losses(tmp_path, ti
         train(RunConfig.from_dict(cfg), tmp_path / str(graphs))
         got[graphs] = losses(tmp_path / str(graphs))
     assert len(got[True]) == 6 and got[True] == got[False]
+
+
+def test_a_sweep_point_with_cuda_graphs_on_the_cpu_is_refused_before_any_trial(tmp_path, data_cache):
+    """The machine-kind check runs on every grid point before the sweep writes anything: one sentence naming the
+    point, exit 2, no run directory (not three failed attempts of its trial)."""
+    from conftest import sweep_file, sweep_output
+
+    rows = {"plain": {"train.cuda_graphs": False}, "graphs": {"train.cuda_graphs": True}}
+    spec = sweep_file(tmp_path, data_cache, rows)
+    code, out = sweep_output(spec, "--run-dir", tmp_path / "run", "--no-report")
+    (line,) = [x for x in out.splitlines() if x.startswith("error:")]
+    assert code == 2 and "Traceback" not in out, out
+    assert (
+        "at variant=graphs" in line and "train.cuda_graphs needs a CUDA GPU; set it false on the CPU" in line
+    )
+    assert not (tmp_path / "run").exists()

@@ -463,3 +463,19 @@ def test_a_full_disk_while_a_finished_run_is_extended_keeps_it_finished(finished
     assert _run_of(run_dir).info.status == "FINISHED"
     assert (run_dir / "result.json").read_bytes() == result
     assert not list(run_dir.rglob("*.tmp"))
+
+
+def test_sigterm_before_the_first_checkpoint_says_no_checkpoint_exists(tmp_path, tiny_run):
+    """SIGTERM at step 1, before `train.checkpoint_every` wrote anything: the sentence does not promise a resume
+    from a checkpoint that does not exist; it says a --resume starts from step 0."""
+    cfg = tiny_run()
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    code, out = _stopped_at("training_step", tmp_path, cfg_file, run_dir, signum=signal.SIGTERM)
+    assert code == 143, out
+    assert not list((run_dir / "checkpoints").glob("*.ckpt")), out
+    assert (
+        "no checkpoint was written yet (train.checkpoint_every 4): a --resume starts from step 0." in out
+    ), out
+    assert "resumable from its last checkpoint" not in out, out
