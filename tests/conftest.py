@@ -216,10 +216,10 @@ def run_sweep(args, env=None, **kw) -> subprocess.Popen:
     )
 
 
-def sweep_output(*args, env=None, timeout=900) -> tuple[int, str]:
-    """``python -m recursive_lightning sweep *args`` run to its end: (exit code, output)."""
+def command_output(command: str, *args, env=None, timeout=900) -> tuple[int, str]:
+    """``python -m recursive_lightning COMMAND *args`` run to its end: (exit code, stdout and stderr)."""
     p = subprocess.run(
-        [sys.executable, "-m", "recursive_lightning", "sweep", *map(str, args)],
+        [sys.executable, "-m", "recursive_lightning", command, *map(str, args)],
         env=env or ENV,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -227,6 +227,11 @@ def sweep_output(*args, env=None, timeout=900) -> tuple[int, str]:
         timeout=timeout,
     )
     return p.returncode, p.stdout
+
+
+def sweep_output(*args, env=None, timeout=900) -> tuple[int, str]:
+    """``python -m recursive_lightning sweep *args`` run to its end: (exit code, output)."""
+    return command_output("sweep", *args, env=env, timeout=timeout)
 
 
 def sweep_runs(tracking: str, name: str):

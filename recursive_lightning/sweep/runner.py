@@ -97,14 +97,11 @@ def check_devices(spec: SweepSpec, pool: list[str]) -> None:
     """Refuse, before any training, a grid point that asks for more devices than this machine's pool has."""
     if not pool:
         return
-    for point in spec.grid() if spec.search is None else [{}]:
+    for point in spec.points():
         need = devices_needed(spec.trial_config(point), pool)
         if need > len(pool):
-            where = ", ".join(f"{k}={v}" for k, v in point.items())
             raise ConfigError(
-                f"sweep '{spec.name}'"
-                + (f" at {where}" if where else "")
-                + f": train.devices asks for {need} "
+                f"{spec.at(point)}: train.devices asks for {need} "
                 f"devices but this machine's device pool ({','.join(pool)}, from CUDA_VISIBLE_DEVICES or the "
                 f"GPUs torch sees) has {len(pool)}; lower train.devices or run it where more GPUs are visible."
             )
@@ -115,18 +112,17 @@ def check_machine(spec: SweepSpec) -> None:
     e.g. ``train.cuda_graphs`` without CUDA), naming the point, instead of failing every trial of it."""
     from recursive_lightning.training.parallel import check_supported  # heavy
 
-    for point in spec.grid() if spec.search is None else [{}]:
+    for point in spec.points():
         try:
             check_supported(spec.trial_config(point).train)
         except ConfigError as e:
-            where = ", ".join(f"{k}={v}" for k, v in point.items())
-            raise ConfigError(f"sweep '{spec.name}'" + (f" at {where}" if where else "") + f": {e}") from None
+            raise ConfigError(f"{spec.at(point)}: {e}") from None
 
 
 def prepare_data(spec: SweepSpec) -> None:
     """Build the tokenizer and token shards of every distinct data section of the grid, once."""
     seen = set()
-    for point in spec.grid() if spec.search is None else [{}]:
+    for point in spec.points():
         cfg = spec.trial_config(point)
         key = json.dumps(cfg.to_dict()["data"], sort_keys=True)
         if cfg.data.tokenizer.strip() == INIT_TOKENIZER:

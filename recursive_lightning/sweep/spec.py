@@ -94,6 +94,15 @@ class SweepSpec:
             for combo in itertools.product(*[a.labels for a in self.axes])
         ]
 
+    def points(self) -> list[dict[str, Any]]:
+        """The points whose configs decide the sweep: every grid point, or the base alone for a search."""
+        return self.grid() if self.search is None else [{}]
+
+    def at(self, point: dict[str, Any]) -> str:
+        """How a sentence names ``point``: "sweep 'name' at axis=label, ..." ("sweep 'name'" for the base)."""
+        where = ", ".join(f"{k}={v}" for k, v in point.items())
+        return f"sweep '{self.name}'" + (f" at {where}" if where else "")
+
     def trial_config(self, point: dict[str, Any]) -> RunConfig:
         data = copy.deepcopy(self.base)
         for axis in self.axes:
@@ -111,15 +120,11 @@ class SweepSpec:
         return RunConfig.from_dict(data)
 
     def validate(self) -> SweepSpec:
-        points = self.grid() if self.search is None else [{}]
-        for point in points:
+        for point in self.points():
             try:
                 self.trial_config(point)
             except ConfigError as e:
-                where = ", ".join(f"{k}={v}" for k, v in point.items())
-                raise ConfigError(
-                    f"sweep '{self.name}'" + (f" at {where}" if where else "") + f": {e}"
-                ) from None
+                raise ConfigError(f"{self.at(point)}: {e}") from None
         return self
 
 

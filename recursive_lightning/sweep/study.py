@@ -99,7 +99,7 @@ def claim_lock(storage_url: str) -> Iterator[None]:
 
 def resolved_spec(spec: SweepSpec) -> dict[str, Any]:
     """What decides a sweep's results: its metric, search, pruning and evaluation, and every grid point's config."""
-    points = spec.grid() if spec.search is None else [{}]
+    points = spec.points()
     out = {
         "fields": {
             "metric": spec.metric,

@@ -48,13 +48,16 @@ class GraphedStep:
         self.inputs: tuple[torch.Tensor, ...] = ()
         self.loss: torch.Tensor | None = None
         self.grads: list[torch.Tensor | None] = []
-        self.captures = 0  # how often a graph was captured (a new shape or trainable set captures again)
 
     def _fwd_bwd(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         with _uncached_autocast(inputs[0].device.type):
             loss = self.loss_fn(*inputs)
         loss.backward()
         return loss
+
+    def _clear_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
 
     def _key(self, inputs: Sequence[torch.Tensor]) -> tuple:
         return (
@@ -69,23 +72,19 @@ class GraphedStep:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
-                for p in self.params:
-                    p.grad = None
+                self._clear_grads()
                 self._fwd_bwd(self.inputs)
         torch.cuda.current_stream().wait_stream(side)
-        for p in self.params:
-            p.grad = None
+        self._clear_grads()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             loss = self._fwd_bwd(self.inputs)
         self.graph, self.loss = graph, loss.detach()
         self.grads = [p.grad for p in self.params]
-        self.captures += 1
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         if not inputs[0].is_cuda:  # the CPU: the same step, eagerly (gradients set, not accumulated)
-            for p in self.params:
-                p.grad = None
+            self._clear_grads()
             loss = self._fwd_bwd(inputs).detach()
             self.grads = [p.grad for p in self.params]
             return loss

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ENV, ROOT, run_sweep, sweep_file, sweep_output, tiny_config
+from conftest import ENV, ROOT, command_output, run_sweep, sweep_file, sweep_output, tiny_config
 from mlflow.tracking import MlflowClient
 from scipy import stats
 
@@ -505,10 +505,6 @@ def test_a_damaged_record_or_a_metric_that_is_not_a_number_is_said_so(tiny_repor
     """`report` as a user types it over trials whose files were damaged: a metric stored as a string is shown
     missing (no traceback), and a `sweep_result.json` cut short is named damaged, its metrics the study's copy
     (not "trained on another machine?")."""
-    import subprocess
-    import sys
-
-    from conftest import ENV
 
     copy = tmp_path / "sweep"
     shutil.copytree(tiny_report_sweep, copy)
@@ -518,14 +514,8 @@ def test_a_damaged_record_or_a_metric_that_is_not_a_number_is_said_so(tiny_repor
     (d / "sweep_result.json").write_text(json.dumps(rec))
     _, _, cut = trials[("mesh", 1)]
     (cut / "sweep_result.json").write_text('{"metrics": {"val/heldout/ppl": 3')
-    p = subprocess.run(
-        [sys.executable, "-m", "recursive_lightning", "report", "--run-dir", str(copy), "--no-mlflow"],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    code, out = command_output("report", "--run-dir", copy, "--no-mlflow", timeout=600)
+    assert code == 0 and "Traceback" not in out, out
     md = (copy / "report.md").read_text()
     assert (
         "`sweep_result.json` is damaged (not a JSON object): their metrics are the Optuna study's copy" in md

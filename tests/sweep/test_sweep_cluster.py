@@ -3,6 +3,11 @@ sent a heartbeat, `--attach` checks of the run directory (a refused command leav
 database passwords, one metric point per step after a resume, loopback tracking URIs as one server. Kills
 happen at named fault points, never by timing."""
 
+import base64
+import contextlib
+import http.server
+import threading
+import urllib.parse
 from pathlib import Path
 
 import optuna
@@ -152,18 +157,16 @@ def test_another_run_dir_for_an_existing_study_is_refused_naming_the_studys(tmp_
     assert code == 0, out
 
 
-def test_a_tracking_server_that_does_not_allow_the_host_name_is_named_so(tmp_path, capsys):
-    """MLflow's allowed-hosts check answers HTTP 403 "Invalid Host header" to a host name it does not allow
-    (a cluster node's): the sentence names that check and `--allowed-hosts`, not credentials; nothing is
-    written."""
-    import http.server
-    import threading
+@contextlib.contextmanager
+def stand_in_server(answer):
+    """A local HTTP server standing in for an MLflow tracking server: ``answer(headers)`` gives each POST's
+    (status, content type, body). Yields its port."""
 
-    class AllowedHostsOnly(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # what MLflow's HostValidationMiddleware sends
-            body = b"Invalid Host header - possible DNS rebinding attack detected"
-            self.send_response(403)
-            self.send_header("Content-Type", "text/plain")
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            status, kind, body = answer(self.headers)
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -171,25 +174,27 @@ def test_a_tracking_server_that_does_not_allow_the_host_name_is_named_so(tmp_pat
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), AllowedHostsOnly)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        uri = f"http://127.0.0.1:{server.server_address[1]}"
-        run_dir = tmp_path / "run"
-        argv = [
-            "sweep",
-            str(ROOT / "ablations/default.yaml"),
-            "--run-dir",
-            str(run_dir),
-            "--tracking-uri",
-            uri,
-        ]
-        code = cli.main(argv)
+        yield server.server_address[1]
     finally:
         server.shutdown()
+
+
+def test_a_tracking_server_that_does_not_allow_the_host_name_is_named_so(tmp_path, capsys):
+    """MLflow's allowed-hosts check answers HTTP 403 "Invalid Host header" to a host name it does not allow
+    (a cluster node's): the sentence names that check and `--allowed-hosts`, not credentials; nothing is
+    written."""
+    # what MLflow's HostValidationMiddleware sends
+    refusal = (403, "text/plain", b"Invalid Host header - possible DNS rebinding attack detected")
+    run_dir = tmp_path / "run"
+    with stand_in_server(lambda headers: refusal) as port:
+        argv = ["sweep", str(ROOT / "ablations/default.yaml"), "--run-dir", str(run_dir)]
+        code = cli.main([*argv, "--tracking-uri", f"http://127.0.0.1:{port}"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert f"does not allow the host name '127.0.0.1:{server.server_address[1]}' (its --allowed-hosts)" in err
+    assert f"does not allow the host name '127.0.0.1:{port}' (its --allowed-hosts)" in err
     assert "MLFLOW_TRACKING_PASSWORD" not in err and not run_dir.exists()
 
 
@@ -197,39 +202,20 @@ def test_a_tracking_url_with_user_and_password_reaches_its_server_with_them():
     """``http://user:password@host`` (MLflow's own client sends the pair as basic auth): the check before any
     work sends them as the same header instead of resolving ``user:password@host`` as a host name; without
     them the server's 401 names the credentials, and no sentence shows the password."""
-    import base64
-    import http.server
-    import threading
-    import urllib.parse
-
-    from recursive_lightning.errors import ConfigError
     from recursive_lightning.tracking.stores import check_tracking_server
 
     want = "Basic " + base64.b64encode(b"bob:p@ss w").decode()
     seen = []
 
-    class BasicAuth(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            seen.append(self.headers.get("Authorization"))
-            ok = seen[-1] == want
-            body = b'{"experiments": []}' if ok else b'{"error_code": "UNAUTHENTICATED"}'
-            self.send_response(200 if ok else 401)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(headers):
+        seen.append(headers.get("Authorization"))
+        if seen[-1] == want:
+            return 200, "application/json", b'{"experiments": []}'
+        return 401, "application/json", b'{"error_code": "UNAUTHENTICATED"}'
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), BasicAuth)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        port = server.server_address[1]
+    with stand_in_server(answer) as port:
         check_tracking_server(f"http://bob:{urllib.parse.quote('p@ss w')}@127.0.0.1:{port}")
         assert seen == [want]
         with pytest.raises(ConfigError, match="answered HTTP 401") as e:
             check_tracking_server(f"http://bob:wrong@127.0.0.1:{port}")
         assert "wrong" not in str(e.value) and "MLFLOW_TRACKING_USERNAME" in str(e.value)
-    finally:
-        server.shutdown()

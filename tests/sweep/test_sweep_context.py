@@ -2,11 +2,9 @@
 metrics, and one plot across trials in the report (Mela Fig. 4 for a whole ablation grid)."""
 
 import os
-import subprocess
-import sys
 
 import yaml
-from conftest import ENV, run_sweep, sweep_file
+from conftest import command_output, run_sweep, sweep_file
 from test_sweep import study_trials
 
 
@@ -39,14 +37,8 @@ def test_sweep_report_plots_perplexity_by_context_length(tmp_path, data_cache):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
     def report(directory):
-        out = subprocess.run(
-            [sys.executable, "-m", "recursive_lightning", "report", "--run-dir", str(directory)],
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
+        code, out = command_output("report", "--run-dir", directory, timeout=300)
+        assert code == 0, out
         return (directory / "report.md").read_text()
 
     # `report` of the directory: its kept sweep.yaml resolves the relative base from the original folder

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import ENV, write_sweep
+from conftest import ENV, command_output, write_sweep
 from mlflow.tracking import MlflowClient
 
 NAME = "fault-sweep"
@@ -248,13 +248,7 @@ def test_sigterm_while_a_finished_sweep_writes_its_report_closes_its_parent(tmp_
     assert code == -9, out
     (parent,), _ = mlflow_runs(killed)
     assert parent.info.status == "RUNNING"
-    p = subprocess.run(
-        [sys.executable, "-m", "recursive_lightning", "report", "--run-dir", str(killed)],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stdout + p.stderr
+    code, out = command_output("report", "--run-dir", killed, timeout=300)
+    assert code == 0, out
     (parent,), _ = mlflow_runs(killed)
     assert parent.info.status == "FINISHED" and (killed / "report.md").is_file()
