@@ -34,6 +34,12 @@ def training_flops(trial: dict[str, Any]) -> float | None:
     return BACKWARD_FACTOR * per_token * tokens if per_token and tokens else None
 
 
+def training_flops_per_token(trial: dict[str, Any]) -> float | None:
+    """``training_flops`` per training token (the factor of the learning curves' FLOPs axis)."""
+    flops, tokens = training_flops(trial), trial.get("tokens")
+    return flops / tokens if flops and tokens else None
+
+
 def trial_metrics(trial: dict[str, Any]) -> dict[str, float]:
     """What the report logs on a trial's run so that MLflow's table shows the report's number: its training
     tokens/s (``tracking.view.RUN_TOKENS_PER_SEC``, the report's ``train tokens/s``)."""

@@ -74,6 +74,13 @@ def against_tokens(entry: Mapping[str, Any], key: str) -> dict[float, float]:
     return {(min(s + 1, cap) if cap else s + 1) * tps: v for s, v in sorted(series.items())}
 
 
+def against_flops(entry: Mapping[str, Any], key: str) -> dict[float, float]:
+    """{training FLOPs so far: value} of one run's metric ``key``: ``against_tokens`` scaled by the entry's
+    ``flops_per_token`` (training FLOPs per token, ``sweep.cost.training_flops_per_token``)."""
+    per_token = float(entry["flops_per_token"])
+    return {n * per_token: v for n, v in against_tokens(entry, key).items()}
+
+
 def _band(per_seed: list[dict[float, float]]) -> tuple[list[float], list[float], list[float], list[float]]:
     """x, mean, min, max over the seeds that logged each x."""
     steps = sorted({s for series in per_seed for s in series})
@@ -92,7 +99,7 @@ def _tokens_formatter():
     from matplotlib.ticker import FuncFormatter  # heavy
 
     def fmt(v: float, _: Any) -> str:
-        for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        for scale, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
             if abs(v) >= scale:
                 return f"{v / scale:.4g}{suffix}"
         return f"{v:.4g}"
@@ -105,11 +112,14 @@ def plot_learning_curves(
     path: str | os.PathLike,
     title: str = "learning curves",
 ) -> Path | None:
-    """One PNG, two panels: training loss and validation perplexity (log scale) against tokens seen.
+    """One PNG: training loss and validation perplexity (log scale) against tokens seen and, when the entries
+    carry ``flops_per_token`` (training FLOPs per token, ``sweep.cost``), validation perplexity against training
+    FLOPs in a third panel (rows of different compute per token side by side, SpiralFormer Fig. 2 left).
 
-    ``rows``: row name -> one entry per seed (see ``against_tokens``). A row's line is the mean over its seeds, its band the min-max over them; training loss is a
-    trailing running mean of each seed's per-step loss (window in the panel title) before that. Returns None
-    when no row has any history. Written atomically (a temporary file renamed over ``path``)."""
+    ``rows``: row name -> one entry per seed (see ``against_tokens``). A row's line is the mean over its seeds,
+    its band the min-max over them; training loss is a trailing running mean of each seed's per-step loss
+    (window in the panel title) before that. Returns None when no row has any history. Written atomically (a
+    temporary file renamed over ``path``)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy
     from matplotlib.figure import Figure  # heavy
 
@@ -121,9 +131,12 @@ def plot_learning_curves(
     ):
         return None
     window = max(1, round(n_steps / 25))
-    fig = Figure(figsize=(12.0, 4.4))
+    with_flops = any(e.get("flops_per_token") for seeds in rows.values() for e in seeds)
+    panels = 3 if with_flops else 2
+    fig = Figure(figsize=(6.0 * panels, 4.4))
     FigureCanvasAgg(fig)
-    ax_loss, ax_ppl = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    ax_loss, ax_ppl = fig.add_subplot(1, panels, 1), fig.add_subplot(1, panels, 2)
+    ax_flops = fig.add_subplot(1, panels, 3) if with_flops else None
     colors = [f"C{i % 10}" for i in range(len(rows))]
     styles = ["-", "--", ":", "-."]
     sets = sorted(
@@ -152,14 +165,20 @@ def plot_learning_curves(
             if len(seeds) > 1:
                 ax_loss.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
         for style, name in zip(styles * 4, sets):
-            x, mean, lo, hi = _band([against_tokens(e, f"val/{name}/ppl") for e in seeds])
+            by_tokens = [against_tokens(e, f"val/{name}/ppl") for e in seeds]
+            x, mean, lo, hi = _band(by_tokens)
             if not x:
                 continue
             ppl_values += [v for v in lo + hi if math.isfinite(v) and v > 0]
             tag = label if len(sets) == 1 else f"{label}, {name}"
-            ax_ppl.plot(x, mean, color=color, ls=style, lw=1.5, marker="o", ms=3.5, label=tag)
-            if len(seeds) > 1:
-                ax_ppl.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
+            by_flops = [against_flops(e, f"val/{name}/ppl") for e in seeds if e.get("flops_per_token")]
+            for ax, per_seed in ((ax_ppl, by_tokens), (ax_flops, by_flops)):
+                x, mean, lo, hi = _band(per_seed) if ax is not None else ([], [], [], [])
+                if not x:
+                    continue
+                ax.plot(x, mean, color=color, ls=style, lw=1.5, marker="o", ms=3.5, label=tag)
+                if len(per_seed) > 1:
+                    ax.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
     band = "lines: mean over seeds, bands: min-max over seeds" if max_seeds > 1 else "one seed per row"
     smooth = f"running mean over {window} steps, " if window > 1 else ""
     if late:  # the first 10 % of training (the drop from ln V) would flatten the differences between rows
@@ -169,17 +188,22 @@ def plot_learning_curves(
     ax_loss.set_title(f"training loss ({smooth}y axis from 10 % of tokens)", fontsize=9)
     ax_loss.set_ylabel("training loss (nats/token)")
     which = f"val/{sets[0]}/ppl" if len(sets) == 1 else "val/<set>/ppl"
-    ax_ppl.set_title(f"validation perplexity {which} (log scale)", fontsize=9)
-    ax_ppl.set_ylabel("perplexity")
-    ax_ppl.set_yscale("log")
     from matplotlib.ticker import FuncFormatter, NullFormatter  # heavy
 
     plain = FuncFormatter(lambda v, _: f"{v:.4g}")
-    ax_ppl.yaxis.set_major_formatter(plain)
     ppl_lo, ppl_hi = (min(ppl_values), max(ppl_values)) if ppl_values else (1.0, 1.0)
-    ax_ppl.yaxis.set_minor_formatter(plain if ppl_hi / ppl_lo < 10 else NullFormatter())
-    for ax in (ax_loss, ax_ppl):
-        ax.set_xlabel("tokens seen")
+    for ax, against in ((ax_ppl, "tokens"), (ax_flops, "training FLOPs")):
+        if ax is None:
+            continue
+        ax.set_title(f"validation perplexity {which} against {against} (log scale)", fontsize=9)
+        ax.set_ylabel("perplexity")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain if ppl_hi / ppl_lo < 10 else NullFormatter())
+    for ax, xlabel in ((ax_loss, "tokens seen"), (ax_ppl, "tokens seen"), (ax_flops, "training FLOPs")):
+        if ax is None:
+            continue
+        ax.set_xlabel(xlabel)
         ax.xaxis.set_major_formatter(_tokens_formatter())
         ax.grid(True, alpha=0.3, ls="--")
     handles, labels = ax_loss.get_legend_handles_labels()
@@ -187,6 +211,13 @@ def plot_learning_curves(
         handles, labels = ax_ppl.get_legend_handles_labels()
     fig.suptitle(f"{title} ({band})", fontsize=10)
     if handles:
-        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.83, 0.5), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 0.82, 1))
+        fig.legend(
+            handles,
+            labels,
+            loc="center left",
+            bbox_to_anchor=(1 - 0.17 * 2 / panels, 0.5),
+            fontsize=8,
+            frameon=False,
+        )
+    fig.tight_layout(rect=(0, 0, 1 - 0.18 * 2 / panels, 1))
     return atomic_write_figure(fig, path, dpi=130)

@@ -27,11 +27,10 @@ from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
-from recursive_lightning.config import DataConfig
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_figure, atomic_write_text
 from recursive_lightning.progress import tracked  # a bar on a terminal, a line every 30 s in a log
-from recursive_lightning.sweep import cost, curves, ranking, tables
+from recursive_lightning.sweep import context_lengths, cost, curves, ranking, tables
 from recursive_lightning.sweep.parent import close_parent
 from recursive_lightning.sweep.ranking import log_ranking
 from recursive_lightning.sweep.report_html import markdown_to_html
@@ -159,46 +158,6 @@ def _plot_axis(table, axis: str, metric: str, path: Path, kind: str) -> Path:
     atomic_write_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
-
-
-CTX_PREFIX = "eval/ppl_ctx/"
-
-
-def _context_lengths(rows: list[dict], axes: list[str], spec, out: Path) -> tuple[Path | None, list[str]]:
-    """Perplexity against context length across grid points (mean over seeds) when the sweep's ``evaluate:``
-    asked for ``context_lengths``: a table and one PNG with every point's curve, the training length marked."""
-    series: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in rows:
-        label = ", ".join(_fmt(r["params"].get(a)) for a in axes if a in r["params"]) or str(r["key"])
-        for k, v in r["metrics"].items():
-            if k.startswith(CTX_PREFIX) and k[len(CTX_PREFIX) :].isdigit():
-                series[label][int(k[len(CTX_PREFIX) :])].append(v)
-    if not series:
-        return None, []
-    means = {label: {L: sum(v) / len(v) for L, v in pts.items()} for label, pts in series.items()}
-    lengths = sorted({L for pts in means.values() for L in pts})
-    train_len = (spec.base.get("data") or {}).get("seq_len", DataConfig.seq_len)
-    from recursive_lightning.evaluation.context_plot import plot_ppl_by_context  # heavy
-
-    png = plot_ppl_by_context(
-        means,
-        out / "report_ppl_by_context.png",
-        train_length=train_len,
-        title=f"{spec.name}: perplexity by context length",
-    )
-    lines = [
-        "## Perplexity by context length",
-        "",
-        f"`eval/ppl_ctx/<L>` of each trial, mean over seeds; trained at {train_len} tokens.",
-        "",
-        "| " + " | ".join([" / ".join(axes) or "trial", *map(str, lengths)]) + " |",
-        "|" + "---|" * (1 + len(lengths)),
-    ]
-    for label, pts in means.items():
-        lines.append(
-            "| " + " | ".join([label, *(fmt.ppl(pts[L]) if L in pts else "" for L in lengths)]) + " |"
-        )
-    return png, [*lines, "", f"![perplexity by context length]({png.name})", ""]
 
 
 def _results_sections(
@@ -345,6 +304,7 @@ def _results_sections(
                 "history": t["history"],
                 "tokens_per_step": tables.tokens_per_step(t) or 0.0,
                 "steps": t.get("steps"),
+                "flops_per_token": cost.training_flops_per_token(t),
             }
             for t in r.trials
             if t["history"]
@@ -360,8 +320,10 @@ def _results_sections(
         figures.append(png)
         band = "min-max over the seeds as a band" if seeds > 1 else "one seed per row"
         lines += [
-            "Training loss and validation perplexity against tokens seen, read from each trial's MLflow child "
-            f"run: the mean over a row's seeds as the line, {band}.",
+            "Training loss and validation perplexity against tokens seen, and validation perplexity against "
+            "training FLOPs (tokens × the trial's training FLOPs per token, as the cost section counts them: the "
+            "loss-compute frontier of SpiralFormer Fig. 2), read from each trial's MLflow child run: the mean "
+            f"over a row's seeds as the line, {band}.",
             "",
             f"![learning curves]({png.name})",
             "",
@@ -487,7 +449,7 @@ def write_report(
         png = _plot_axis(table, axis, used, out / f"report_{safe}.png", hints.get("plot", "auto"))
         figures.append(png)
         lines += [f"![{axis}]({png.name})", ""]
-    ctx_png, ctx_lines = _context_lengths(rows, axes, spec, out)
+    ctx_png, ctx_lines = context_lengths.section(rows, axes, spec, out, data["rows"], data["baseline"])
     if ctx_png is not None:
         figures.append(ctx_png)
         lines += ctx_lines

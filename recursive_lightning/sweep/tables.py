@@ -224,13 +224,17 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return m, s
 
 
-def paired_difference(row: Row, base: Row, key: str, confidence: float = CONFIDENCE) -> dict[str, Any] | None:
-    """The difference row - baseline of ``key`` over the seeds both rows finished (same seed, one pair each):
-    its mean and the two-sided Student-t interval mean ± t_{(1+c)/2, n-1} · sd / √n (None for n = 1)."""
+def paired_difference(
+    row: Row, base: Row, key: str | Callable[[dict[str, Any]], float | None], confidence: float = CONFIDENCE
+) -> dict[str, Any] | None:
+    """The difference row - baseline of ``key`` (a ``trial_value`` key, or a function of a trial) over the
+    seeds both rows finished (same seed, one pair each): its mean and the two-sided Student-t interval
+    mean ± t_{(1+c)/2, n-1} · sd / √n (None for n = 1)."""
     from scipy import stats  # heavy
 
-    mine = {t["params"].get(SEED_AXIS): trial_value(t, key) for t in row.trials}
-    theirs = {t["params"].get(SEED_AXIS): trial_value(t, key) for t in base.trials}
+    value = key if callable(key) else (lambda t: trial_value(t, key))
+    mine = {t["params"].get(SEED_AXIS): value(t) for t in row.trials}
+    theirs = {t["params"].get(SEED_AXIS): value(t) for t in base.trials}
     seeds = sorted(
         (s for s in mine.keys() & theirs.keys() if mine[s] is not None and theirs[s] is not None), key=str
     )

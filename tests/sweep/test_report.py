@@ -223,9 +223,11 @@ def test_learning_curves_and_html_report_are_logged_to_the_parent_run(tiny_repor
         assert f"report/{name}" in logged, logged
     assert logged["report/report_learning_curves.png"] == png.stat().st_size
     # the curves' x axis: the last validation of a trial is its final one, after all its training tokens
-    from recursive_lightning.sweep.curves import against_tokens, metric_history
+    from recursive_lightning.sweep.cost import training_flops, training_flops_per_token
+    from recursive_lightning.sweep.curves import against_flops, against_tokens, metric_history
+    from recursive_lightning.sweep.tables import load_trial
 
-    for rec, res, _ in _trials(run_dir).values():
+    for rec, res, trial_dir in _trials(run_dir).values():
         hist = metric_history(f"sqlite:///{run_dir / 'mlflow.db'}", rec["mlflow_run_id"])
         entry = {"history": hist, "tokens_per_step": res["tokens"] / res["steps"], "steps": res["steps"]}
         val = against_tokens(entry, "val/heldout/ppl")
@@ -233,6 +235,18 @@ def test_learning_curves_and_html_report_are_logged_to_the_parent_run(tiny_repor
         assert sorted(val) == [2 * tokens, 4 * tokens, 5 * tokens] and res["steps"] == 5
         assert val[res["tokens"]] == pytest.approx(rec["metrics"]["val/heldout/ppl"])
         assert max(against_tokens(entry, "train/loss")) == res["tokens"]
+        # the third panel: validation perplexity against training FLOPs, tokens × the cost section's FLOPs/token
+        trial = load_trial(run_dir, {"key": trial_dir.name}, None, {})
+        entry["flops_per_token"] = training_flops_per_token(trial)
+        assert entry["flops_per_token"] == pytest.approx(training_flops(trial) / res["tokens"])
+        by_flops = against_flops(entry, "val/heldout/ppl")
+        assert by_flops[training_flops(trial)] == pytest.approx(rec["metrics"]["val/heldout/ppl"])
+        assert sorted(by_flops) == pytest.approx([n * entry["flops_per_token"] for n in sorted(val)])
+    assert "against training FLOPs" in md
+    from PIL import Image
+
+    with Image.open(png) as im:  # three panels of 6 inches at 130 dpi
+        assert im.size[0] == round(18 * 130)
 
 
 def test_training_flops_of_a_sampled_loop_row_are_its_expected_flops(data_cache):

@@ -86,3 +86,30 @@ def test_embedded_heldout_is_the_validation_split():
     train, val = split_documents(embedded_corpus_documents())
     got = read_texts("embedded:heldout")
     assert got == val and got and not set(got) & set(train)
+
+
+def test_paired_context_table_names_each_length_and_the_widening_gap():
+    """Row − baseline at each context length over seed pairs, and the change of that gap from the shortest to
+    the longest length, each with its t-interval and whether it excludes 0 (Mela Fig. 4's direction)."""
+    from recursive_lightning.sweep.context_lengths import paired_lines
+    from recursive_lightning.sweep.tables import Row
+
+    def trial(seed, ppl):
+        return {"params": {"train.seed": seed}, "metrics": {f"eval/ppl_ctx/{L}": v for L, v in ppl.items()}}
+
+    jitter = [0.0, 1.5, -1.0]
+    mela = Row("mela", {}, [trial(s, {256: 100 + j, 4096: 100 + j}) for s, j in enumerate(jitter)])
+    tpp = Row("tpp", {}, [trial(s, {256: 120 + j + s, 4096: 150 + j - s}) for s, j in enumerate(jitter)])
+    same = Row(
+        "same", {}, [trial(s, {256: 100 + j + (-1) ** s, 4096: 100 + j}) for s, j in enumerate(jitter)]
+    )
+    lines = paired_lines([mela, tpp, same], "mela", [256, 4096])
+    assert lines[2] == "| row | pairs | 256 | 4096 | change 256 → 4096 |"
+    tpp_cells = next(x for x in lines if x.startswith("| tpp |")).split(" | ")
+    assert tpp_cells[1] == "3"
+    assert tpp_cells[2].startswith("**+21.00 [") and tpp_cells[2].endswith("excludes 0")  # 20 + mean seed 1
+    assert tpp_cells[3].startswith("**+49.00 [") and tpp_cells[3].endswith("excludes 0")
+    assert tpp_cells[4].startswith("**+28.00 [") and "excludes 0" in tpp_cells[4]  # 49 − 21: the gap widens
+    same_cells = next(x for x in lines if x.startswith("| same |")).split(" | ")
+    assert same_cells[2].endswith("includes 0") and same_cells[3] == "0.00 [0.00, 0.00] includes 0"
+    assert paired_lines([tpp], "mela", [256, 4096]) == []  # no baseline row: no table
