@@ -177,13 +177,18 @@ def test_warmup_in_steps_overrides_the_ratio():
 
 
 # the papers' orderings at CPU scale (docs/orderings.md): each study runs end to end from its file
-STUDIES = {"cpu/mesh-ordering.yaml": ("base", ["anchor", "mesh"])}
+STUDIES = {
+    "cpu/mesh-ordering.yaml": ("base", ["anchor", "mesh"]),
+    "cpu/spiral-ordering.yaml": ("looped", ["spiral-b"]),
+    "cpu/mela-ordering.yaml": ("mela", ["no-memstack", "transformerpp"]),
+}
 
 
 @pytest.mark.parametrize("name", sorted(STUDIES))
 def test_each_ordering_study_runs_end_to_end_at_smoke_size(name, tmp_path, data_cache):
     """The study's own file, cut to 2 steps and 2 seeds: the sweep finishes, and its report states, for every
-    row against the baseline, the paired interval and whether it excludes 0."""
+    row against the baseline, the paired interval and whether it excludes 0 (with context lengths: at each
+    length and on the change between the shortest and the longest)."""
     from conftest import sweep_output
 
     baseline, rows = STUDIES[name]
@@ -194,12 +199,20 @@ def test_each_ordering_study_runs_end_to_end_at_smoke_size(name, tmp_path, data_
     )
     raw["overrides"].update({"data.batch_size": 2, "data.val_batches": 1, "data.cache_dir": data_cache})
     raw["seeds"] = [0, 1]
+    lengths = (raw.get("evaluate") or {}).get("context_lengths")
+    if lengths:  # the shortest and the longest length, over few tokens
+        raw["evaluate"].update({"context_lengths": [lengths[0], lengths[-1]], "ctx_max_tokens": lengths[-1]})
     spec = tmp_path / "study.yaml"
     spec.write_text(yaml.safe_dump(raw))
     code, out = sweep_output(spec, "--run-dir", tmp_path / "run")
     assert code == 0, out[-3000:]
     report = (tmp_path / "run" / "report.md").read_text()
-    section = report.split(f"## Paired difference to `{baseline}`", 1)[1].split("\n## ", 1)[0]
-    for row in rows:
-        line = next(r for r in section.splitlines() if r.startswith(f"| {row} | 2 |"))
-        assert line.endswith(("excludes 0 |", "includes 0 |")), line
+    sections = [report.split(f"## Paired difference to `{baseline}`", 1)[1].split("\n## ", 1)[0]]
+    if lengths:
+        sections.append(report.split("## Perplexity by context length", 1)[1].split("\n## ", 1)[0])
+    for section in sections:
+        for row in rows:
+            line = next(r for r in section.splitlines() if r.startswith(f"| {row} | 2 |"))
+            assert line.endswith(("excludes 0 |", "includes 0 |")), line
+    if lengths:
+        assert f"| change {lengths[0]} → {lengths[-1]} |" in sections[1]

@@ -164,9 +164,13 @@ def runs_view(runs: Sequence[Any]) -> dict[str, Any] | None:
     # above it (MLflow 3.17 leaves a shared view's runsExpanded out, so the view does not set it)
     if order is not None:
         view.update(orderByKey=metric_column(order), orderByAsc=True)
-    view.update(grid_groups(runs))
-    if ranked is not None:
-        view.update(ranking_charts(ranked, _axis_params(runs), have))
+    groups = grid_groups(runs)
+    if groups:  # a group's seed column would show the mean of its seeds; a trial's name carries its seed
+        view["selectedColumns"] = view["columnOrder"] = [c for c in columns if c != param_column(SEED_PARAM)]
+    view.update(groups)
+    if ranked is not None:  # grouped, the seed is no coordinate of a grid point
+        axes = [p for p in _axis_params(runs) if not (groups and p == SEED_PARAM)]
+        view.update(ranking_charts(ranked, axes, have))
     return view
 
 

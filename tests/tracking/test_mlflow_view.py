@@ -218,6 +218,12 @@ def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep)
         browser = run_dir.parent / "browser"  # one profile: the table first, then a run clicked in it
         dom = _dom(table_url, profile=browser)
         names = [r["run"] for r in runs]
+        # MLflow's Assistant stays closed on a first visit through the printed link; opened without our page
+        # (the control) it covers a quarter of the window
+        assistant = "Ask questions about your experiments"
+        assert assistant not in dom, "the Assistant panel opened"
+        assert assistant in _dom(table_url.replace(CLASSIC_PAGE, "")), "control: MLflow opens its Assistant"
+        assert ">train.seed<" not in dom, "a grouped table has no seed column"
         assert ">axis.variant<" in dom, "no axis column"
         assert ">val/heldout/ppl<" in dom, "no column of the ranking metric"
         for cost in ("cost/params_non_embedding", "cost/fwd_flops_per_token", "train/flops"):
@@ -406,3 +412,13 @@ def test_a_grid_is_grouped_by_its_axes_and_a_search_or_a_train_run_is_not():
     assert grid_groups([parent({}), *trials]) == {}  # a search: train.lr differs, yet no grid point
     assert grid_groups([parent({"train.seed": [0, 1]}), *trials]) == {}  # seeds only
     assert grid_groups(trials) == {}  # `train` runs
+    # the grouped table's columns: no seed column (a group would show the mean of its seeds; a trial's name
+    # carries its seed); ungrouped, the seed is a column after the axes
+    from recursive_lightning.tracking.view import param_column, runs_view
+
+    seed = param_column("train.seed")
+    grouped = runs_view([parent({"variant": ["mesh", "base"], "train.seed": [0, 1]}), *trials])
+    assert "groupBy" in grouped and seed not in grouped["selectedColumns"] + grouped["columnOrder"]
+    assert param_column("axis.variant") in grouped["selectedColumns"]
+    flat = runs_view([parent({}), *trials])
+    assert "groupBy" not in flat and seed in flat["selectedColumns"]
