@@ -168,9 +168,8 @@ def runs_view(runs: Sequence[Any]) -> dict[str, Any] | None:
     if groups:  # a group's seed column would show the mean of its seeds; a trial's name carries its seed
         view["selectedColumns"] = view["columnOrder"] = [c for c in columns if c != param_column(SEED_PARAM)]
     view.update(groups)
-    if ranked is not None:  # grouped, the seed is no coordinate of a grid point
-        axes = [p for p in _axis_params(runs) if not (groups and p == SEED_PARAM)]
-        view.update(ranking_charts(ranked, axes, have))
+    if ranked is not None:
+        view.update(ranking_charts(ranked, [] if groups else _axis_params(runs), have))
     return view
 
 
@@ -208,22 +207,39 @@ def grid_groups(runs: Sequence[Any]) -> dict[str, Any]:
 
 def ranking_charts(ranked: str, axes: Sequence[str], have: set[str]) -> dict[str, Any]:
     """The chart view's first section (MLflow's ``compareRunCharts`` / ``compareRunSections`` view state, what
-    its chart view saves): the ranking metric per run, each axis against it (parallel coordinates), its curve
-    and the training loss's. MLflow adds its own charts of every other metric in sections after it."""
+    its chart view saves): the ranking metric per run (or grid point) against its training FLOPs where the runs
+    log them (a scatter: both axes span the values, where MLflow's bars start at 0 and hide a 10 % difference),
+    else a bar per run; ``axes`` against it (parallel coordinates; none for a grouped table, whose groups MLflow
+    draws no such chart for); its curve and the training loss's (per group: the mean with a min-max band).
+    MLflow adds its own charts of every other metric in sections after it."""
     section = "rl-ranking"
     base = {"runsCountToCompare": 10, "metricSectionId": section, "deleted": False, "isGenerated": False}
-    charts: list[dict[str, Any]] = [
-        {**base, "uuid": "rl-bar", "type": "BAR", "metricKey": ranked, "displayName": ranked},
+    first: dict[str, Any] = (
         {
-            **base,
-            "uuid": "rl-axes",
-            "type": "PARALLEL",
-            "selectedParams": list(axes),
-            "selectedMetrics": [ranked],
-            "showAllRuns": False,
-            "displayName": f"grid axes → {ranked}",
-        },
+            "uuid": "rl-cost",
+            "type": "SCATTER",
+            "xaxis": {"key": FLOPS, "type": "METRIC"},
+            "yaxis": {"key": ranked, "type": "METRIC"},
+            "displayName": f"{ranked} against {FLOPS}",
+        }
+        if FLOPS in have
+        else {"uuid": "rl-bar", "type": "BAR", "metricKey": ranked, "displayName": ranked}
+    )
+    charts: list[dict[str, Any]] = [
+        {**base, **first},
     ]
+    if axes:  # MLflow draws no parallel coordinates for grouped runs (a group has no params): ungrouped only
+        charts.append(
+            {
+                **base,
+                "uuid": "rl-axes",
+                "type": "PARALLEL",
+                "selectedParams": list(axes),
+                "selectedMetrics": [ranked],
+                "showAllRuns": False,
+                "displayName": f"grid axes → {ranked}",
+            }
+        )
     # the curves against training FLOPs where the runs log them (MLflow's metric x-axis: the x value of a
     # point is the x metric's value at the same step), else against the step
     x = {"xAxisKey": "metric", "selectedXAxisMetricKey": FLOPS} if FLOPS in have else {"xAxisKey": "step"}

@@ -252,6 +252,8 @@ def test_ui_links_open_the_ranked_runs_table_and_classic_run_pages(ranked_sweep)
         assert re.search(r'class="g-xtitle"[^>]*>.{0,300}data-unformatted="train/flops"', charts[first:]), (
             "no curve against train/flops"
         )
+        # the ranking against training FLOPs, one point per grid point (a scatter, axes spanning the values)
+        assert "train/flops vs. val/heldout/ppl" in _text(charts[first:]), "no scatter against train/flops"
         # a run opened from MLflow's own table (its link carries no workflowType) opens classic because the
         # printed link stored the choice; the same link in a fresh browser opens GenAI (the control)
         info = json.loads((run_dir / "sweep.json").read_text())
@@ -314,7 +316,10 @@ def test_a_train_run_experiment_gets_a_ranked_view(tmp_path, tiny_run):
     assert view["orderByKey"] == "metrics.`val/heldout/ppl`" and view["orderByAsc"] is True
     assert "metrics.`train/tokens_per_sec`" in view["selectedColumns"]
     charts = {c["type"]: c for c in view["compareRunCharts"]}  # the chart view's first section: the ranking
-    assert charts["BAR"]["metricKey"] == "val/heldout/ppl" and view["isAccordionReordered"] is True
+    # the ranking metric against training FLOPs, a scatter whose axes span the values (bars start at 0)
+    assert charts["SCATTER"]["yaxis"] == {"key": "val/heldout/ppl", "type": "METRIC"}
+    assert charts["SCATTER"]["xaxis"] == {"key": "train/flops", "type": "METRIC"} and "BAR" not in charts
+    assert view["isAccordionReordered"] is True
     assert charts["PARALLEL"]["selectedMetrics"] == ["val/heldout/ppl"]
     assert (
         lines[0]
@@ -422,3 +427,14 @@ def test_a_grid_is_grouped_by_its_axes_and_a_search_or_a_train_run_is_not():
     assert param_column("axis.variant") in grouped["selectedColumns"]
     flat = runs_view([parent({}), *trials])
     assert "groupBy" not in flat and seed in flat["selectedColumns"]
+    # the chart view: parallel coordinates only where MLflow can draw them (ungrouped runs have the params)
+    for t in trials:
+        t.data.metrics.update({"val/heldout/ppl": 100.0, "train/flops": 1e9})
+    charts = {
+        name: [c["type"] for c in view["compareRunCharts"]]
+        for name, view in (
+            ("grouped", runs_view([parent({"variant": ["mesh", "base"], "train.seed": [0, 1]}), *trials])),
+            ("flat", runs_view([parent({}), *trials])),
+        )
+    }
+    assert charts == {"grouped": ["SCATTER", "LINE"], "flat": ["SCATTER", "PARALLEL", "LINE"]}
