@@ -322,3 +322,55 @@ def test_a_sweeps_coordinator_prepares_the_data_without_lightning(tmp_path, data
     )
     assert imported == "[]", imported[:500]
     assert list(Path(data_cache, "shards").glob("*/meta.json"))  # it did build them
+
+
+# the files of a run or sweep directory: only run_dir.py (RunDir, SweepDir) spells their names
+LAYOUT_OWNER = "recursive_lightning.run_dir"
+LAYOUT_NAMES = {
+    "config.yaml",
+    "result.json",
+    "checkpoints",
+    "last.ckpt",
+    "best.ckpt",
+    "mlflow_tracking_uri",
+    "mlflow.db",
+    "mlartifacts",
+    ".writer.lock",
+    "sweep.json",
+    "sweep.yaml",
+    "sweep_result.json",
+    "optuna.db",
+    "report.md",
+    "report.html",
+    "trial.yaml",
+    "init_tokenizer.json",
+}
+
+
+def layout_spellings(name: str) -> list[tuple[int, str]]:
+    """(line, string) of the string literals in ``name`` that spell a run or sweep directory's file, alone or
+    as a segment of a path (``"checkpoints/last.ckpt"``); docstrings and comments say what they like."""
+    docstrings = {
+        id(node.value)
+        for node in ast.walk(tree(name))
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    out = []
+    for node in ast.walk(tree(name)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if set(node.value.strip().split("/")) & LAYOUT_NAMES:
+                out.append((node.lineno, node.value))
+    return out
+
+
+def test_only_run_dir_spells_the_run_and_sweep_directory_layout():
+    bad = [
+        f"{where(name, line)}: {text!r}"
+        for name in modules()
+        if name != LAYOUT_OWNER
+        for line, text in layout_spellings(name)
+    ]
+    assert not bad, (
+        "string literals naming a run or sweep directory's files outside recursive_lightning/run_dir.py (use "
+        "RunDir / SweepDir):\n" + "\n".join(bad)
+    )

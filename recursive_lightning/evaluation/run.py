@@ -39,8 +39,8 @@ from recursive_lightning.evaluation.downstream import (
 )
 from recursive_lightning.evaluation.options import EvalOptions
 from recursive_lightning.files import atomic_write_text
+from recursive_lightning.run_dir import RunDir
 from recursive_lightning.tracking.runs import (
-    RUN_ID_FILE,
     check_outputs,
     client,
     create_run,
@@ -59,8 +59,7 @@ log = logging.getLogger(__name__)
 
 def run_dir_of(ckpt_path: Path) -> Path:
     """``<run_dir>`` of ``<run_dir>/checkpoints/x.ckpt``; else the checkpoint's folder."""
-    parent = ckpt_path.parent
-    return parent.parent if parent.name == "checkpoints" else parent
+    return RunDir.of_checkpoint(ckpt_path).path
 
 
 def evaluate_checkpoint(
@@ -80,7 +79,7 @@ def evaluate_checkpoint(
         loaded = load_checkpoint(path, device="cpu")
     ckpt = Path(loaded.path).resolve()
     run_dir = run_dir_of(ckpt)
-    out = Path(o.out_dir) if o.out_dir else run_dir / "eval"
+    out = Path(o.out_dir) if o.out_dir else RunDir(run_dir).eval_dir
     depths = depth_request(loaded.model, o)  # a dial the model lacks: one sentence, nothing written
     exits = exit_request(loaded.model, o)  # a model that cannot exit early: the same
     # where the results go must be writable before anything is computed
@@ -306,15 +305,14 @@ def _mlflow_target(loaded: Any, run_dir: Path, tracking_uri: str | None) -> dict
     uri = tracking_uri or default_tracking_uri(run_dir)
     c = client(uri)
     run_id = loaded.mlflow_run_id
-    if not run_id and (run_dir / RUN_ID_FILE).is_file():
-        run_id = (run_dir / RUN_ID_FILE).read_text().strip()
+    run_id = run_id or RunDir(run_dir).recorded_run_id()
     if run_id:
         try:
             c.get_run(run_id)
             return {"tracking_uri": uri, "run_id": run_id, "created": False}
         except Exception:
             log.info("MLflow run %s of the checkpoint is not in %s; creating a new run", run_id, uri)
-    exp = ensure_experiment(uri, loaded.run.name, run_dir / "mlartifacts")
+    exp = ensure_experiment(uri, loaded.run.name, RunDir(run_dir).artifacts)
     new_id = create_run(
         uri,
         exp,

@@ -30,6 +30,7 @@ from recursive_lightning import formatting as fmt
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_figure, atomic_write_text
 from recursive_lightning.progress import tracked  # a bar on a terminal, a line every 30 s in a log
+from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep import context_lengths, cost, curves, ranking, tables
 from recursive_lightning.sweep.parent import close_parent
 from recursive_lightning.sweep.ranking import log_ranking
@@ -367,7 +368,7 @@ def write_report(
     run_dir = Path(run_dir).resolve()
     out_given = out is not None
     out = Path(out).resolve() if out is not None else run_dir
-    info_file = run_dir / "sweep.json"
+    info_file = SweepDir(run_dir).info
     if not info_file.exists():
         raise ConfigError(
             f"'{run_dir}' is not a sweep directory (no sweep.json); pass the --run-dir of a sweep."
@@ -384,7 +385,7 @@ def write_report(
         origin = info.get("sweep_dir")
         # the sweep file's base: config may stay behind when the directory moves; the trials hold their configs
         spec = load_sweep(
-            run_dir / "sweep.yaml", origin if origin and Path(origin).is_dir() else None, base_needed=False
+            SweepDir(run_dir).spec, origin if origin and Path(origin).is_dir() else None, base_needed=False
         )
     rows, failed, attrs = collect(storage_url, info["name"])
     unfinished = attrs.pop("_unfinished", 0)
@@ -459,19 +460,18 @@ def write_report(
             lines.append(f"- trial {r['number']} ({r['key']}): {r['error']}")
         lines.append("")
     md = "\n".join(lines)
-    path = out / "report.md"
+    path, html_path = SweepDir.report_files(out)
     atomic_write_text(path, md)
-    html_path = out / "report.html"
     atomic_write_text(
         html_path, markdown_to_html(md.replace(VIEWER_HINT, ""), out, title=f"sweep {spec.name}")
     )
     parent = attrs.get("mlflow_parent_run_id") or info.get("parent_run_id")
     if parent and log:
         try:
-            log_artifact(tracking_uri, parent, path, subdir="report")
-            log_artifact(tracking_uri, parent, html_path, subdir="report")
+            log_artifact(tracking_uri, parent, path, subdir=SweepDir.REPORT_ARTIFACTS)
+            log_artifact(tracking_uri, parent, html_path, subdir=SweepDir.REPORT_ARTIFACTS)
             for f in figures:
-                log_artifact(tracking_uri, parent, f, subdir="report")
+                log_artifact(tracking_uri, parent, f, subdir=SweepDir.REPORT_ARTIFACTS)
             if rows:
                 log_ranking(
                     tracking_uri,

@@ -30,6 +30,7 @@ from recursive_lightning import faults
 from recursive_lightning.data.tokenizer import INIT_TOKENIZER
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import writable_dir_problem
+from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep.checks import check_late_fields
 from recursive_lightning.sweep.devices import device_pool, devices_needed
 from recursive_lightning.sweep.launch import PARENT_ENV, Stop, die_with_parent, on_sigterm, spawn_workers
@@ -84,7 +85,7 @@ def prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri
     sweep as more workers (creating the stores concurrently fails inside SQLAlchemy)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     # across machines on one PostgreSQL study, an advisory lock in its database (servers.database_lock)
-    with file_lock(run_dir / ".sweep.lock"), database_lock(storage_url, spec.name):
+    with file_lock(SweepDir(run_dir).sweep_lock), database_lock(storage_url, spec.name):
         check_run_dir_holds(spec, run_dir)
         study, storage = create_study(spec, run_dir, storage_url)
         requeue_dead_local(study, storage, storage_url)
@@ -305,7 +306,7 @@ def main(argv: list[str]) -> int:
         if not args.no_report:
             # one writer at a time: workers on several machines may end together (the report's files have fixed
             # names)
-            with file_lock(run_dir / ".report.lock"), database_lock(storage, f"{spec.name}/report"):
+            with file_lock(SweepDir(run_dir).report_lock), database_lock(storage, f"{spec.name}/report"):
                 report = write_report(run_dir, spec=spec, storage_url=storage, tracking_uri=tracking)
             print(report["markdown"])
             print(f"\nreport: {report['path']}")

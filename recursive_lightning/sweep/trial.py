@@ -24,15 +24,18 @@ from recursive_lightning import faults
 from recursive_lightning.evaluation.options import EvalOptions
 from recursive_lightning.evaluation.run import evaluate_checkpoint, flat_metrics
 from recursive_lightning.files import atomic_write_text, read_json
+from recursive_lightning.run_dir import RunDir, SweepDir
 from recursive_lightning.sweep.launch import Stop, stop_requested, train_trial
 from recursive_lightning.sweep.spec import SweepSpec, point_key
 from recursive_lightning.sweep.study import NEUTRAL_KEYS, claim_lock, grid_point, open_storage
 from recursive_lightning.tracking.runs import log_metrics, set_tags, set_terminated
-from recursive_lightning.training.run import TrainResult, build_datamodule, rebased
+from recursive_lightning.training.options import TrainOptions
+from recursive_lightning.training.result import TrainResult, rebased
+from recursive_lightning.training.run import build_datamodule
 from recursive_lightning.training.run_lock import describe_holder, run_dir_lock
 from recursive_lightning.uris import mask_url
 
-SWEEP_RESULT = "sweep_result.json"  # a trial's result as the sweep records it, before telling the study
+SWEEP_RESULT = RunDir.SWEEP_RESULT  # a trial's result as the sweep records it, before telling the study
 POLL_S = 2.0  # how often a worker looks again at running trials (of other workers, here or elsewhere)
 
 
@@ -257,7 +260,7 @@ def finished_before(cfg, trial_dir: Path) -> tuple[dict[str, Any] | None, TrainR
     """Whether a trial finished before, as what is on disk says (a kill at any instant loses at most the work
     since a checkpoint): (the sweep's record ``sweep_result.json`` of this config, None) when there is one, else
     (None, ``train``'s result) when it reached ``max_steps`` with validation metrics, else (None, None): train."""
-    record = read_json(trial_dir / SWEEP_RESULT)
+    record = read_json(RunDir(trial_dir).sweep_result)
     if record is not None and not _same_config(record.get("config") or {}, cfg.flat()):
         record = None
     if record is not None:
@@ -270,7 +273,7 @@ def finished_before(cfg, trial_dir: Path) -> tuple[dict[str, Any] | None, TrainR
 def _finished_result(cfg, trial_dir: Path) -> TrainResult | None:
     """The TrainResult of a trial whose ``train`` finished (its ``result.json`` has validation metrics at
     ``max_steps``), or None."""
-    r = read_json(trial_dir / "result.json")
+    r = read_json(RunDir(trial_dir).result)
     if r is None or int(r.get("steps") or 0) < cfg.train.max_steps or not _has_val(r.get("metrics") or {}):
         return None
     try:  # its checkpoints where the trial directory lies now (a moved or copied sweep)
@@ -288,7 +291,7 @@ def validate_last_checkpoint(cfg, result: TrainResult) -> TrainResult:
     from recursive_lightning.training.module import RecursiveLMModule  # heavy
     from recursive_lightning.training.trainer import build_trainer  # heavy
 
-    ckpt = latest_good(result.run_dir / "checkpoints")
+    ckpt = latest_good(RunDir(result.run_dir).checkpoints)
     if ckpt is None:
         return result
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
@@ -307,7 +310,7 @@ def validate_last_checkpoint(cfg, result: TrainResult) -> TrainResult:
     )
     set_terminated(result.tracking_uri, result.mlflow_run_id, "FINISHED")
     result.metrics = metrics
-    atomic_write_text(result.run_dir / "result.json", json.dumps(result.to_dict(), indent=2))
+    result.save()
     return result
 
 
@@ -350,7 +353,7 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
     if key is None:  # a grid point is enqueued with its key; a trial of a search gets it here
         key = point_key(point)
         trial.set_user_attr("point_key", key)
-    trial_dir = run_dir / "trials" / key
+    trial_dir = SweepDir(run_dir).trial(key).path
 
     def waiting(holder: dict) -> None:
         print(
@@ -371,7 +374,7 @@ def _run_held(
 
     cfg = spec.trial_config(point)
     flat = cfg.flat()
-    trial_dir = run_dir / "trials" / key
+    trial_dir = SweepDir(run_dir).trial(key).path
     label = ", ".join(f"{k}={v}" for k, v in point.items())
     record, result = finished_before(cfg, trial_dir)
     pruned = bool(record and record.get("pruned"))
@@ -382,7 +385,7 @@ def _run_held(
         )
     if record is None:
         if result is None:
-            resume = (trial_dir / "checkpoints").exists() and any((trial_dir / "checkpoints").glob("*.ckpt"))
+            resume = RunDir(trial_dir).has_checkpoint_files()
             callbacks = []
             pruner_cb = None
             if spec.pruning.get("enabled"):
@@ -401,20 +404,18 @@ def _run_held(
                 "optuna.study": spec.name,
             }
             faults.point("before_training")
-            result, in_process = train_trial(
-                cfg,
-                trial_dir,
-                run_dir,
+            options = TrainOptions(
                 resume=resume,
                 tracking_uri=tracking_uri,
                 experiment=spec.name,
                 run_name=key,
-                parent=parent,
+                parent_run_id=parent,
                 tags=tags,
-                params=axis_params(point, flat),
                 callbacks=callbacks,
-                who=f"[sweep {spec.name}] trial {trial.number}",
+                params=axis_params(point, flat),
             )
+            who = f"[sweep {spec.name}] trial {trial.number}"
+            result, in_process = train_trial(cfg, trial_dir, run_dir, options, who)
             pruned = pruner_cb is not None and pruner_cb.pruned
             if (
                 in_process
@@ -437,7 +438,7 @@ def _run_held(
             "trial_dir": str(trial_dir.resolve()),
             "config": flat,
         }
-        atomic_write_text(trial_dir / SWEEP_RESULT, json.dumps(record, indent=2, default=str))
+        atomic_write_text(RunDir(trial_dir).sweep_result, json.dumps(record, indent=2, default=str))
     faults.point("before_tell")
     # one request: with a tracking server each is a round trip (the per-trial bookkeeping)
     set_tags(
