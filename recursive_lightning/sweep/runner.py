@@ -35,6 +35,7 @@ from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import writable_dir_problem
 from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep.checks import check_late_fields
+from recursive_lightning.sweep.claims import POLL_S, requeue_dead_local
 from recursive_lightning.sweep.devices import device_pool, devices_needed
 from recursive_lightning.sweep.launch import PARENT_ENV, Stop, die_with_parent, on_sigterm, spawn_workers
 from recursive_lightning.sweep.parent import close_parent, open_parent
@@ -56,7 +57,7 @@ from recursive_lightning.sweep.study import (
     record_run_dir,
     unfinished,
 )
-from recursive_lightning.sweep.trial import POLL_S, requeue_dead_local, worker
+from recursive_lightning.sweep.trial import worker
 from recursive_lightning.tracking.runs import default_tracking_uri
 from recursive_lightning.tracking.view import ui_hint
 from recursive_lightning.training.run import prepare_corpus
