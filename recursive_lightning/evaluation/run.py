@@ -110,9 +110,36 @@ def evaluate_checkpoint(
             print(f"note: {line}", file=sys.stderr)
         else:
             log.warning("%s", line)
+    result = _empty_result(loaded, lm, ckpt, run_dir, o, skipped, notes)
+    result["ppl"] = _perplexities(lm, texts, sets, o)
+    if o.context_lengths:
+        result["ppl_ctx"] = _by_context_length(lm, loaded, texts, sets, o)
+    if tasks:
+        _downstream(result, lm, tm, tasks, shots, o.limit)
+    if depths:
 
+        def measure(k: int) -> dict[str, Any]:
+            entry: dict[str, Any] = {"ppl": _perplexities(lm, texts, sets, o, f" at {depths[0]}={k}")}
+            if tasks:
+                entry.update(tasks={}, headline={}, avg={})
+                _downstream(entry, lm, tm, tasks, shots, o.limit)
+                entry.pop("lm_eval_version", None)
+            return entry
+
+        result["depth"] = evaluate_depths(lm.model, lm.max_length, *depths, measure)
+    if exits:
+        result["adaptive_exit"] = evaluate_adaptive_exit(
+            lm.model, lm.tokenizer, texts, exits, lm.max_length, o.stride, o.exit_max_tokens, lm.batch_size
+        )
+    return _record(result, loaded, ckpt, run_dir, out, o)
+
+
+def _empty_result(
+    loaded: Any, lm: Any, ckpt: Path, run_dir: Path, o: EvalOptions, skipped: list, notes: list[str]
+) -> dict[str, Any]:
+    """The evaluation's record before any number: the checkpoint, its model, the window and the notes."""
     model = lm.model
-    result: dict[str, Any] = {
+    return {
         "checkpoint": str(ckpt),
         "run_dir": str(run_dir),
         "run_name": loaded.run.name,
@@ -134,27 +161,13 @@ def evaluate_checkpoint(
         "skipped_tasks": skipped,
         "notes": notes,
     }
-    result["ppl"] = _perplexities(lm, texts, sets, o)
-    if o.context_lengths:
-        result["ppl_ctx"] = _by_context_length(lm, loaded, texts, sets, o)
-    if tasks:
-        _downstream(result, lm, tm, tasks, shots, o.limit)
-    if depths:
 
-        def measure(k: int) -> dict[str, Any]:
-            entry: dict[str, Any] = {"ppl": _perplexities(lm, texts, sets, o, f" at {depths[0]}={k}")}
-            if tasks:
-                entry.update(tasks={}, headline={}, avg={})
-                _downstream(entry, lm, tm, tasks, shots, o.limit)
-                entry.pop("lm_eval_version", None)
-            return entry
 
-        result["depth"] = evaluate_depths(model, lm.max_length, *depths, measure)
-    if exits:
-        result["adaptive_exit"] = evaluate_adaptive_exit(
-            model, lm.tokenizer, texts, exits, lm.max_length, o.stride, o.exit_max_tokens, lm.batch_size
-        )
-
+def _record(
+    result: dict[str, Any], loaded: Any, ckpt: Path, run_dir: Path, out: Path, o: EvalOptions
+) -> dict[str, Any]:
+    """Write the result as ``eval-<checkpoint>.json`` in ``out`` with its plots and, unless ``o.mlflow`` is
+    False, log it to the checkpoint's MLflow run."""
     json_path = out / f"eval-{ckpt.stem if ckpt.is_file() else ckpt.name}.json"
     result["json_path"] = str(json_path)
     _plot_by_context_length(result, loaded, json_path)
