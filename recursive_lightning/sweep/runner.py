@@ -207,7 +207,7 @@ class SweepOutcome:
     other live workers run the last trials); ``exit_status`` the ``sweep`` command's (0, ``EXIT_FAILED``,
     ``EXIT_UNFINISHED``). ``finished`` / ``failed``: the report's trial counts, ``best_row`` and ``best`` its
     winning row and summary line, ``report`` its ``report.md`` (all None without a report); ``unfinished``: the
-    grid points still waiting or running."""
+    grid points still waiting or running; ``storage`` and ``tracking_uri`` with their passwords masked."""
 
     sweep_dir: Path
     name: str
@@ -410,9 +410,9 @@ class _Outcome:
     options: SweepOptions
 
     def made(self, status: str, exit_status: int, **more: Any) -> SweepOutcome:
-        return SweepOutcome(
-            self.run_dir, self.spec.name, status, exit_status, self.storage, self.tracking, **more
-        )
+        # the stores as the package shows them: a password stays out of reprs and logs
+        storage, tracking = mask_url(self.storage), mask_url(self.tracking)
+        return SweepOutcome(self.run_dir, self.spec.name, status, exit_status, storage, tracking, **more)
 
     def ended(self, status: str, crashed: int, report: dict[str, Any] | None, seconds: float) -> SweepOutcome:
         """The parent run's ``status`` said: finished, failed, or the grid points left and how to finish them."""
