@@ -13,10 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from recursive_lightning.errors import UserError
+from recursive_lightning.run_dir import RunDir
 
 
 @contextlib.contextmanager
-def undo_on_refusal(folder: str | Path, keep_if: str = "checkpoints") -> Iterator[None]:
+def undo_on_refusal(folder: str | Path, keep_if: str = RunDir.CHECKPOINTS) -> Iterator[None]:
     """On a :class:`UserError` inside the block, remove what the block created in ``folder`` (the folder too if
     it did not exist), unless ``folder/keep_if`` appeared (work was done: a checkpoint is never thrown away)."""
     folder = Path(folder)

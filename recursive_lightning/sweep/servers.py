@@ -30,6 +30,7 @@ from pathlib import Path
 
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.processes import dies_with_parent, stop_group
+from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.tracking.runs import absolute_uri, sqlite_parts
 from recursive_lightning.tracking.stores import (
     check_database,
@@ -82,7 +83,7 @@ def _moved_with_its_study(storage_url: str, recorded_dir: str | None) -> dict[st
     if parts is None or recorded_dir is None:
         return {}
     here = Path(parts[0]).parent
-    info = here / "sweep.json"
+    info = SweepDir(here).info
     if here == Path(recorded_dir) or not info.is_file():
         return {}
     try:

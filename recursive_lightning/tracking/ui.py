@@ -29,6 +29,7 @@ from recursive_lightning import faults
 from recursive_lightning.errors import UserError
 from recursive_lightning.files import absent
 from recursive_lightning.processes import dies_with_parent, stop_group
+from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.tracking.mlflow_app import APP_NAME
 from recursive_lightning.tracking.runs import (
     absolute_uri,
@@ -50,7 +51,7 @@ def store_of(run_dir: str | os.PathLike) -> str:
         raise UserError(
             f"ui: '{run_dir}' is not a folder; pass a run or sweep directory (what --run-dir named)."
         )
-    info = d / "sweep.json"
+    info = SweepDir(d).info
     if info.is_file():
         try:
             uri = json.loads(info.read_text()).get("tracking_uri")

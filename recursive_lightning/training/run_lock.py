@@ -25,8 +25,9 @@ from pathlib import Path
 
 from recursive_lightning.errors import UserError
 from recursive_lightning.files import writable_dir_problem
+from recursive_lightning.run_dir import RunDir
 
-LOCK_FILE = ".writer.lock"
+LOCK_FILE = RunDir.WRITER_LOCK
 HELD_ENV = (
     "RECURSIVE_LIGHTNING_RUN_DIR_HELD"  # {run dir: [pid, host]} of the locks this process's ancestors hold
 )
@@ -41,7 +42,7 @@ class RunDirBusy(UserError):
 def holder(run_dir: str | os.PathLike) -> dict[str, object]:
     """The pid and host the lock file of ``run_dir`` records (empty when there is none or it is unreadable)."""
     try:
-        data = json.loads((Path(run_dir) / LOCK_FILE).read_text() or "{}")
+        data = json.loads(RunDir(run_dir).writer_lock.read_text() or "{}")
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -114,7 +115,7 @@ def run_dir_lock(
     folder = Path(path)
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
-    lock = folder / LOCK_FILE
+    lock = RunDir(folder).writer_lock
     announced = False
     while True:
         try:

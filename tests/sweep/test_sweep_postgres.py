@@ -211,8 +211,8 @@ def test_a_worker_with_nothing_left_takes_over_a_dead_workers_trial(pg, tmp_path
 def test_a_claim_skips_a_trial_finished_since_the_list_was_read(pg):
     """Workers on a server database list the waiting trials, then claim one by one: a trial another worker
     claimed and finished in between is skipped (with eight workers it crashed a worker before)."""
+    from recursive_lightning.sweep.claims import claim
     from recursive_lightning.sweep.study import open_storage
-    from recursive_lightning.sweep.trial import claim
 
     url = pg.create_database("stale_list")
     storage = open_storage(url, 0)
