@@ -19,7 +19,6 @@ resolve) and PNGs into the sweep's run directory, and logged to the parent MLflo
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
-from recursive_lightning.errors import ConfigError
+from recursive_lightning.errors import ArgumentParser, ConfigError
 from recursive_lightning.files import atomic_write_figure, atomic_write_text
 from recursive_lightning.progress import tracked  # a bar on a terminal, a line every 30 s in a log
 from recursive_lightning.sweep import context_lengths, cost, curves, ranking, tables
@@ -508,7 +507,7 @@ def write_report(
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="recursive_lightning report", description="Tables and plots of a sweep.")
+    p = ArgumentParser(prog="recursive_lightning report", description="Tables and plots of a sweep.")
     p.add_argument("--run-dir", required=True, help="the sweep's run directory")
     p.add_argument(
         "--out", help="write report.md, report.html and the figures here (default: the run directory)"

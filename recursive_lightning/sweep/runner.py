@@ -28,7 +28,7 @@ from pathlib import Path
 
 from recursive_lightning import faults
 from recursive_lightning.data.tokenizer import INIT_TOKENIZER
-from recursive_lightning.errors import ConfigError
+from recursive_lightning.errors import ArgumentParser, ConfigError
 from recursive_lightning.files import writable_dir_problem
 from recursive_lightning.sweep.checks import check_late_fields
 from recursive_lightning.sweep.devices import device_pool, devices_needed
@@ -175,7 +175,7 @@ def _password_hint(storage: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="recursive_lightning sweep", description="Run an ablation sweep (Optuna + MLflow)."
     )
     p.add_argument(

@@ -22,7 +22,6 @@ the MLflow run (training/mlflow_run.py), the model, the trainer and fit (trainin
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import json
@@ -37,7 +36,7 @@ from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
 from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig, load_run_config
-from recursive_lightning.errors import ConfigError, UserError
+from recursive_lightning.errors import ArgumentParser, ConfigError, UserError
 from recursive_lightning.files import atomic_write_text, default_cache_dir, writable_dir_problem
 from recursive_lightning.tracking.runs import RUN_ID_FILE, default_tracking_uri, ui_command
 from recursive_lightning.training.host import TRAIN_BYTES_PER_PARAM, check_fits_in_memory, keep_freed_memory
@@ -452,7 +451,7 @@ def summary_line(r: TrainResult) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="recursive_lightning train",
         description="Train one config.",
         epilog="Any config field can be overridden: --model.topology mesh --train.lr 3e-4",
