@@ -17,6 +17,16 @@ class ConfigError(UserError):
     """A configuration field has an unknown name, a bad value or a bad combination."""
 
 
+class DiskFull(UserError):
+    """A file could not be written: its file system has no space left."""
+
+    def __init__(self, path: object) -> None:
+        super().__init__(
+            f"no space left on the device to write '{path}'; free space on its file system (or choose another "
+            "folder), then run the command again."
+        )
+
+
 class Terminated(SystemExit):
     """A run stopped by SIGTERM (a scheduler's pre-emption) at a step boundary; it resumes with --resume.
 

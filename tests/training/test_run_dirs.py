@@ -459,10 +459,48 @@ def test_a_full_disk_while_a_finished_run_is_extended_keeps_it_finished(finished
     p = subprocess.run(
         _train("--run-dir", run_dir, "--resume", "--max-steps", 16), env=env, capture_output=True, text=True
     )
-    assert p.returncode != 0 and "No space left on device" in p.stderr, p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert (
+        f"error: no space left on the device to write '{run_dir / 'checkpoints' / 'last.ckpt'}'" in p.stderr
+    )
     assert _run_of(run_dir).info.status == "FINISHED"
     assert (run_dir / "result.json").read_bytes() == result
     assert not list(run_dir.rglob("*.tmp"))
+
+
+@pytest.mark.parametrize(
+    "point, written",
+    [("checkpoint_write_last", "checkpoints/last.ckpt"), ("write_result.json", "result.json")],
+    ids=["checkpoint", "result"],
+)
+def test_a_full_disk_while_a_checkpoint_or_the_result_is_written_is_one_sentence(
+    point, written, tmp_path, tiny_run
+):
+    """The disk fills (the fault point raises ENOSPC) while `train` writes its first `last.ckpt` or its
+    `result.json`: one sentence naming the file and "no space left" (exit 2), no traceback, the MLflow run
+    FAILED, no `*.tmp` file left and no result.json."""
+    import subprocess
+
+    from test_run_dir_lock import QUIET, _train
+
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump(tiny_run()))
+    run_dir = tmp_path / "run"
+    env = {**QUIET, "RECURSIVE_LIGHTNING_FAULT": f"{point}:1:raise"}
+    p = subprocess.run(
+        _train("--config", cfg_file, "--run-dir", run_dir),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"error: no space left on the device to write '{run_dir / written}'; free space on its file system (or "
+        "choose another folder), then run the command again."
+    ), p.stderr
+    assert _run_of(run_dir).info.status == "FAILED"
+    assert not list(run_dir.rglob("*.tmp")) and not (run_dir / "result.json").exists()
 
 
 def test_sigterm_before_the_first_checkpoint_says_no_checkpoint_exists(tmp_path, tiny_run):
