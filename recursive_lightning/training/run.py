@@ -26,6 +26,7 @@ import contextlib
 import errno
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
 from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig, load_run_config
-from recursive_lightning.errors import ArgumentParser, ConfigError, UserError
+from recursive_lightning.errors import ArgumentParser, ConfigError, Terminated, UserError
 from recursive_lightning.files import atomic_write_text, default_cache_dir, writable_dir_problem
 from recursive_lightning.tracking.runs import RUN_ID_FILE, default_tracking_uri, ui_command
 from recursive_lightning.training.host import TRAIN_BYTES_PER_PARAM, check_fits_in_memory, keep_freed_memory
@@ -450,6 +451,18 @@ def summary_line(r: TrainResult) -> str:
     )
 
 
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM outside a training step (the set-up, the data's preparation, the summary): ``Terminated`` there,
+    so that the run directory's lock, a directory with nothing of value in it and the MLflow run are closed as
+    for Ctrl-C. Inside ``trainer.fit`` Lightning's handler calls this one too, and stops at the next step."""
+    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        return
+    raise Terminated(
+        "train: stopped by SIGTERM outside a training step; run the same command again (with --resume where "
+        "the run directory holds its MLflow run)."
+    )
+
+
 def main(argv: list[str]) -> int:
     p = ArgumentParser(
         prog="recursive_lightning train",
@@ -539,21 +552,25 @@ def main(argv: list[str]) -> int:
     # command line); a masked password (as files and other commands show it) is filled in from there
     tracking_uri = reveal(remember(args.tracking_uri or os.environ.get(TRACKING_ENV)))
     # one writer per run directory, taken before anything is written to it; then a refused run leaves nothing
-    # behind (no config.yaml, no tracking store)
+    # behind (no config.yaml, no tracking store), nor does one stopped before its MLflow run was opened
     lock = run_dir_lock(run_dir) if first_rank() else contextlib.nullcontext()
-    with lock, undo_on_refusal(run_dir):
-        result = train(
-            cfg,
-            run_dir,
-            resume=args.resume,
-            ckpt_path=args.ckpt_path,
-            tracking_uri=tracking_uri,
-            experiment=args.experiment,
-            run_name=args.run_name,
-            parent_run_id=args.parent_run_id,
-            tags=tags,
-            params=params,
-        )
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with lock, undo_on_refusal(run_dir, kept_on_stop_by=RUN_ID_FILE):
+            result = train(
+                cfg,
+                run_dir,
+                resume=args.resume,
+                ckpt_path=args.ckpt_path,
+                tracking_uri=tracking_uri,
+                experiment=args.experiment,
+                run_name=args.run_name,
+                parent_run_id=args.parent_run_id,
+                tags=tags,
+                params=params,
+            )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     from lightning.pytorch.utilities.rank_zero import rank_zero_only  # heavy
 
     if rank_zero_only.rank == 0:  # DDP / FSDP: every rank returns here, one line is enough

@@ -503,6 +503,41 @@ def test_a_full_disk_while_a_checkpoint_or_the_result_is_written_is_one_sentence
     assert not list(run_dir.rglob("*.tmp")) and not (run_dir / "result.json").exists()
 
 
+def test_sigterm_the_instant_train_takes_a_new_run_dir_leaves_no_folder(tmp_path, tiny_run):
+    """SIGTERM right after `train` took the writer lock of a new --run-dir, before anything was written: exit 143
+    in one sentence, and the directory it created (holding only `.writer.lock`) is removed."""
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump(tiny_run()))
+    run_dir = tmp_path / "run"
+    code, out = _stopped_at("run_dir_locked", tmp_path, cfg_file, run_dir, signum=signal.SIGTERM)
+    assert code == 143 and "Traceback" not in out, out
+    assert out.strip().splitlines()[-1] == (
+        "train: stopped by SIGTERM outside a training step; run the same command again (with --resume where the "
+        "run directory holds its MLflow run)."
+    ), out
+    assert not run_dir.exists()
+
+
+def test_ctrl_c_while_the_corpus_is_tokenised_exits_130_and_leaves_nothing_half_written(tmp_path, tiny_run):
+    """Ctrl-C while a litdata worker tokenises the corpus (data preparation, before the MLflow run is opened):
+    exit 130, not litdata's 0; no half-built shard folder or litdata scratch folder in the cache, and no run
+    directory (nothing of value was written to it)."""
+    from recursive_lightning.data.shards import is_complete
+
+    cfg = tiny_run()
+    cfg["data"]["cache_dir"] = str(tmp_path / "cache")  # a cache of its own: the corpus is tokenised here
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    code, out = _stopped_at("tokenising", tmp_path, cfg_file, run_dir)
+    assert code == 130 and "Traceback" not in out, out
+    assert out.strip().splitlines()[-1] == "interrupted", out
+    shards = tmp_path / "cache" / "shards"
+    assert [d.name for d in shards.iterdir() if not is_complete(d)] == [], list(shards.rglob("*"))
+    assert not list((tmp_path / "cache").rglob("*.tmp"))
+    assert not run_dir.exists()
+
+
 def test_sigterm_before_the_first_checkpoint_says_no_checkpoint_exists(tmp_path, tiny_run):
     """SIGTERM at step 1, before `train.checkpoint_every` wrote anything: the sentence does not promise a resume
     from a checkpoint that does not exist; it says a --resume starts from step 0."""
