@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from recursive_lightning.data.corpus import embedded_corpus_documents
+from recursive_lightning.data.sources import read_utf8
 from recursive_lightning.errors import UserError
 from recursive_lightning.files import absent
 from recursive_lightning.progress import Progress
@@ -442,6 +443,9 @@ def read_texts(path: str | os.PathLike) -> list[str]:
             f"perplexity set '{p}' {absent(p)}; pass a .txt, .jsonl or .json file or a folder of them."
         )
 
+    def read() -> str:  # a binary file is refused, not scored as replacement characters
+        return read_utf8(p, "perplexity set '{path}'", "pass a .txt, .jsonl or .json file of text")
+
     def text_of(item: Any, where: str) -> str:
         if isinstance(item, str):
             return item
@@ -451,7 +455,7 @@ def read_texts(path: str | os.PathLike) -> list[str]:
 
     if p.suffix == ".jsonl":
         out = []
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        for i, line in enumerate(read().splitlines(), 1):
             if line.strip():
                 try:
                     out.append(text_of(json.loads(line), f"line {i} of '{p}'"))
@@ -460,10 +464,10 @@ def read_texts(path: str | os.PathLike) -> list[str]:
         return [t for t in out if t]
     if p.suffix == ".json":
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
+            data = json.loads(read())
         except json.JSONDecodeError:
             raise UserError(f"'{p}' is not valid JSON.") from None
         items = data if isinstance(data, list) else [data]
         return [t for i, x in enumerate(items) if (t := text_of(x, f"item {i} of '{p}'"))]
-    text = p.read_text(encoding="utf-8", errors="replace")
+    text = read()
     return [text] if text else []

@@ -53,6 +53,7 @@ from recursive_lightning.tracking.runs import (
     set_terminated,
     to_json,
 )
+from recursive_lightning.training.run_lock import close_if_abandoned
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ def evaluate_checkpoint(
         loaded = load_checkpoint(path, device="cpu")
     ckpt = Path(loaded.path).resolve()
     run_dir = run_dir_of(ckpt)
+    if o.mlflow and o.tracking_uri is None:  # a run its killed writer left RUNNING: closed KILLED first
+        close_if_abandoned(run_dir)
     out = Path(o.out_dir) if o.out_dir else RunDir(run_dir).eval_dir
     depths = depth_request(loaded.model, o)  # a dial the model lacks: one sentence, nothing written
     exits = exit_request(loaded.model, o)  # a model that cannot exit early: the same

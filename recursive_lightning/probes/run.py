@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from recursive_lightning.errors import UserError
+from recursive_lightning.errors import ArgumentParser, UserError
 from recursive_lightning.probes import mela
 from recursive_lightning.probes.capture import capture
 from recursive_lightning.probes.captured import Capture, ProbeSettings
@@ -139,7 +139,7 @@ def _model_meta(loaded: Any) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="recursive_lightning probe",
         description="Diagnostic probes of a checkpoint (MeSH Sec. 2/4.1, App. E.8/F; SpiralFormer Sec. 4): "
         "figures and probes.json.",

@@ -19,14 +19,13 @@ resolve) and PNGs into the sweep's run directory, and logged to the parent MLflo
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
-from recursive_lightning.errors import ConfigError
+from recursive_lightning.errors import ArgumentParser, ConfigError
 from recursive_lightning.files import atomic_write_figure, atomic_write_text
 from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep import context_lengths, cost, curves, ranking, tables
@@ -497,7 +496,7 @@ def write_report(
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="recursive_lightning report", description="Tables and plots of a sweep.")
+    p = ArgumentParser(prog="recursive_lightning report", description="Tables and plots of a sweep.")
     p.add_argument("--run-dir", required=True, help="the sweep's run directory")
     p.add_argument(
         "--out", help="write report.md, report.html and the figures here (default: the run directory)"

@@ -31,7 +31,7 @@ from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning.data.tokenizer import INIT_TOKENIZER
-from recursive_lightning.errors import ConfigError
+from recursive_lightning.errors import ArgumentParser, ConfigError
 from recursive_lightning.files import writable_dir_problem
 from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep.checks import check_late_fields
@@ -472,7 +472,7 @@ class _Outcome:
 
 def main(argv: list[str]) -> int:
     """``python -m recursive_lightning sweep``: the options parsed, the sweep run, its exit status returned."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="recursive_lightning sweep", description="Run an ablation sweep (Optuna + MLflow)."
     )
     p.add_argument(

@@ -26,7 +26,7 @@ from recursive_lightning import faults
 from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import UserError
-from recursive_lightning.files import absent
+from recursive_lightning.files import absent, no_space_is_one_sentence
 from recursive_lightning.model.build import build_model
 from recursive_lightning.run_dir import RunDir, checkpoints_newest_first
 
@@ -45,12 +45,13 @@ class CheckpointError(UserError):
 def save_atomic(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     """torch.save to ``<path>.tmp``, fsync, then os.replace: readers see the old or the new file, never half.
 
-    A write that fails (a full disk) removes ``<path>.tmp``; Ctrl-C while the file is written takes effect once
-    it is in place (inside torch.save it would surface as the zip writer's own error, not as an interrupt)."""
+    A write that fails removes ``<path>.tmp`` (a full disk: one sentence naming the file, ``DiskFull``); Ctrl-C
+    while the file is written takes effect once it is in place (inside torch.save it would surface as the zip
+    writer's own error, not as an interrupt)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with _ctrl_c_after_the_write():
+    with _ctrl_c_after_the_write(), no_space_is_one_sentence(path):
         try:
             with open(tmp, "wb") as f:
                 torch.save(

@@ -36,7 +36,7 @@ from recursive_lightning.tracking.runs import (
     set_terminated,
     to_json,
 )
-from recursive_lightning.tracking.stores import check_database, check_tracking_server, is_database_url
+from recursive_lightning.tracking.stores import check_tracking_store
 from recursive_lightning.training.loop_flops import expected_training_flops
 from recursive_lightning.training.options import TrainOptions
 from recursive_lightning.uris import mask_url
@@ -56,15 +56,15 @@ def open_run(
     value changed becomes a ``resumed/<param>`` tag. ``closer`` learns the run the moment it is RUNNING."""
     given = bool(options.tracking_uri)
     tracking_uri = absolute_uri(options.tracking_uri) if given else default_tracking_uri(run_dir)
-    if is_database_url(tracking_uri):
-        # a database server that does not answer, or a password it lacks (the run directory records the URL
-        # masked), a SQLite file that is damaged: one sentence now, not MLflow's minutes of retries and a traceback
-        option = "--tracking-uri" if given else f"of '{run_dir}'"
-        check_database(tracking_uri, option, "MLflow tracking store")
-    elif tracking_uri.split("://", 1)[0].lower() in ("http", "https"):  # MLflow's client retries for minutes
-        check_tracking_server(tracking_uri, "--tracking-uri" if given else f"of '{run_dir}'")
-    exp_id = ensure_experiment(tracking_uri, options.experiment or cfg.name, RunDir(run_dir).artifacts)
+    # a server or database that does not answer, a password it lacks (the run directory records the URL
+    # masked), a SQLite file that is damaged: one sentence now, not MLflow's minutes of retries and a traceback
+    check_tracking_store(tracking_uri, "--tracking-uri" if given else f"of '{run_dir}'")
     id_file = RunDir(run_dir).run_id_file
+    if (
+        options.parent_run_id and not id_file.exists()
+    ):  # MLflow would file the new run under a parent not there
+        _check_parent_exists(tracking_uri, options.parent_run_id)
+    exp_id = ensure_experiment(tracking_uri, options.experiment or cfg.name, RunDir(run_dir).artifacts)
     if id_file.exists():
         run_id = id_file.read_text().strip()
         _check_run_exists(tracking_uri, run_id, run_dir)
@@ -122,6 +122,16 @@ def cost_metrics(stats: dict[str, Any]) -> dict[str, float]:
         "cost/fwd_flops_per_token": float(fwd),
         "cost/train_flops_per_token": float(stats.get("flops_train_per_token_expected") or 3 * fwd),
     }
+
+
+def _check_parent_exists(tracking_uri: str, parent_run_id: str) -> None:
+    try:
+        client(tracking_uri).get_run(parent_run_id)
+    except MlflowException:
+        raise ConfigError(
+            f"--parent-run-id '{parent_run_id}' is not a run in the tracking store {mask_url(tracking_uri)}; pass "
+            "the id of a run there (e.g. a sweep's parent run, with its --tracking-uri), or leave it out."
+        ) from None
 
 
 def _check_run_exists(tracking_uri: str, run_id: str, run_dir: Path) -> None:

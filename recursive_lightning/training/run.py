@@ -11,11 +11,11 @@ the MLflow run (training/mlflow_run.py), the model, the trainer and fit (trainin
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import errno
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -25,7 +25,7 @@ from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
 from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig, load_run_config
-from recursive_lightning.errors import ConfigError, UserError
+from recursive_lightning.errors import ArgumentParser, ConfigError, Terminated, UserError
 from recursive_lightning.files import default_cache_dir, writable_dir_problem
 from recursive_lightning.run_dir import RunDir
 from recursive_lightning.tracking.runs import ui_command
@@ -306,8 +306,20 @@ def summary_line(r: TrainResult) -> str:
     )
 
 
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM outside a training step (the set-up, the data's preparation, the summary): ``Terminated`` there,
+    so that the run directory's lock, a directory with nothing of value in it and the MLflow run are closed as
+    for Ctrl-C. Inside ``trainer.fit`` Lightning's handler calls this one too, and stops at the next step."""
+    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        return
+    raise Terminated(
+        "train: stopped by SIGTERM outside a training step; run the same command again (with --resume where "
+        "the run directory holds its MLflow run)."
+    )
+
+
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="recursive_lightning train",
         description="Train one config.",
         epilog="Any config field can be overridden: --model.topology mesh --train.lr 3e-4",
@@ -393,20 +405,24 @@ def main(argv: list[str]) -> int:
     # command line); a masked password (as files and other commands show it) is filled in from there
     tracking_uri = reveal(remember(args.tracking_uri or os.environ.get(TRACKING_ENV)))
     # one writer per run directory, taken before anything is written to it; then a refused run leaves nothing
-    # behind (no config.yaml, no tracking store)
+    # behind (no config.yaml, no tracking store), nor does one stopped before its MLflow run was opened
     lock = run_dir_lock(run_dir) if first_rank() else contextlib.nullcontext()
-    with lock, undo_on_refusal(run_dir):
-        options = TrainOptions(
-            resume=args.resume,
-            ckpt_path=args.ckpt_path,
-            tracking_uri=tracking_uri,
-            experiment=args.experiment,
-            run_name=args.run_name,
-            parent_run_id=args.parent_run_id,
-            tags=tags,
-            params=params,
-        )
-        result = train(cfg, run_dir, options)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with lock, undo_on_refusal(run_dir, kept_on_stop_by=RunDir.RUN_ID):
+            options = TrainOptions(
+                resume=args.resume,
+                ckpt_path=args.ckpt_path,
+                tracking_uri=tracking_uri,
+                experiment=args.experiment,
+                run_name=args.run_name,
+                parent_run_id=args.parent_run_id,
+                tags=tags,
+                params=params,
+            )
+            result = train(cfg, run_dir, options)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     from lightning.pytorch.utilities.rank_zero import rank_zero_only  # heavy
 
     if rank_zero_only.rank == 0:  # DDP / FSDP: every rank returns here, one line is enough
