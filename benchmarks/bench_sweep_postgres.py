@@ -48,9 +48,10 @@ def fake_train(trial_seconds: float, jitter: float = 0.0):
     )
     from recursive_lightning.training.run import TrainResult
 
-    def train(cfg, run_dir, *, tracking_uri=None, experiment=None, run_name=None, parent_run_id=None, tags=None,
-              **_: object) -> TrainResult:  # fmt: skip
+    def train(cfg, run_dir, options) -> TrainResult:
         t0 = time.perf_counter()
+        tracking_uri, experiment, run_name = options.tracking_uri, options.experiment, options.run_name
+        tags, parent_run_id = options.tags, options.parent_run_id
         exp = ensure_experiment(tracking_uri, experiment)
         run_id = create_run(tracking_uri, exp, run_name, tags=tags, parent_run_id=parent_run_id)
         log_params(tracking_uri, run_id, cfg.flat())

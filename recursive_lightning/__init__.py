@@ -4,10 +4,10 @@ The public Python API (the CLI, ``python -m recursive_lightning``, wraps the sam
 
     cfg = preset("cpu-tiny", layout="1+2R2+1", topology="mesh")   # a ModelConfig
     model = build_model(cfg)                                      # RecursiveLM or MelaLM
-    result = train(RunConfig.from_dict({...}), "runs/x")          # a TrainResult
+    result = train(RunConfig.from_dict({...}), "runs/x")          # a TrainResult (TrainOptions: resume=True, ...)
     loaded = load_checkpoint("runs/x")                            # model, run config, tokenizer
     evaluate("runs/x", ppl_sets={"heldout": "embedded:heldout"}, tasks=None)
-    run_sweep("ablations/default.yaml", "runs/sweeps/default")
+    outcome = run_sweep("ablations/default.yaml", "runs/sweeps/default")  # a SweepOutcome
 
 Names are imported on first use (PEP 562), so ``import recursive_lightning`` loads no torch, lightning or
 mlflow: the lm-eval start-up hook imports this package in every interpreter.
@@ -21,12 +21,14 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a few ms
 if TYPE_CHECKING:
     from typing import Any
 
-    from recursive_lightning.api import evaluate, run_sweep
+    from recursive_lightning.api import EvalOptions, SweepOptions, SweepOutcome, evaluate, run_sweep
     from recursive_lightning.config import RunConfig
     from recursive_lightning.model.build import build_model
     from recursive_lightning.model.config import ModelConfig, preset
     from recursive_lightning.training.checkpoint import load_checkpoint
     from recursive_lightning.training.module import RecursiveLMModule
+    from recursive_lightning.training.options import TrainOptions
+    from recursive_lightning.training.result import TrainResult
     from recursive_lightning.training.run import train
 
 # public name -> the module that defines it
@@ -37,15 +39,25 @@ _SOURCES = {
     "RecursiveLMModule": "recursive_lightning.training.module",
     "RunConfig": "recursive_lightning.config",
     "train": "recursive_lightning.training.run",
+    "TrainOptions": "recursive_lightning.training.options",
+    "TrainResult": "recursive_lightning.training.result",
+    "SweepOptions": "recursive_lightning.api",
+    "SweepOutcome": "recursive_lightning.api",
+    "EvalOptions": "recursive_lightning.api",
     "run_sweep": "recursive_lightning.api",
     "evaluate": "recursive_lightning.api",
     "load_checkpoint": "recursive_lightning.training.checkpoint",
 }
 
 __all__ = [
+    "EvalOptions",
     "ModelConfig",
     "RecursiveLMModule",
     "RunConfig",
+    "SweepOptions",
+    "SweepOutcome",
+    "TrainOptions",
+    "TrainResult",
     "build_model",
     "evaluate",
     "load_checkpoint",

@@ -1,5 +1,5 @@
-"""The public API's entries that are not one function elsewhere: a sweep and an evaluation from Python,
-with the keyword options of the ``sweep`` and ``eval`` commands."""
+"""The public API's entries for a sweep and an evaluation from Python: the library functions the ``sweep`` and
+``eval`` commands call, with their typed options and results."""
 
 from __future__ import annotations
 
@@ -8,32 +8,9 @@ from typing import Any
 
 from recursive_lightning.evaluation.options import EvalOptions
 from recursive_lightning.evaluation.run import evaluate_checkpoint
-from recursive_lightning.sweep.runner import main as sweep_main
+from recursive_lightning.sweep.runner import SweepOptions, SweepOutcome, run_sweep
 
-
-def run_sweep(
-    path: str | os.PathLike,
-    run_dir: str | os.PathLike,
-    *,
-    workers: int | None = None,
-    storage: str | None = None,
-    tracking_uri: str | None = None,
-    max_trials: int | None = None,
-    report: bool = True,
-) -> int:
-    """Run (or resume) the sweep file ``path`` into ``run_dir``, as ``recursive_lightning sweep`` does, and
-    return its exit status: 0 when every grid point finished (the report is ``run_dir/report.md``), else the
-    command's code for a failed or unfinished sweep. Call it from the main thread (it handles SIGTERM)."""
-    argv = [os.fspath(path), "--run-dir", os.fspath(run_dir)]
-    for flag, value in (
-        ("--workers", workers),
-        ("--storage", storage),
-        ("--tracking-uri", tracking_uri),
-        ("--max-trials", max_trials),
-    ):
-        if value is not None:
-            argv += [flag, str(value)]
-    return sweep_main(argv + ([] if report else ["--no-report"]))
+__all__ = ["EvalOptions", "SweepOptions", "SweepOutcome", "evaluate", "run_sweep"]
 
 
 def evaluate(checkpoint: str | os.PathLike, **options: Any) -> dict[str, Any]:

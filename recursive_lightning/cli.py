@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import math
@@ -19,7 +18,7 @@ from recursive_lightning.config import (
     check_seed,
     load_yaml,
 )
-from recursive_lightning.errors import Terminated, UserError
+from recursive_lightning.errors import ArgumentParser, Terminated, UserError
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.sampled_loops import check_train_loops, format_training, parse_text
 from recursive_lightning.uris import mask_url
@@ -36,7 +35,7 @@ def _describe(argv: list[str]) -> int:
     )
     from recursive_lightning.training.loop_flops import expected_training_flops  # heavy
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="recursive_lightning describe",
         description="Parameters and forward FLOPs of a model, before training.",
     )
@@ -124,7 +123,7 @@ def _generate(argv: list[str]) -> int:
     )
     from recursive_lightning.training.checkpoint import load_checkpoint  # heavy
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="recursive_lightning generate",
         description="Continuation of a prompt by a checkpoint (greedy, or sampled with --temperature), "
         "printed as it is decoded.",

@@ -4,6 +4,7 @@ checks around them: JSON records read back, and whether a folder can take result
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -11,6 +12,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from recursive_lightning import faults
+from recursive_lightning.errors import DiskFull
 
 
 def absent(path: str | os.PathLike) -> str:
@@ -65,16 +69,30 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     if it raises. Readers (and a kill at any instant) see the old file or the new one, never half of one, and
     two processes writing the same file at once never share the temporary."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    with no_space_is_one_sentence(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            yield tmp
+            faults.point(f"write_{path.name}")  # tests: the disk fills while this file is written
+            os.chmod(tmp, 0o644)  # mkstemp creates it private
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def no_space_is_one_sentence(path: str | os.PathLike) -> Iterator[None]:
+    """A full disk (``OSError`` ENOSPC) while the block writes ``path``: one sentence naming it
+    (:class:`DiskFull`), not a traceback."""
     try:
-        yield tmp
-        os.chmod(tmp, 0o644)  # mkstemp creates it private
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise DiskFull(path) from None
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

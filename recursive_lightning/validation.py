@@ -1,7 +1,8 @@
 """Refusing before any work: the device check, and undoing a refused command's files.
 
 A bad input is refused in one sentence with exit status 2 and changes nothing on disk:
-:func:`undo_on_refusal` removes what a command created in its output folder before it was refused. A sweep's
+:func:`undo_on_refusal` removes what a command created in its output folder before it was refused (or stopped
+before it wrote anything of value). A sweep's
 late fields (its ``evaluate:`` block) are checked in ``sweep/checks.py``.
 """
 
@@ -12,19 +13,28 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from recursive_lightning.errors import UserError
+from recursive_lightning.errors import Terminated, UserError
+from recursive_lightning.run_dir import RunDir
 
 
 @contextlib.contextmanager
-def undo_on_refusal(folder: str | Path, keep_if: str = "checkpoints") -> Iterator[None]:
+def undo_on_refusal(
+    folder: str | Path, keep_if: str = RunDir.CHECKPOINTS, kept_on_stop_by: str | None = None
+) -> Iterator[None]:
     """On a :class:`UserError` inside the block, remove what the block created in ``folder`` (the folder too if
-    it did not exist), unless ``folder/keep_if`` appeared (work was done: a checkpoint is never thrown away)."""
+    it did not exist), unless ``folder/keep_if`` appeared (work was done: a checkpoint is never thrown away).
+    With ``kept_on_stop_by``, a stop (Ctrl-C, SIGTERM) is undone the same way while ``folder`` holds neither
+    that file (e.g. the record of an MLflow run) nor ``keep_if``: nothing of value was written yet."""
     folder = Path(folder)
     existed = folder.exists()
     before = set(folder.iterdir()) if existed and folder.is_dir() else set()
     try:
         yield
-    except UserError:
+    except (UserError, KeyboardInterrupt, Terminated) as e:
+        if not isinstance(e, UserError) and (
+            kept_on_stop_by is None or (folder / kept_on_stop_by).exists() or (folder / keep_if).exists()
+        ):
+            raise
         if (folder / keep_if).exists() and (folder / keep_if) not in before:
             raise
         if not existed:

@@ -30,6 +30,7 @@ def make_inputs(folder: Path, root: Path) -> None:
     (folder / "tabs.yaml").write_text("model:\n\tlayout: 4\n")
     (folder / "empty.yaml").write_text("")
     (folder / "binary.yaml").write_bytes(bytes(range(256)))
+    (folder / "binary.bin").write_bytes(bytes(range(256)) * 4)  # a program, an archive: no text
     (folder / "unknown.yaml").write_text("name: x\nmodel: {preset: cpu-tiny}\ntrian: {max_steps: 3}\n")
     (folder / "model-str.yaml").write_text("model: cpu-tiny\n")
     (folder / "noname-field.yaml").write_text("model: {preset: cpu-tiny, widht: 3}\n")
@@ -39,6 +40,7 @@ def make_inputs(folder: Path, root: Path) -> None:
     (folder / "tracking.db").write_bytes(b"SQLite format 3\0" + b"\0" * 64)  # a run's mlflow.db, say
     (folder / "model-null.yaml").write_text("name: x\nmodel:\ntrain: {max_steps: 2}\n")
     (folder / "name-path.yaml").write_text("name: ../../escape\nmodel: {preset: cpu-tiny}\n")
+    (folder / "name-long.yaml").write_text(f"name: {'n' * 300}\nmodel: {{preset: cpu-tiny}}\n")
     if not (folder / "fifo").exists():  # files of the wrong kind: a named pipe, a symbolic link loop
         os.mkfifo(folder / "fifo")
     for a, b in (("loop-a", "loop-b"), ("loop-b", "loop-a")):
@@ -399,6 +401,20 @@ CASES: list[tuple[str, list[str], str]] = [
         "--max-steps",
     ),
     (
+        "train-parent-run-missing",
+        ["train", "--config", "{run}/config.yaml", "--run-dir", "{out}/r", "--parent-run-id", "0123abcd"],
+        "--parent-run-id '0123abcd' is not a run in the tracking store sqlite:///{out}/r/mlflow.db; pass the id",
+    ),
+    (
+        "train-name-too-long",
+        ["train", "--config", "{in}/name-long.yaml"],
+        "--run-dir 'runs/"
+        + "n" * 300
+        + "' cannot hold the run: 'runs/"
+        + "n" * 300
+        + "' has a name of 300 bytes",
+    ),
+    (
         "train-tag-no-value",
         ["train", "--config", "{run}/config.yaml", "--run-dir", "{out}/r", "--tag", "novalue"],
         "KEY=VALUE",
@@ -616,6 +632,12 @@ CASES: list[tuple[str, list[str], str]] = [
     ("eval-ppl-no-name", ["eval", "{run}", "--ppl", "=x", "--tasks", "none"], "NAME=PATH"),
     ("eval-ppl-missing", ["eval", "{run}", "--ppl", "t={in}/gone.txt", "--tasks", "none"], "gone.txt"),
     ("eval-ppl-empty", ["eval", "{run}", "--ppl", "t={in}/empty.txt", "--tasks", "none"], "empty.txt"),
+    (
+        "eval-ppl-binary",
+        ["eval", "{run}", "--ppl", "{in}/binary.bin", "--tasks", "none"],
+        "perplexity set '{in}/binary.bin' is not valid UTF-8 text (byte 128); convert it to UTF-8 or pass a "
+        ".txt, .jsonl or .json file of text.",
+    ),
     ("eval-batch-0", ["eval", "{run}", "--batch-size", "0"], "--batch-size"),
     (
         "eval-max-length-0",

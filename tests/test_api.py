@@ -47,6 +47,23 @@ def test_readme_script_trains_reloads_and_evaluates_through_the_public_api(tmp_p
     assert Path(scores["json_path"]).is_file()
 
 
+def test_run_sweep_returns_the_sweeps_outcome(tmp_path, monkeypatch, data_cache):
+    """``run_sweep`` is the library function the ``sweep`` command calls: it returns a ``SweepOutcome`` (the
+    command's exit status is one of its fields)."""
+    from conftest import write_sweep
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")  # what a sweep outside a terminal sets, undone after the test
+    spec = write_sweep(tmp_path / "sweep.yaml", data_cache, "api-sweep", {"model.topology": ["base"]})
+    outcome = recursive_lightning.run_sweep(spec, tmp_path / "sweep")
+    assert isinstance(outcome, recursive_lightning.SweepOutcome)
+    assert (outcome.status, outcome.exit_status, outcome.finished, outcome.failed) == ("FINISHED", 0, 1, 0)
+    assert outcome.sweep_dir == (tmp_path / "sweep").resolve() and outcome.name == "api-sweep"
+    assert (
+        outcome.report is not None and outcome.report.parent == outcome.sweep_dir and outcome.report.is_file()
+    )
+    assert outcome.best_row and f"`{outcome.best_row}`" in outcome.best and not outcome.unfinished
+
+
 def test_every_public_name_resolves_and_dir_lists_it():
     assert sorted(recursive_lightning.__all__) == recursive_lightning.__all__
     assert set(recursive_lightning.__all__) <= set(dir(recursive_lightning))

@@ -96,11 +96,12 @@ def broken(trained_run, hf_model_dirs, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_a_hostile_input_is_one_sentence_and_changes_nothing(
-    case, trained_run, inputs, damaged, broken, tmp_path, capsys
+    case, trained_run, inputs, damaged, broken, tmp_path, capsys, monkeypatch
 ):
     name, argv, says = case
     out = tmp_path / "out"
     out.mkdir()
+    monkeypatch.chdir(out)  # a default path (runs/<name>) lies in the folder that must stay as it was
     subs = {
         "{run}": str(trained_run),
         "{in}": str(inputs),
@@ -120,6 +121,32 @@ def test_a_hostile_input_is_one_sentence_and_changes_nothing(
     assert rc == 2, (rc, err)
     assert says in sentence, sentence
     assert snapshot(trained_run, inputs, out, damaged, broken) == before, f"{name} changed files"
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["ui", "--port", "abc"], "recursive_lightning ui: argument --port: invalid int value: 'abc'"),
+        (
+            ["train", "--max-steps", "many"],
+            "recursive_lightning train: argument --max-steps: invalid int value",
+        ),
+        (["eval", "--bogus", "x"], "recursive_lightning eval: unrecognized arguments: --bogus"),
+        (["report"], "recursive_lightning report: the following arguments are required: --run-dir"),
+    ],
+    ids=["ui-port-words", "train-max-steps-words", "eval-unknown-option", "report-no-run-dir"],
+)
+def test_a_command_line_argparse_refuses_is_one_sentence(argv, says, capsys):
+    """A value of the wrong type, an unknown option, a missing one: one sentence (exit 2) naming the option and
+    where the options are listed, as for every other bad input, not argparse's whole usage block."""
+    from recursive_lightning.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    command = argv[0]
+    assert err.startswith(f"error: {says}") and len(err.splitlines()) == 1, err
+    assert err.endswith(f"; `python -m recursive_lightning {command} --help` lists the options."), err
 
 
 # ----------------------------------- printed numbers and records: steps, segments, data, tokenizers, formats
@@ -331,14 +358,14 @@ def test_the_readme_hf_uptraining_command_works_as_printed(
     [
         ("chinese", "机器学习是人工智能的一个分支，它让计算机从数据中学习规律。".encode() * 40),
         ("one-line", b"recursivetransformersloopoverthesharedcore" * 60),
-        ("binary", bytes(range(256)) * 12),
+        ("symbols", "→←↑↓∀∃∈∉⊂⊃∧∨¬≠≤≥".encode() * 60),  # a binary file is refused (not UTF-8 text)
     ],
 )
 def test_eval_of_a_text_with_few_words_reports_an_infinite_word_perplexity(
     name, content, trained_run, tmp_path, capsys
 ):
     """`eval RUN --ppl doc=FILE` of a text with few whitespace-separated words (Chinese, one long line without
-    spaces, a binary file): exp(nll / words) overflows a float, so the word perplexity is infinite (it crashed
+    spaces, a run of symbols): exp(nll / words) overflows a float, so the word perplexity is infinite (it crashed
     with `OverflowError: math range error`); the token perplexity and bits per byte still come out."""
     import json
     import math

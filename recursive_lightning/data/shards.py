@@ -38,9 +38,11 @@ os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")  # no network round-
 
 from litdata import StreamingDataset, optimize  # noqa: E402
 from litdata.constants import _TORCH_DTYPES_MAPPING  # noqa: E402
+from litdata.processing.data_processor import DataProcessor  # noqa: E402
 from litdata.streaming.item_loader import TokensLoader  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
+from recursive_lightning import faults  # noqa: E402
 from recursive_lightning.data.tokenizer import EOS_TOKEN, tokenizer_fingerprint  # noqa: E402
 
 __all__ = [
@@ -159,6 +161,7 @@ class _EncodeBatches(DocumentTokenizer):
         self.batches = batches
 
     def __call__(self, batch_index: int) -> Iterator[torch.Tensor]:
+        faults.point("tokenising")  # tests: Ctrl-C while a worker tokenises
         yield from self.encode(self.batches[batch_index])
 
 
@@ -186,17 +189,46 @@ def _isolated_optimizer_env(scratch: Path) -> Iterator[None]:
         multiprocessing.set_start_method(start_method, force=True)  # optimize() forces its own
 
 
+def _interrupt(processor: DataProcessor, signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _kill_workers(workers: set[multiprocessing.Process]) -> None:
+    """SIGKILL ``workers`` and the processes they started (what they were writing is thrown away)."""
+    pids = [w.pid for w in workers if w.pid is not None]
+    try:
+        import psutil  # optional
+
+        for pid in list(pids):
+            with contextlib.suppress(psutil.Error):
+                pids += [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except ImportError:  # their own children then end with them, or with their pipes
+        pass
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for w in workers:
+        w.join()
+
+
 @contextlib.contextmanager
-def _own_ctrl_c_handler() -> Iterator[None]:
-    """The process's SIGINT handler back after ``litdata.optimize``, which installs its own (it stops its workers
-    and exits with status 0) and leaves it there: a later Ctrl-C (in training) would end the command with 0."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    handler = signal.getsignal(signal.SIGINT)
+def _ctrl_c_interrupts() -> Iterator[None]:
+    """Ctrl-C while ``litdata.optimize`` runs raises KeyboardInterrupt, as anywhere else (exit 130; the shard
+    folder being built is removed by ``publish_shards``), and the workers it started are stopped. litdata's
+    own handler would stop its workers and end the process with status 0 at once (``os._exit``: no cleanup),
+    and stays installed after it returns: the process's handler is put back."""
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main else None
+    before = set(multiprocessing.active_children())
+    litdata_handler = DataProcessor._signal_handler
+    DataProcessor._signal_handler = _interrupt  # bound when optimize installs it
     try:
         yield
+    except BaseException:  # Ctrl-C, SIGTERM, an error: no worker left tokenising into a removed folder
+        _kill_workers(set(multiprocessing.active_children()) - before)
+        raise
     finally:
+        DataProcessor._signal_handler = litdata_handler
         if handler is not None:
             signal.signal(signal.SIGINT, handler)
 
@@ -229,7 +261,7 @@ def write_split(
     output_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".litdata-scratch-", dir=output_dir.parent) as scratch:
         quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
-        with _isolated_optimizer_env(Path(scratch)), _own_ctrl_c_handler(), quiet:
+        with _isolated_optimizer_env(Path(scratch)), _ctrl_c_interrupts(), quiet:
             optimize(
                 fn=fn,
                 inputs=list(inputs),

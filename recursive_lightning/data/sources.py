@@ -137,12 +137,14 @@ def split_long_document(text: str, max_chars: int = MAX_DOCUMENT_CHARS) -> list[
     return pieces
 
 
-def _read_text(path: Path) -> str:
+def read_utf8(path: Path, what: str = "The file {path}", fix: str = "remove it from --data") -> str:
+    """The text of ``path``; one sentence (``what`` naming it, then ``fix``) when it is not UTF-8 text (a binary
+    file) or cannot be read."""
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise DataError(
-            f"The file {path} is not valid UTF-8 (byte {err.start}); convert it to UTF-8 or remove it from --data."
+            f"{what.format(path=path)} is not valid UTF-8 text (byte {err.start}); convert it to UTF-8 or {fix}."
         ) from None
     except OSError as err:
         raise DataError(
@@ -151,7 +153,7 @@ def _read_text(path: Path) -> str:
 
 
 def _file_documents(path: Path) -> Iterator[str]:
-    text = _read_text(path)
+    text = read_utf8(path)
     if path.suffix.lower() != ".jsonl":
         yield from _FORM_FEED_LINE.split(text)
         return

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
+import urllib.parse
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from huggingface_hub import constants, hf_hub_download, is_offline_mode
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from recursive_lightning.data.sources import DataError, short_reason
@@ -31,6 +34,7 @@ EOS_TOKEN = "<|endoftext|>"
 INIT_TOKENIZER = "init"  # data.tokenizer value: the tokenizer of train.init_from (training/uptrain.py)
 BPE_FORMAT_VERSION = 1
 _MIN_BPE_VOCAB = 257  # 256 byte symbols + EOS
+HUB_CONNECT_TIMEOUT_S = 5  # seconds to reach the Hugging Face Hub before saying it cannot be
 
 
 def tokenizer_fingerprint(tok: Tokenizer) -> str:
@@ -120,7 +124,37 @@ def _load_bpe(
     return tok
 
 
+def _hub_unreachable(endpoint: str) -> str | None:
+    """Why the Hugging Face Hub at ``endpoint`` cannot be reached (a name that does not resolve, a refused
+    connection), found in seconds: its client retries a download for half a minute first. None if it answers."""
+    parts = urllib.parse.urlsplit(endpoint)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname or "", port), timeout=HUB_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
 def _load_hub(name: str) -> Tokenizer:
+    try:  # fetched before: no network needed
+        return Tokenizer.from_file(hf_hub_download(name, "tokenizer.json", local_files_only=True))
+    except Exception:  # noqa: BLE001 - not in the cache (or a damaged copy): the Hub is asked below
+        pass
+    fetch = f"`hf download {name} tokenizer.json` where the Hub can be reached"
+    if is_offline_mode():
+        raise DataError(
+            f"The tokenizer {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1 keeps the Hub "
+            f"off; fetch it with {fetch} (or unset HF_HUB_OFFLINE), or use a local tokenizer.json or "
+            "bpe:<vocab_size>."
+        )
+    reason = _hub_unreachable(constants.ENDPOINT)
+    if reason is not None:
+        raise DataError(
+            f"The tokenizer {name!r} is not in the local Hugging Face cache and the Hub ({constants.ENDPOINT}) "
+            f"cannot be reached ({reason}); fetch it with {fetch}, or use a local tokenizer.json or "
+            "bpe:<vocab_size>."
+        )
     try:
         return Tokenizer.from_pretrained(name)
     except Exception as err:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning import formatting as fmt
-from recursive_lightning.errors import UserError
+from recursive_lightning.errors import ArgumentParser, UserError
 from recursive_lightning.evaluation.downstream import DEFAULT_ALIAS, DEFAULT_TASKS, NOT_ACCURACY, PAPER_METRIC
 from recursive_lightning.evaluation.options import EXIT_MAX_TOKENS, EvalOptions, check_context_lengths
 from recursive_lightning.evaluation.run import evaluate_checkpoint
@@ -198,7 +198,7 @@ def _split_tasks(values: Iterable[str] | None) -> list[str] | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="recursive_lightning eval",
         description="Perplexity, perplexity by context length and lm-eval downstream accuracy of a checkpoint.",
     )

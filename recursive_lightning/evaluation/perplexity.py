@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from recursive_lightning.data.corpus import embedded_corpus_documents
+from recursive_lightning.data.sources import read_utf8
 from recursive_lightning.errors import UserError
 from recursive_lightning.files import absent
 from recursive_lightning.progress import Progress
@@ -350,36 +351,13 @@ def perplexity_by_context_length(
     results: dict[int, dict[str, Any]] = {}
     for L in sorted({int(x) for x in lengths}):
         base = {"context_length": L, "mode": mode, "max_seq_len": trained}
-        if L < 1:
-            results[L] = {**base, "skipped": "context length must be a positive number of tokens"}
+        skipped = _length_skipped(L, trained, extrapolate)
+        segments: list[list[int]] = []
+        if skipped is None:
+            segments, skipped = _segments(L, mode, stream, docs, eos, max_tokens)
+        if skipped is not None:
+            results[L] = {**base, "skipped": skipped}
             continue
-        if L > trained and not extrapolate:
-            results[L] = {
-                **base,
-                "skipped": f"longer than the model's max_seq_len {trained} (extrapolation disabled)",
-            }
-            continue
-        if mode == "stream":
-            n_seg = (len(stream) - 1) // L
-            if max_tokens:
-                n_seg = min(n_seg, max(1, int(max_tokens) // L))
-            segments = [stream[k * L : k * L + L + 1] for k in range(n_seg)]
-            if not segments:
-                results[L] = {
-                    **base,
-                    "skipped": f"the text has {len(stream)} tokens with EOS separators, fewer than {L + 1}",
-                }
-                continue
-        else:
-            segments = [[eos, *d[:L]] for d in docs if len(d) >= L]
-            if max_tokens:
-                segments = segments[: max(1, int(max_tokens) // L)]
-            if not segments:
-                results[L] = {
-                    **base,
-                    "skipped": f"no document has {L} tokens (longest: {max(map(len, docs), default=0)})",
-                }
-                continue
         bs = max(1, min(int(batch_size), int(batch_size) * trained // L))
         with _progress(label and f"{label} L={L}", L * len(segments)) as p:
             scored = score_sequences(
@@ -389,23 +367,57 @@ def perplexity_by_context_length(
                 per_token=True,
                 progress_tokens=p and p.update,
             )
-        blk = min(int(block), L)
-        nll = -sum(s.logprob for s in scored)
-        nll_last = -sum(float(s.token_logprobs[-blk:].sum()) for s in scored)
-        n, n_last = L * len(segments), blk * len(segments)
-        results[L] = {
-            **base,
-            "segments": len(segments),
-            "nll": nll,
-            "tokens": n,
-            "ppl": exp_per(nll, n),
-            "last_block": blk,
-            "nll_last": nll_last,
-            "tokens_last": n_last,
-            "ppl_last": exp_per(nll_last, n_last),
-            "extrapolated": L > trained,
-        }
+        results[L] = {**base, **_length_perplexity(scored, L, int(block)), "extrapolated": L > trained}
     return results
+
+
+def _length_skipped(L: int, trained: int, extrapolate: bool) -> str | None:
+    """Why a context length is not evaluated at all (not positive; past ``max_seq_len`` without
+    extrapolation), else None."""
+    if L < 1:
+        return "context length must be a positive number of tokens"
+    if L > trained and not extrapolate:
+        return f"longer than the model's max_seq_len {trained} (extrapolation disabled)"
+    return None
+
+
+def _segments(
+    L: int, mode: str, stream: list[int], docs: list[list[int]], eos: int, max_tokens: int | None
+) -> tuple[list[list[int]], str | None]:
+    """The segments of ``L + 1`` tokens scored at length ``L`` (``perplexity_by_context_length``'s definition),
+    at most ``max_tokens // L`` of them; or why the text has none."""
+    if mode == "stream":
+        n_seg = (len(stream) - 1) // L
+        if max_tokens:
+            n_seg = min(n_seg, max(1, int(max_tokens) // L))
+        segments = [stream[k * L : k * L + L + 1] for k in range(n_seg)]
+        if not segments:
+            return [], f"the text has {len(stream)} tokens with EOS separators, fewer than {L + 1}"
+        return segments, None
+    segments = [[eos, *d[:L]] for d in docs if len(d) >= L]
+    if max_tokens:
+        segments = segments[: max(1, int(max_tokens) // L)]
+    if not segments:
+        return [], f"no document has {L} tokens (longest: {max(map(len, docs), default=0)})"
+    return segments, None
+
+
+def _length_perplexity(scored: list, L: int, block: int) -> dict[str, Any]:
+    """The perplexity over all ``L`` predictions of every segment, and over the last ``min(block, L)``."""
+    blk = min(block, L)
+    nll = -sum(s.logprob for s in scored)
+    nll_last = -sum(float(s.token_logprobs[-blk:].sum()) for s in scored)
+    n, n_last = L * len(scored), blk * len(scored)
+    return {
+        "segments": len(scored),
+        "nll": nll,
+        "tokens": n,
+        "ppl": exp_per(nll, n),
+        "last_block": blk,
+        "nll_last": nll_last,
+        "tokens_last": n_last,
+        "ppl_last": exp_per(nll_last, n_last),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- text sets
@@ -431,6 +443,9 @@ def read_texts(path: str | os.PathLike) -> list[str]:
             f"perplexity set '{p}' {absent(p)}; pass a .txt, .jsonl or .json file or a folder of them."
         )
 
+    def read() -> str:  # a binary file is refused, not scored as replacement characters
+        return read_utf8(p, "perplexity set '{path}'", "pass a .txt, .jsonl or .json file of text")
+
     def text_of(item: Any, where: str) -> str:
         if isinstance(item, str):
             return item
@@ -440,7 +455,7 @@ def read_texts(path: str | os.PathLike) -> list[str]:
 
     if p.suffix == ".jsonl":
         out = []
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        for i, line in enumerate(read().splitlines(), 1):
             if line.strip():
                 try:
                     out.append(text_of(json.loads(line), f"line {i} of '{p}'"))
@@ -449,10 +464,10 @@ def read_texts(path: str | os.PathLike) -> list[str]:
         return [t for t in out if t]
     if p.suffix == ".json":
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
+            data = json.loads(read())
         except json.JSONDecodeError:
             raise UserError(f"'{p}' is not valid JSON.") from None
         items = data if isinstance(data, list) else [data]
         return [t for i, x in enumerate(items) if (t := text_of(x, f"item {i} of '{p}'"))]
-    text = p.read_text(encoding="utf-8", errors="replace")
+    text = read()
     return [text] if text else []

@@ -39,8 +39,8 @@ from recursive_lightning.evaluation.downstream import (
 )
 from recursive_lightning.evaluation.options import EvalOptions
 from recursive_lightning.files import atomic_write_text
+from recursive_lightning.run_dir import RunDir
 from recursive_lightning.tracking.runs import (
-    RUN_ID_FILE,
     check_outputs,
     client,
     create_run,
@@ -53,14 +53,14 @@ from recursive_lightning.tracking.runs import (
     set_terminated,
     to_json,
 )
+from recursive_lightning.training.run_lock import close_if_abandoned
 
 log = logging.getLogger(__name__)
 
 
 def run_dir_of(ckpt_path: Path) -> Path:
     """``<run_dir>`` of ``<run_dir>/checkpoints/x.ckpt``; else the checkpoint's folder."""
-    parent = ckpt_path.parent
-    return parent.parent if parent.name == "checkpoints" else parent
+    return RunDir.of_checkpoint(ckpt_path).path
 
 
 def evaluate_checkpoint(
@@ -80,7 +80,9 @@ def evaluate_checkpoint(
         loaded = load_checkpoint(path, device="cpu")
     ckpt = Path(loaded.path).resolve()
     run_dir = run_dir_of(ckpt)
-    out = Path(o.out_dir) if o.out_dir else run_dir / "eval"
+    if o.mlflow and o.tracking_uri is None:  # a run its killed writer left RUNNING: closed KILLED first
+        close_if_abandoned(run_dir)
+    out = Path(o.out_dir) if o.out_dir else RunDir(run_dir).eval_dir
     depths = depth_request(loaded.model, o)  # a dial the model lacks: one sentence, nothing written
     exits = exit_request(loaded.model, o)  # a model that cannot exit early: the same
     # where the results go must be writable before anything is computed
@@ -111,9 +113,36 @@ def evaluate_checkpoint(
             print(f"note: {line}", file=sys.stderr)
         else:
             log.warning("%s", line)
+    result = _empty_result(loaded, lm, ckpt, run_dir, o, skipped, notes)
+    result["ppl"] = _perplexities(lm, texts, sets, o)
+    if o.context_lengths:
+        result["ppl_ctx"] = _by_context_length(lm, loaded, texts, sets, o)
+    if tasks:
+        _downstream(result, lm, tm, tasks, shots, o.limit)
+    if depths:
 
+        def measure(k: int) -> dict[str, Any]:
+            entry: dict[str, Any] = {"ppl": _perplexities(lm, texts, sets, o, f" at {depths[0]}={k}")}
+            if tasks:
+                entry.update(tasks={}, headline={}, avg={})
+                _downstream(entry, lm, tm, tasks, shots, o.limit)
+                entry.pop("lm_eval_version", None)
+            return entry
+
+        result["depth"] = evaluate_depths(lm.model, lm.max_length, *depths, measure)
+    if exits:
+        result["adaptive_exit"] = evaluate_adaptive_exit(
+            lm.model, lm.tokenizer, texts, exits, lm.max_length, o.stride, o.exit_max_tokens, lm.batch_size
+        )
+    return _record(result, loaded, ckpt, run_dir, out, o)
+
+
+def _empty_result(
+    loaded: Any, lm: Any, ckpt: Path, run_dir: Path, o: EvalOptions, skipped: list, notes: list[str]
+) -> dict[str, Any]:
+    """The evaluation's record before any number: the checkpoint, its model, the window and the notes."""
     model = lm.model
-    result: dict[str, Any] = {
+    return {
         "checkpoint": str(ckpt),
         "run_dir": str(run_dir),
         "run_name": loaded.run.name,
@@ -135,27 +164,13 @@ def evaluate_checkpoint(
         "skipped_tasks": skipped,
         "notes": notes,
     }
-    result["ppl"] = _perplexities(lm, texts, sets, o)
-    if o.context_lengths:
-        result["ppl_ctx"] = _by_context_length(lm, loaded, texts, sets, o)
-    if tasks:
-        _downstream(result, lm, tm, tasks, shots, o.limit)
-    if depths:
 
-        def measure(k: int) -> dict[str, Any]:
-            entry: dict[str, Any] = {"ppl": _perplexities(lm, texts, sets, o, f" at {depths[0]}={k}")}
-            if tasks:
-                entry.update(tasks={}, headline={}, avg={})
-                _downstream(entry, lm, tm, tasks, shots, o.limit)
-                entry.pop("lm_eval_version", None)
-            return entry
 
-        result["depth"] = evaluate_depths(model, lm.max_length, *depths, measure)
-    if exits:
-        result["adaptive_exit"] = evaluate_adaptive_exit(
-            model, lm.tokenizer, texts, exits, lm.max_length, o.stride, o.exit_max_tokens, lm.batch_size
-        )
-
+def _record(
+    result: dict[str, Any], loaded: Any, ckpt: Path, run_dir: Path, out: Path, o: EvalOptions
+) -> dict[str, Any]:
+    """Write the result as ``eval-<checkpoint>.json`` in ``out`` with its plots and, unless ``o.mlflow`` is
+    False, log it to the checkpoint's MLflow run."""
     json_path = out / f"eval-{ckpt.stem if ckpt.is_file() else ckpt.name}.json"
     result["json_path"] = str(json_path)
     _plot_by_context_length(result, loaded, json_path)
@@ -306,15 +321,14 @@ def _mlflow_target(loaded: Any, run_dir: Path, tracking_uri: str | None) -> dict
     uri = tracking_uri or default_tracking_uri(run_dir)
     c = client(uri)
     run_id = loaded.mlflow_run_id
-    if not run_id and (run_dir / RUN_ID_FILE).is_file():
-        run_id = (run_dir / RUN_ID_FILE).read_text().strip()
+    run_id = run_id or RunDir(run_dir).recorded_run_id()
     if run_id:
         try:
             c.get_run(run_id)
             return {"tracking_uri": uri, "run_id": run_id, "created": False}
         except Exception:
             log.info("MLflow run %s of the checkpoint is not in %s; creating a new run", run_id, uri)
-    exp = ensure_experiment(uri, loaded.run.name, run_dir / "mlartifacts")
+    exp = ensure_experiment(uri, loaded.run.name, RunDir(run_dir).artifacts)
     new_id = create_run(
         uri,
         exp,

@@ -336,51 +336,10 @@ def describe_mela(
 def _describe_mela(
     model: MelaLM, cfg: ModelConfig, counts: dict[str, dict[Any, int]], seq_len: int, batch_size: int
 ) -> dict[str, Any]:
-    params = _mela_parameters(model)
-    by_module = {k: sum(v.values()) for k, v in counts.items()}
-    flops = by_module.get("Global", 0)
-
-    def under(*names: str) -> int:
-        return sum(by_module.get(f"MelaLM.{n}", 0) for n in names)
-
-    hmm_names = [n for n, _ in model.hmm.named_modules() if n]
-    attention = sum(by_module.get(f"MelaLM.hmm.{n}", 0) for n in hmm_names if n.endswith(".attn"))
-    memory_all = sum(by_module.get(f"MelaLM.hmm.{n}", 0) for n in hmm_names if n.endswith(".memory"))
-    projections = sum(
-        by_module.get(f"MelaLM.hmm.{n}", 0)
-        for n in hmm_names
-        if n.rsplit(".", 1)[-1] in ("qkv", "out", "theta", "eta", "alpha") and ".memory." in n
-    )
     PC, C, P = cfg.tokens_per_chunk, cfg.chunk_size, cfg.patch_size
     n_chunks = -(-seq_len // PC)
     hmm_chunks = n_chunks - 1  # the last chunk's memory is read by no text position
     apps = len(model.hmm.applications)
-    with_grad = apps // model.hmm.cycles
-    ns = (
-        _ns_flops(cfg) * apps * hmm_chunks * batch_size
-        if cfg.neural_memory and cfg.memory_update == "newton_schulz"
-        else 0
-    )
-    decoder = flops - under("hmm")  # decoder layers, final norm, head
-    attn_macs = len(model.layers) * n_chunks * 2 * (C + PC) ** 2 * cfg.d_model * batch_size
-    state = [m.init_weights for m in model.hmm.modules() if hasattr(m, "init_weights")]
-    per_app = {id(m): sum(p.numel() for p in m) for m in state}
-    momentum = 2 if cfg.memory_update != "plain" else 1
-    memory_state = (
-        momentum
-        * sum(
-            per_app[
-                id(
-                    model.hmm.l_module.blocks[j].memory.init_weights
-                    if k == "l"
-                    else model.hmm.h_module.blocks[j].memory.init_weights
-                )
-            ]
-            for k, j in model.hmm.memory_slots  # one per block (memory_carry cycles) or per application
-        )
-        if cfg.neural_memory
-        else 0
-    )
     kv = len(model.layers) * 2 * (C + PC) * cfg.kv_heads * cfg.head_dim
     out: dict[str, Any] = {
         "arch": "mela",
@@ -395,7 +354,7 @@ def _describe_mela(
         "h_cycles_trained": cfg.h_cycles,
         "n_compute_layers": len(model.layers),
         "buffer": None,
-        **params,
+        **_mela_parameters(model),
         "seq_len": seq_len,
         "batch_size": batch_size,
         "patch_size": P,
@@ -411,24 +370,78 @@ def _describe_mela(
         "memory_read": cfg.memory_read,
         "fusion": cfg.fusion,
         "block_applications": apps,
-        "block_applications_with_grad": with_grad,
-        "flops_forward": flops,
-        "flops_attention": 2 * attn_macs,
-        "flops_forward_fvcore": (flops - 2 * attn_macs) // 2,
-        "flops_decoder": decoder,
-        "flops_hmm_attention": attention,
-        "flops_memory_projections": projections,
-        "flops_newton_schulz": ns,
-        "flops_memory_inner_loop": memory_all - projections - ns,
-        "flops_hmm_other": under("hmm") - attention - memory_all,
+        "block_applications_with_grad": apps // model.hmm.cycles,
+        **_mela_flops(model, cfg, counts, n_chunks, hmm_chunks, batch_size),
         "flops_convention": MELA_CONVENTION,
         "decode_state_elements": batch_size
         # at most: a full chunk's keys/values and text, the memory rows (one set per H cycle with MemStack)
-        * (memory_state + kv + C * cfg.d_model * (cfg.h_cycles if cfg.memstack else 1) + PC * cfg.d_model),
+        * (
+            _memory_state(model, cfg)
+            + kv
+            + C * cfg.d_model * (cfg.h_cycles if cfg.memstack else 1)
+            + PC * cfg.d_model
+        ),
     }
     if cfg.preset in MELA_TABLE1_SHARES:
         out["table1_memory_pct"], out["table1_language_pct"] = MELA_TABLE1_SHARES[cfg.preset]
     return out
+
+
+def _mela_flops(
+    model: MelaLM,
+    cfg: ModelConfig,
+    counts: dict[str, dict[Any, int]],
+    n_chunks: int,
+    hmm_chunks: int,
+    batch_size: int,
+) -> dict[str, int]:
+    """Mela's forward FLOPs, whole and by part (decoder, decoder attention, HMM attention, memory projections,
+    Newton-Schulz, the memory's inner loop, the rest of the HMM), from the counter's per-module ``counts``."""
+    by_module = {k: sum(v.values()) for k, v in counts.items()}
+    flops = by_module.get("Global", 0)
+    hmm = by_module.get("MelaLM.hmm", 0)
+    hmm_names = [n for n, _ in model.hmm.named_modules() if n]
+    attention = sum(by_module.get(f"MelaLM.hmm.{n}", 0) for n in hmm_names if n.endswith(".attn"))
+    memory_all = sum(by_module.get(f"MelaLM.hmm.{n}", 0) for n in hmm_names if n.endswith(".memory"))
+    projections = sum(
+        by_module.get(f"MelaLM.hmm.{n}", 0)
+        for n in hmm_names
+        if n.rsplit(".", 1)[-1] in ("qkv", "out", "theta", "eta", "alpha") and ".memory." in n
+    )
+    apps = len(model.hmm.applications)
+    ns = (
+        _ns_flops(cfg) * apps * hmm_chunks * batch_size
+        if cfg.neural_memory and cfg.memory_update == "newton_schulz"
+        else 0
+    )
+    C, PC = cfg.chunk_size, cfg.tokens_per_chunk
+    attn_macs = len(model.layers) * n_chunks * 2 * (C + PC) ** 2 * cfg.d_model * batch_size
+    return {
+        "flops_forward": flops,
+        "flops_attention": 2 * attn_macs,
+        "flops_forward_fvcore": (flops - 2 * attn_macs) // 2,
+        "flops_decoder": flops - hmm,  # decoder layers, final norm, head
+        "flops_hmm_attention": attention,
+        "flops_memory_projections": projections,
+        "flops_newton_schulz": ns,
+        "flops_memory_inner_loop": memory_all - projections - ns,
+        "flops_hmm_other": hmm - attention - memory_all,
+    }
+
+
+def _memory_state(model: MelaLM, cfg: ModelConfig) -> int:
+    """Elements of the neural memories' state a decode carries: each memory slot's weights, twice with
+    momentum (one per block with ``memory_carry`` cycles, else one per application)."""
+    if not cfg.neural_memory:
+        return 0
+    state = [m.init_weights for m in model.hmm.modules() if hasattr(m, "init_weights")]
+    per_app = {id(m): sum(p.numel() for p in m) for m in state}
+    momentum = 2 if cfg.memory_update != "plain" else 1
+    blocks = {"l": model.hmm.l_module.blocks, "h": model.hmm.h_module.blocks}
+    return momentum * sum(
+        per_app[id(blocks["l" if k == "l" else "h"][j].memory.init_weights)]
+        for k, j in model.hmm.memory_slots
+    )
 
 
 def format_description(d: dict[str, Any]) -> str:

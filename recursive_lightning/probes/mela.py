@@ -225,19 +225,7 @@ def capture_mela(
         rec.start_batch()
         model.hidden(batch)
         if memories:
-            got, want = [key for key, _ in rec.calls], list(model.hmm.applications)
-            # memory_carry cycles runs every application once per chunk (chunk-major), none once
-            if not got or len(got) % len(want) or got != want * (len(got) // len(want)):
-                raise RuntimeError(f"recorded memory applications {got} differ from the model's")
-            for c, (_, rows) in enumerate(rec.calls):
-                a, offset = c % len(want), c // len(want)
-                for row in rows:
-                    t, i = row["chunk"] + offset, row["tensor"]
-                    sums["surprise"][a, t, i] += b * row["surprise_norm"]
-                    sums["singular"][a, t, i] += b * row["update_singular_values"].double().numpy()
-                    if i == 0:  # theta, eta, alpha are shared by the tensors of one update
-                        for r in RATES:
-                            sums[r][a, t] += b * row[r]
+            _add_memory_calls(sums, rec.calls, list(model.hmm.applications), b)
         for c in range(H1):
             zc = rec.z[c].double().view(b, n).cpu().numpy()
             rc = rec.rows[c].double().view(b, n).cpu().numpy()
@@ -269,6 +257,24 @@ def capture_mela(
         seconds=seconds,
         cfg=cfg,
     )
+
+
+def _add_memory_calls(sums: dict[str, np.ndarray], calls: list, want: list, b: int) -> None:
+    """Add one batch's recorded memory updates (``b`` samples each) to the running ``sums`` by application,
+    chunk and tensor: surprise, the update's singular values and the rates."""
+    got = [key for key, _ in calls]
+    # memory_carry cycles runs every application once per chunk (chunk-major), none once
+    if not got or len(got) % len(want) or got != want * (len(got) // len(want)):
+        raise RuntimeError(f"recorded memory applications {got} differ from the model's")
+    for c, (_, rows) in enumerate(calls):
+        a, offset = c % len(want), c // len(want)
+        for row in rows:
+            t, i = row["chunk"] + offset, row["tensor"]
+            sums["surprise"][a, t, i] += b * row["surprise_norm"]
+            sums["singular"][a, t, i] += b * row["update_singular_values"].double().numpy()
+            if i == 0:  # theta, eta, alpha are shared by the tensors of one update
+                for r in RATES:
+                    sums[r][a, t] += b * row[r]
 
 
 # ---------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from recursive_lightning.files import atomic_write_text
+from recursive_lightning.run_dir import RunDir
 from recursive_lightning.tracking.runs import (
-    RUN_ID_FILE,
     client,
     create_run,
     default_tracking_uri,
@@ -49,17 +49,14 @@ def clean(x: Any) -> Any:
 def mlflow_run(uri: str, run_dir: Path, loaded: Any) -> tuple[str, bool]:
     """(run id, created): the checkpoint's own MLflow run, or a linked run made for the probes."""
     c = client(uri)
-    ids = [loaded.mlflow_run_id]
-    id_file = run_dir / RUN_ID_FILE
-    if id_file.is_file():
-        ids.append(id_file.read_text().strip())
+    ids = [loaded.mlflow_run_id, RunDir(run_dir).recorded_run_id()]
     for rid in dict.fromkeys(i for i in ids if i):
         try:
             c.get_run(rid)
             return rid, False
         except Exception:
             continue
-    exp_id = ensure_experiment(uri, loaded.run.name, run_dir / "mlartifacts")
+    exp_id = ensure_experiment(uri, loaded.run.name, RunDir(run_dir).artifacts)
     key = hashlib.sha256(str(Path(loaded.path).resolve()).encode()).hexdigest()[:16]
     found = c.search_runs([exp_id], filter_string=f"tags.`probe.checkpoint_id` = '{key}'", max_results=1)
     if found:

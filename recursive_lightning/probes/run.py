@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from recursive_lightning.errors import UserError
+from recursive_lightning.errors import ArgumentParser, UserError
 from recursive_lightning.probes import mela
 from recursive_lightning.probes.capture import capture
 from recursive_lightning.probes.captured import Capture, ProbeSettings
@@ -57,6 +57,7 @@ from recursive_lightning.probes.mela_figures import draw_mela
 from recursive_lightning.probes.outputs import log_to_mlflow, write_json
 from recursive_lightning.probes.registry import FORMAT_VERSION, draw, scalar_metrics, summarize
 from recursive_lightning.probes.samples import Samples, load_samples, probe_data
+from recursive_lightning.run_dir import RunDir, SweepDir
 from recursive_lightning.tracking.runs import check_outputs, default_tracking_uri
 from recursive_lightning.uris import mask_url
 
@@ -83,13 +84,13 @@ def _run_dir_of(arg: Path, ckpt: Path) -> Path:
     if arg.is_dir() and not (arg / "meta.pt").exists() and not (arg / ".metadata").exists():
         return arg
     ckpt = ckpt.resolve()
-    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    return RunDir.of_checkpoint(ckpt).path
 
 
 def _has_checkpoint(d: Path) -> bool:
     from recursive_lightning.training.checkpoint import candidates  # heavy
 
-    return bool(candidates(d / "checkpoints") or candidates(d) or list(d.glob("*.ckpt")))
+    return bool(candidates(RunDir(d).checkpoints) or candidates(d) or list(d.glob("*.ckpt")))
 
 
 def expand_compare(paths: Sequence[str]) -> list[Path]:
@@ -102,7 +103,7 @@ def expand_compare(paths: Sequence[str]) -> list[Path]:
                 f"--compare path '{p}' does not exist; pass run directories or a sweep directory."
             )
         if p.is_dir() and not _has_checkpoint(p):
-            runs = p / "trials" if (p / "trials").is_dir() else p  # a sweep keeps its trials in trials/
+            runs = SweepDir(p).runs_folder()  # a sweep keeps its trials in trials/
             subs = sorted(d for d in runs.iterdir() if d.is_dir() and _has_checkpoint(d))
             if not subs:
                 raise UserError(
@@ -138,7 +139,7 @@ def _model_meta(loaded: Any) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="recursive_lightning probe",
         description="Diagnostic probes of a checkpoint (MeSH Sec. 2/4.1, App. E.8/F; SpiralFormer Sec. 4): "
         "figures and probes.json.",
@@ -353,9 +354,9 @@ def _run_single(args: argparse.Namespace, device: torch.device) -> int:
     arg = Path(args.checkpoint)
     if arg.exists():  # else load_checkpoint says what is missing
         run_dir = _run_dir_of(arg, arg)
-        _check_outputs(args, [run_dir], Path(args.out) if args.out else run_dir / "probes")
+        _check_outputs(args, [run_dir], Path(args.out) if args.out else RunDir(run_dir).probes_dir)
     p = probe_one(args.checkpoint, args, device)
-    out = Path(args.out) if args.out else p.run_dir / "probes"
+    out = Path(args.out) if args.out else RunDir(p.run_dir).probes_dir
     out.mkdir(parents=True, exist_ok=True)
     t1 = time.perf_counter()
     if p.summary.get("probes") == "mela":
@@ -394,7 +395,9 @@ def _labels(probed: list[Probed], paths: list[Path]) -> list[str]:
     if len(set(keys)) == len(keys):
         return keys
     names = [path.resolve().name if path.is_dir() else path.resolve().parent.name for path in paths]
-    names = [n if n != "checkpoints" else path.resolve().parent.parent.name for n, path in zip(names, paths)]
+    names = [
+        n if n != RunDir.CHECKPOINTS else path.resolve().parent.parent.name for n, path in zip(names, paths)
+    ]
     if len(set(names)) == len(names):
         return names
     return [f"{n}-{i}" for i, n in enumerate(names)]

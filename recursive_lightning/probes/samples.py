@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,8 +62,6 @@ def load_samples(
     tokenizer: Any, data: str | None, samples: int, seq_len: int, vocab_size: int | None = None
 ) -> Samples:
     """``samples`` consecutive windows of ``seq_len`` tokens (held-out documents first, EOS after each)."""
-    from recursive_lightning.data.shards import is_validation_document  # heavy
-
     if tokenizer is None:
         raise UserError("the checkpoint carries no tokenizer, so probe cannot turn --data text into tokens.")
     need = samples * seq_len
@@ -78,59 +76,15 @@ def load_samples(
         return out
 
     docs, spec, prefer_heldout = _documents(data)
-    held: list[int] = []
-    rest_docs: list[str] = []
-    rest_chars = 0
-    pending: list[str] = []
-    scanned = scanned_chars = 0
-    # held-out documents are ~2% of a corpus: scan about 50x the text needed (at least 20M characters)
-    max_scan_chars = max(400 * need, 20_000_000)
-    try:
-        for doc in docs:
-            scanned += 1
-            scanned_chars += len(doc)
-            if scanned_chars > max_scan_chars and rest_chars >= 16 * need:
-                break
-            if not prefer_heldout:
-                pending.append(doc)
-                if len(pending) >= 32:
-                    held.extend(encode(pending))
-                    pending = []
-                    if len(held) >= need:
-                        break
-                continue
-            if is_validation_document(doc):
-                pending.append(doc)
-                if len(pending) >= 32:
-                    held.extend(encode(pending))
-                    pending = []
-                    if len(held) >= need:
-                        break
-            elif rest_chars < 16 * need:  # generous: a token is rarely longer than 16 characters
-                rest_docs.append(doc)
-                rest_chars += len(doc)
-    except DataError as e:
-        raise UserError(str(e)) from None
-    if pending:
-        held.extend(encode(pending))
+    held, rest_docs, scanned = _scan(docs, prefer_heldout, need, encode)
     heldout_tokens = len(held) if prefer_heldout else 0
     ids = held
     i = 0
     while len(ids) < need and i < len(rest_docs):
         ids.extend(encode(rest_docs[i : i + 32]))
         i += 32
-    n = min(samples, len(ids) // seq_len)
-    if n == 0:
-        raise UserError(
-            f"the text in {spec} has only {len(ids)} tokens, fewer than one --seq-len window of {seq_len}; "
-            "pass more text with --data or a smaller --seq-len."
-        )
-    tokens = torch.tensor(ids[: n * seq_len], dtype=torch.int64).view(n, seq_len)
-    if vocab_size is not None and int(tokens.max()) >= vocab_size:
-        raise UserError(
-            f"the checkpoint's tokenizer produces token id {int(tokens.max())} but the model has only "
-            f"{vocab_size} embeddings; the checkpoint is inconsistent."
-        )
+    tokens = _windows(ids, samples, seq_len, spec, vocab_size)
+    n = tokens.shape[0]
     info = {
         "source": spec,
         "samples": n,
@@ -146,3 +100,59 @@ def load_samples(
             file=sys.stderr,
         )
     return Samples(tokens, info)
+
+
+def _scan(
+    docs: Iterable[str], prefer_heldout: bool, need: int, encode: Callable[[list[str]], list[int]]
+) -> tuple[list[int], list[str], int]:
+    """Read documents until ``need`` tokens are had: (the tokens of the held-out documents, or of every
+    document without ``prefer_heldout``; the other documents kept to fill up with, about 16 characters per
+    token needed; the documents scanned). Held-out documents are ~2% of a corpus: about 50x the text needed is
+    scanned (at least 20M characters)."""
+    from recursive_lightning.data.shards import is_validation_document  # heavy
+
+    held: list[int] = []
+    rest_docs: list[str] = []
+    rest_chars = 0
+    pending: list[str] = []
+    scanned = scanned_chars = 0
+    max_scan_chars = max(400 * need, 20_000_000)
+    try:
+        for doc in docs:
+            scanned += 1
+            scanned_chars += len(doc)
+            if scanned_chars > max_scan_chars and rest_chars >= 16 * need:
+                break
+            if not prefer_heldout or is_validation_document(doc):
+                pending.append(doc)
+                if len(pending) >= 32:
+                    held.extend(encode(pending))
+                    pending = []
+                    if len(held) >= need:
+                        break
+            elif rest_chars < 16 * need:  # generous: a token is rarely longer than 16 characters
+                rest_docs.append(doc)
+                rest_chars += len(doc)
+    except DataError as e:
+        raise UserError(str(e)) from None
+    if pending:
+        held.extend(encode(pending))
+    return held, rest_docs, scanned
+
+
+def _windows(ids: list[int], samples: int, seq_len: int, spec: str, vocab_size: int | None) -> torch.Tensor:
+    """At most ``samples`` consecutive windows of ``seq_len`` of ``ids`` as ``[n, seq_len]`` (one sentence when
+    there is not one window, or a token id past the model's vocabulary)."""
+    n = min(samples, len(ids) // seq_len)
+    if n == 0:
+        raise UserError(
+            f"the text in {spec} has only {len(ids)} tokens, fewer than one --seq-len window of {seq_len}; "
+            "pass more text with --data or a smaller --seq-len."
+        )
+    tokens = torch.tensor(ids[: n * seq_len], dtype=torch.int64).view(n, seq_len)
+    if vocab_size is not None and int(tokens.max()) >= vocab_size:
+        raise UserError(
+            f"the checkpoint's tokenizer produces token id {int(tokens.max())} but the model has only "
+            f"{vocab_size} embeddings; the checkpoint is inconsistent."
+        )
+    return tokens

@@ -126,19 +126,6 @@ def plot_learning_curves(
     n_steps = max(
         (len(e["history"].get("train/loss", {})) for seeds in rows.values() for e in seeds), default=0
     )
-    if n_steps == 0 and not any(
-        VAL_PPL.match(k) for seeds in rows.values() for e in seeds for k in e["history"]
-    ):
-        return None
-    window = max(1, round(n_steps / 25))
-    with_flops = any(e.get("flops_per_token") for seeds in rows.values() for e in seeds)
-    panels = 3 if with_flops else 2
-    fig = Figure(figsize=(6.0 * panels, 4.4))
-    FigureCanvasAgg(fig)
-    ax_loss, ax_ppl = fig.add_subplot(1, panels, 1), fig.add_subplot(1, panels, 2)
-    ax_flops = fig.add_subplot(1, panels, 3) if with_flops else None
-    colors = [f"C{i % 10}" for i in range(len(rows))]
-    styles = ["-", "--", ":", "-."]
     sets = sorted(
         {
             m.group(1)
@@ -148,50 +135,97 @@ def plot_learning_curves(
             if (m := VAL_PPL.match(k))
         }
     )
-    max_seeds = max((len(s) for s in rows.values()), default=0)
+    if n_steps == 0 and not sets:
+        return None
+    window = max(1, round(n_steps / 25))
+    with_flops = any(e.get("flops_per_token") for seeds in rows.values() for e in seeds)
+    panels = 3 if with_flops else 2
+    fig = Figure(figsize=(6.0 * panels, 4.4))
+    FigureCanvasAgg(fig)
+    ax_loss, ax_ppl = fig.add_subplot(1, panels, 1), fig.add_subplot(1, panels, 2)
+    ax_flops = fig.add_subplot(1, panels, 3) if with_flops else None
     late: list[float] = []  # training-loss values after the first 10 % of steps
     ppl_values: list[float] = []
-    for color, (label, seeds) in zip(colors, rows.items()):
-        per_seed = []
-        for e in seeds:
-            series = against_tokens(e, "train/loss")
-            xs = sorted(series)
-            per_seed.append(dict(zip(xs, _running_mean([series[x] for x in xs], window))))
-        x, mean, lo, hi = _band(per_seed)
-        if x:
-            start = max(1, len(x) // 10)
-            late += [v for v in lo[start:] + hi[start:] if math.isfinite(v)]
-            ax_loss.plot(x, mean, color=color, lw=1.5, label=f"{label} (n={len(seeds)})")
-            if len(seeds) > 1:
-                ax_loss.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
-        for style, name in zip(styles * 4, sets):
-            by_tokens = [against_tokens(e, f"val/{name}/ppl") for e in seeds]
-            x, mean, lo, hi = _band(by_tokens)
+    for color, (label, seeds) in zip([f"C{i % 10}" for i in range(len(rows))], rows.items()):
+        late += _draw_training_loss(ax_loss, label, seeds, color, window)
+        ppl_values += _draw_val_ppl(ax_ppl, ax_flops, label, seeds, color, sets)
+    _label_loss_panel(ax_loss, late, window)
+    _label_ppl_panels(ax_ppl, ax_flops, sets, ppl_values)
+    for ax, xlabel in ((ax_loss, "tokens seen"), (ax_ppl, "tokens seen"), (ax_flops, "training FLOPs")):
+        if ax is None:
+            continue
+        ax.set_xlabel(xlabel)
+        ax.xaxis.set_major_formatter(_tokens_formatter())
+        ax.grid(True, alpha=0.3, ls="--")
+    max_seeds = max((len(s) for s in rows.values()), default=0)
+    band = "lines: mean over seeds, bands: min-max over seeds" if max_seeds > 1 else "one seed per row"
+    _title_and_legend(fig, ax_loss, ax_ppl, f"{title} ({band})", panels)
+    return atomic_write_figure(fig, path, dpi=130)
+
+
+def _draw_training_loss(
+    ax: Any, label: str, seeds: Sequence[Mapping[str, Any]], color: str, window: int
+) -> list[float]:
+    """A row's training loss (each seed's running mean over ``window`` steps; mean line, min-max band); returns
+    its values after the first 10 % of tokens, which set the panel's y range."""
+    per_seed = []
+    for e in seeds:
+        series = against_tokens(e, "train/loss")
+        xs = sorted(series)
+        per_seed.append(dict(zip(xs, _running_mean([series[x] for x in xs], window))))
+    x, mean, lo, hi = _band(per_seed)
+    if not x:
+        return []
+    start = max(1, len(x) // 10)
+    ax.plot(x, mean, color=color, lw=1.5, label=f"{label} (n={len(seeds)})")
+    if len(seeds) > 1:
+        ax.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
+    return [v for v in lo[start:] + hi[start:] if math.isfinite(v)]
+
+
+def _draw_val_ppl(
+    ax_ppl: Any, ax_flops: Any, label: str, seeds: Sequence[Mapping[str, Any]], color: str, sets: list[str]
+) -> list[float]:
+    """A row's validation perplexity on each set (one line style per set) against tokens and, with ``ax_flops``,
+    against training FLOPs; returns the plotted values (the panels' log range)."""
+    values: list[float] = []
+    for style, name in zip(["-", "--", ":", "-."] * 4, sets):
+        by_tokens = [against_tokens(e, f"val/{name}/ppl") for e in seeds]
+        x, mean, lo, hi = _band(by_tokens)
+        if not x:
+            continue
+        values += [v for v in lo + hi if math.isfinite(v) and v > 0]
+        tag = label if len(sets) == 1 else f"{label}, {name}"
+        by_flops = [against_flops(e, f"val/{name}/ppl") for e in seeds if e.get("flops_per_token")]
+        for ax, per_seed in ((ax_ppl, by_tokens), (ax_flops, by_flops)):
+            x, mean, lo, hi = _band(per_seed) if ax is not None else ([], [], [], [])
             if not x:
                 continue
-            ppl_values += [v for v in lo + hi if math.isfinite(v) and v > 0]
-            tag = label if len(sets) == 1 else f"{label}, {name}"
-            by_flops = [against_flops(e, f"val/{name}/ppl") for e in seeds if e.get("flops_per_token")]
-            for ax, per_seed in ((ax_ppl, by_tokens), (ax_flops, by_flops)):
-                x, mean, lo, hi = _band(per_seed) if ax is not None else ([], [], [], [])
-                if not x:
-                    continue
-                ax.plot(x, mean, color=color, ls=style, lw=1.5, marker="o", ms=3.5, label=tag)
-                if len(per_seed) > 1:
-                    ax.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
-    band = "lines: mean over seeds, bands: min-max over seeds" if max_seeds > 1 else "one seed per row"
-    smooth = f"running mean over {window} steps, " if window > 1 else ""
-    if late:  # the first 10 % of training (the drop from ln V) would flatten the differences between rows
+            ax.plot(x, mean, color=color, ls=style, lw=1.5, marker="o", ms=3.5, label=tag)
+            if len(per_seed) > 1:
+                ax.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
+    return values
+
+
+def _label_loss_panel(ax: Any, late: list[float], window: int) -> None:
+    """The training-loss panel's y range from 10 % of tokens on (the drop from ln V would flatten the
+    differences between rows) and its titles."""
+    if late:
         lo, hi = min(late), max(late)
         pad = 0.08 * (hi - lo or abs(hi) or 1.0)
-        ax_loss.set_ylim(lo - pad, hi + pad)
-    ax_loss.set_title(f"training loss ({smooth}y axis from 10 % of tokens)", fontsize=9)
-    ax_loss.set_ylabel("training loss (nats/token)")
-    which = f"val/{sets[0]}/ppl" if len(sets) == 1 else "val/<set>/ppl"
+        ax.set_ylim(lo - pad, hi + pad)
+    smooth = f"running mean over {window} steps, " if window > 1 else ""
+    ax.set_title(f"training loss ({smooth}y axis from 10 % of tokens)", fontsize=9)
+    ax.set_ylabel("training loss (nats/token)")
+
+
+def _label_ppl_panels(ax_ppl: Any, ax_flops: Any, sets: list[str], values: list[float]) -> None:
+    """The perplexity panels' log scale (minor ticks labelled within a decade) and titles."""
     from matplotlib.ticker import FuncFormatter, NullFormatter  # heavy
 
+    which = f"val/{sets[0]}/ppl" if len(sets) == 1 else "val/<set>/ppl"
     plain = FuncFormatter(lambda v, _: f"{v:.4g}")
-    ppl_lo, ppl_hi = (min(ppl_values), max(ppl_values)) if ppl_values else (1.0, 1.0)
+    lo, hi = (min(values), max(values)) if values else (1.0, 1.0)
     for ax, against in ((ax_ppl, "tokens"), (ax_flops, "training FLOPs")):
         if ax is None:
             continue
@@ -199,17 +233,16 @@ def plot_learning_curves(
         ax.set_ylabel("perplexity")
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain if ppl_hi / ppl_lo < 10 else NullFormatter())
-    for ax, xlabel in ((ax_loss, "tokens seen"), (ax_ppl, "tokens seen"), (ax_flops, "training FLOPs")):
-        if ax is None:
-            continue
-        ax.set_xlabel(xlabel)
-        ax.xaxis.set_major_formatter(_tokens_formatter())
-        ax.grid(True, alpha=0.3, ls="--")
+        ax.yaxis.set_minor_formatter(plain if hi / lo < 10 else NullFormatter())
+
+
+def _title_and_legend(fig: Any, ax_loss: Any, ax_ppl: Any, title: str, panels: int) -> None:
+    """The figure's title and one legend to the right of the panels (the loss panel's rows, else the
+    perplexity panel's)."""
     handles, labels = ax_loss.get_legend_handles_labels()
     if not handles:
         handles, labels = ax_ppl.get_legend_handles_labels()
-    fig.suptitle(f"{title} ({band})", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     if handles:
         fig.legend(
             handles,
@@ -220,4 +253,3 @@ def plot_learning_curves(
             frameon=False,
         )
     fig.tight_layout(rect=(0, 0, 1 - 0.18 * 2 / panels, 1))
-    return atomic_write_figure(fig, path, dpi=130)

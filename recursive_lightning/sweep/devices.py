@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning.run_dir import SweepDir
+
 CPU = "cpu"  # the `devices` tag of a trial that ran without a device pool
 
 
@@ -70,7 +72,7 @@ def hold_devices(run_dir: Path, pool: list[str], n: int, on_wait=None) -> Iterat
     if n <= 0 or not pool:
         yield []
         return
-    folder = run_dir / ".devices" / socket.gethostname()
+    folder = SweepDir(run_dir).devices(socket.gethostname())
     folder.mkdir(parents=True, exist_ok=True)
     announced = False
     while True:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import shutil
 import signal
@@ -16,14 +15,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning.files import atomic_write_text
 from recursive_lightning.processes import parent_death_signal
+from recursive_lightning.run_dir import RunDir
 from recursive_lightning.sweep.devices import CPU, device_pool, devices_needed, hold_devices
 from recursive_lightning.training import run as training_run
-from recursive_lightning.training.run import TrainResult
+from recursive_lightning.training.options import TrainOptions
+from recursive_lightning.training.result import TrainResult
 from recursive_lightning.uris import STORAGE_ENV, TRACKING_ENV, mask_url
 
 PARENT_ENV = "RECURSIVE_LIGHTNING_SWEEP_PARENT"  # the pid of the sweep command that spawned a worker
@@ -145,24 +145,12 @@ def slurm_launcher(cfg, environ: dict[str, str] | None = None) -> list[str]:
 
 
 def train_trial(
-    cfg,
-    trial_dir: Path,
-    run_dir: Path,
-    *,
-    resume: bool,
-    tracking_uri: str,
-    experiment: str,
-    run_name: str,
-    parent: str,
-    tags: dict[str, str],
-    params: dict[str, Any],
-    callbacks: list,
-    who: str,
+    cfg, trial_dir: Path, run_dir: Path, options: TrainOptions, who: str
 ) -> tuple[TrainResult, bool]:
     """Train a trial holding the devices of this machine's pool it needs (waiting while other workers hold
     them; its ``tags`` get ``devices``): in this process, or as its own ``train`` process when it holds devices
     or runs several ranks. Returns (its result, whether it trained in this process: only then did the
-    ``callbacks`` run). ``who`` names the trial in the line shown while it waits."""
+    ``options.callbacks`` run). ``who`` names the trial in the line shown while it waits."""
     pool = device_pool()
 
     def waiting() -> None:
@@ -174,39 +162,16 @@ def train_trial(
     need = devices_needed(cfg, pool)
     # the trial's devices, held while it trains: its `train` process sees only them
     with hold_devices(run_dir, pool, need, on_wait=waiting) as held:
-        tags["devices"] = ",".join(held) or CPU
+        options.tags = {**(options.tags or {}), "devices": ",".join(held) or CPU}
         faults.point("devices_held")
         if held or multi_process(cfg):
-            result = _train_in_subprocess(
-                cfg, trial_dir, resume, tracking_uri, experiment, run_name, parent, tags, params, held
-            )
-            return result, False
-        result = training_run.train(  # looked up when called: a benchmark stands a fake train in
-            cfg,
-            trial_dir,
-            resume=resume,
-            tracking_uri=tracking_uri,
-            experiment=experiment,
-            run_name=run_name,
-            parent_run_id=parent,
-            tags=tags,
-            callbacks=callbacks,
-            params=params,
-        )
-        return result, True
+            return _train_in_subprocess(cfg, trial_dir, options, held), False
+        # looked up when called: a benchmark stands a fake train in
+        return training_run.train(cfg, trial_dir, options), True
 
 
 def _train_in_subprocess(
-    cfg,
-    trial_dir: Path,
-    resume: bool,
-    tracking_uri: str,
-    experiment: str,
-    key: str,
-    parent: str,
-    tags: dict[str, str],
-    params: dict[str, Any],
-    devices: list[str] | None = None,
+    cfg, trial_dir: Path, options: TrainOptions, devices: list[str] | None = None
 ) -> TrainResult:
     """A multi-device trial (DDP / FSDP2) runs as its own `train` command: Lightning's launcher re-executes
     that command once per rank, which it cannot do for a sweep worker. So does every trial given ``devices``
@@ -214,7 +179,7 @@ def _train_in_subprocess(
     Pruning is not available there. The trial directory's lock stays with this worker: the ``train`` process it
     starts finds it held by its starter (``run_lock``)."""
     trial_dir.mkdir(parents=True, exist_ok=True)
-    cfg_file = trial_dir / "trial.yaml"
+    cfg_file = RunDir(trial_dir).trial_config
     if devices:  # its devices, renumbered 0 .. d-1 inside it: a count (ids or `auto` would name others)
         cfg = copy.deepcopy(cfg)
         cfg.train.devices = len(devices)
@@ -229,22 +194,22 @@ def _train_in_subprocess(
         "--run-dir",
         str(trial_dir),
         "--tracking-uri",
-        mask_url(tracking_uri),  # its password through the environment, below: not in `ps`
+        mask_url(options.tracking_uri),  # its password through the environment, below: not in `ps`
         "--experiment",
-        experiment,
+        options.experiment,
         "--run-name",
-        key,
+        options.run_name,
         "--parent-run-id",
-        parent,
+        options.parent_run_id,
     ]
-    cmd += [f"--tag={k}={v}" for k, v in tags.items()]
-    cmd += [f"--param={k}={v}" for k, v in params.items()]
-    if resume:
+    cmd += [f"--tag={k}={v}" for k, v in (options.tags or {}).items()]
+    cmd += [f"--param={k}={v}" for k, v in (options.params or {}).items()]
+    if options.resume:
         cmd.append("--resume")
     cmd = [*slurm_launcher(cfg), *cmd]
     if sys.platform.startswith("linux"):  # the train command dies with this worker, as the worker does
         cmd = [sys.executable, "-c", DIE_WITH_PARENT_EXEC, str(os.getpid()), *cmd]
-    env = {**os.environ, TRACKING_ENV: tracking_uri}
+    env = {**os.environ, TRACKING_ENV: options.tracking_uri}
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     proc = subprocess.Popen(cmd, env=env)
@@ -259,4 +224,4 @@ def _train_in_subprocess(
         raise
     if code:
         raise subprocess.CalledProcessError(code, cmd)
-    return TrainResult.from_dict(json.loads((trial_dir / "result.json").read_text()), trial_dir)
+    return TrainResult.load(trial_dir)

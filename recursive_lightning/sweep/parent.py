@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep.spec import SweepSpec, point_key
 from recursive_lightning.sweep.study import load_study
 from recursive_lightning.tracking.runs import (
@@ -23,7 +24,7 @@ from recursive_lightning.uris import mask_url
 def open_parent(spec: SweepSpec, study, run_dir: Path, storage_url: str, tracking_uri: str) -> str:
     """The id of the sweep's MLflow parent run: made (with the sweep's params and file) on the first run of the
     sweep, set RUNNING again by a re-run, which records where the sweep directory and its store lie now."""
-    exp_id = ensure_experiment(tracking_uri, spec.name, run_dir / "mlartifacts")
+    exp_id = ensure_experiment(tracking_uri, spec.name, SweepDir(run_dir).artifacts)
     parent = study.user_attrs.get("mlflow_parent_run_id")
     if parent is None:
         parent = create_run(

@@ -19,90 +19,27 @@ resolve) and PNGs into the sweep's run directory, and logged to the parent MLflo
 
 from __future__ import annotations
 
-import argparse
 import json
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
-from recursive_lightning.errors import ConfigError
+from recursive_lightning.errors import ArgumentParser, ConfigError
 from recursive_lightning.files import atomic_write_figure, atomic_write_text
-from recursive_lightning.progress import tracked  # a bar on a terminal, a line every 30 s in a log
+from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep import context_lengths, cost, curves, ranking, tables
 from recursive_lightning.sweep.parent import close_parent
 from recursive_lightning.sweep.ranking import log_ranking
 from recursive_lightning.sweep.report_html import markdown_to_html
+from recursive_lightning.sweep.results import axis_table, collect, load_trials, paired_differences
 from recursive_lightning.sweep.servers import check_database
 from recursive_lightning.sweep.spec import SEED_AXIS, load_sweep, row_names
-from recursive_lightning.sweep.tables import mean_std
 from recursive_lightning.tracking.runs import absolute_uri, check_outputs, log_artifact, log_batch
 from recursive_lightning.uris import mask_url, reveal
 
 # MLflow's artifact viewer prints a markdown image as text; report.html shows the figures there
 VIEWER_HINT = " In MLflow's artifact viewer, open `report.html` to see the figures."
-
-
-def _ppl_columns(rows: list[dict]) -> list[str]:
-    cols = sorted({k for r in rows for k in r["metrics"] if k.endswith("/ppl") or k.startswith("eval/")})
-    return [c for c in cols if not c.startswith("final/")]
-
-
-def collect(storage_url: str, study_name: str) -> tuple[list[dict], list[dict], dict]:
-    import optuna  # heavy
-    from optuna.trial import TrialState  # heavy
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=study_name, storage=storage_url)
-    done, failed = [], []
-    for t in study.get_trials(deepcopy=False):
-        row = {
-            "number": t.number,
-            # a grid trial's point is its fixed parameters (study.grid_point); a search trial's, its params
-            "params": dict(t.params)
-            or dict(t.user_attrs.get("point") or t.system_attrs.get("fixed_params") or {}),
-            "metrics": dict(t.user_attrs.get("metrics", {})),
-            "value": t.value,
-            "state": t.state.name,
-            "key": t.user_attrs.get("point_key"),
-            "mlflow_run_id": t.user_attrs.get("mlflow_run_id"),
-            "error": t.user_attrs.get("error"),
-        }
-        if t.state == TrialState.COMPLETE:
-            done.append(row)
-        elif t.state == TrialState.FAIL:
-            failed.append(row)
-    # a failed attempt that was retried successfully is not a failure of the sweep
-    ok_keys = {r["key"] for r in done}
-    failed = [r for r in failed if r["key"] not in ok_keys]
-    attrs = dict(study.user_attrs)
-    attrs["_unfinished"] = sum(
-        t.state in (TrialState.WAITING, TrialState.RUNNING) for t in study.get_trials(deepcopy=False)
-    )
-    return done, failed, attrs
-
-
-def axis_table(
-    rows: list[dict], axis: str, metric: str
-) -> tuple[list[tuple[Any, float, float, int, dict]], Any]:
-    groups: dict[Any, list[dict]] = defaultdict(list)
-    for r in rows:
-        groups[r["params"].get(axis)].append(r)
-    table = []
-    for label, members in groups.items():
-        vals = [m["metrics"][metric] for m in members if metric in m["metrics"]]
-        if not vals:
-            continue
-        mean, std = mean_std(vals)
-        extra = {}
-        for col in _ppl_columns(members):
-            cv = [m["metrics"][col] for m in members if col in m["metrics"]]
-            if cv:
-                extra[col] = mean_std(cv)
-        table.append((label, mean, std, len(vals), extra))
-    best = min(table, key=lambda r: r[1])[0] if table else None
-    return table, best
 
 
 def _fmt(label: Any) -> str:
@@ -165,28 +102,62 @@ def _results_sections(
 ) -> tuple[list[str], list[Path], dict[str, Any]]:
     """The papers' tables (results, downstream accuracy, paired differences to the baseline) and the
     learning-curve figure. Returns (markdown lines, figures, structured data for callers and tests)."""
-    describe_cache: dict[str, dict] = {}
-    trials = [tables.load_trial(run_dir, t, spec, describe_cache) for t in trials]
-    problems = []
-    for t in tracked(trials, "report: trial histories", lambda _: 1, unit="trial"):  # from MLflow child runs
-        t["history"] = {}
-        if t.get("mlflow_run_id"):
-            try:
-                t["history"] = curves.metric_history(tracking_uri, t["mlflow_run_id"])
-            except Exception as e:  # a store that cannot be read: tokens/s and curves stay missing
-                problems.append(mask_url(f"trial {t['number']}: {type(e).__name__}: {e}")[:300])
-        t["tokens_per_sec"] = curves.training_tokens_per_sec(t["history"])
+    trials, problems = load_trials(run_dir, trials, spec, tracking_uri)
     rows = tables.build_rows(trials, axes, row_names(spec.axes) if spec.search is None else ())
     main_cols, heads, shots = tables.columns(trials, ranked)
     ranks = ranking.rank(rows, ranked)
     best = ranking.best(ranks)[0].name if ranking.best(ranks)[0] is not None else None
     seeds = max((len(r.trials) for r in rows), default=0)
+    results_table, table = _results_table(rows, main_cols, best)
     lines = [
         "## Results",
         "",
         f"One row per grid point, mean ± std over its seeds; ★ marks the lowest `{ranked}`. {tables.MISSING} "
         "marks a value the row's trials did not record.",
         "",
+        *results_table,
+        "",
+        *_column_notes(trials),
+        "",
+    ]
+    lines += _downstream_section(rows, heads, shots)
+    baseline = (spec.report or {}).get("baseline")
+    paired_lines, paired = _paired_section(rows, baseline, [c for c in main_cols if c.paired])
+    lines += paired_lines
+    said = ranking.significance(ranks, ranked, str(baseline) if baseline is not None else None, paired)
+    if said:  # the star's caveat, under the results table (the line the console and MLflow print)
+        lines[4 + len(results_table) : 4 + len(results_table)] = [
+            "",
+            f"★ `{best}`: " + "; ".join(said.values()) + ".",
+        ]
+    if baseline is None and seeds > 1 and len(rows) > 1:
+        lines += [
+            "Name a baseline row (`report: {baseline: <row>}` in the sweep file) for paired differences "
+            "with confidence intervals.",
+            "",
+        ]
+    curve_png, curve_lines = _curves_section(rows, spec, seeds, tracking_uri, out, problems)
+    lines += curve_lines
+    cost_png, cost_points = cost.plot(rows, ranked, out / "report_cost.png", spec.name)
+    lines += cost.section(cost_png, cost_points, ranked)
+    lines += ranking.runs_section(ranks, ranked)
+    data = {
+        "trials": trials,
+        "rows": rows,
+        "table": table,
+        "paired": paired,
+        "best": best,
+        "baseline": str(baseline) if baseline is not None else None,
+        "ranking": ranks,
+        "results_table": results_table,
+        "cost": cost_points,
+    }
+    return lines, [f for f in (curve_png, cost_png) if f is not None], data
+
+
+def _results_table(rows: list, main_cols: list, best: str | None) -> tuple[list[str], list[dict[str, Any]]]:
+    """The results table's markdown lines (★ on the best row) and its cells as data."""
+    lines = [
         "| " + " | ".join(["row", "seeds", *(c.title for c in main_cols)]) + " |",
         "|" + "---|" * (2 + len(main_cols)),
     ]
@@ -194,20 +165,17 @@ def _results_sections(
     for r in rows:
         cells = {c.key: r.values(c.key) for c in main_cols}
         table.append({"row": r.name, "seeds": len(r.trials), "values": cells})
+        shown = [tables.fmt_cell(cells[c.key], c.kind) for c in main_cols]
         lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r.name + (" ★" if r.name == best else ""),
-                    str(len(r.trials)),
-                    *(tables.fmt_cell(cells[c.key], c.kind) for c in main_cols),
-                ]
-            )
-            + " |"
+            "| " + " | ".join([r.name + (" ★" if r.name == best else ""), str(len(r.trials)), *shown]) + " |"
         )
-    results_table = lines[4:]
-    lines += [
-        "",
+    return lines, table
+
+
+def _column_notes(trials: list[dict]) -> list[str]:
+    """What the results table's columns are read from, and whose numbers the trials without a readable record
+    of their own show."""
+    lines = [
         "- **params (non-emb.)** and **fwd FLOPs/token**: `model.describe.describe` of the trial's "
         "`config.yaml` at its training length (2 FLOPs per multiply-accumulate, attention at full L×L; the "
         "forward of one sequence over its tokens).",
@@ -220,84 +188,85 @@ def _results_sections(
         "training, one-off work that the first trial on a corpus does and later ones read back.",
         "- perplexities: `val/<set>/ppl` from training's final validation, `eval/ppl/<name>` from the sweep's "
         "`evaluate:`; accuracies in %.",
-        "",
     ]
     damaged = [t["number"] for t in trials if t["metrics_source"] == tables.DAMAGED]
     if damaged:  # a record that is there but cannot be read (cut short, edited): the study's copy stands in
-        lines[-1:-1] = [
+        lines.append(
             f"- trial(s) {', '.join(map(str, damaged))}: `{tables.SWEEP_RESULT}` is damaged (not a JSON object): "
             "their metrics are the Optuna study's copy."
-        ]
+        )
     elsewhere = [
         t["number"] for t in trials if t["metrics_source"] not in (tables.SWEEP_RESULT, tables.DAMAGED)
     ]
     if elsewhere:  # trained where this directory cannot see (another machine): say whose numbers these are
-        lines[-1:-1] = [
+        lines.append(
             f"- trial(s) {', '.join(map(str, elsewhere))} have no `{tables.SWEEP_RESULT}` in this directory "
             "(trained on another machine?): their metrics are the Optuna study's copy, their wall-clock, "
             "parameters and FLOPs what this directory and the sweep file give."
-        ]
-    if heads:
-        tasks = sorted({task for task, _ in heads})
-        lines += [
-            "## Downstream accuracy (%)",
-            "",
-            "MeSH Table 2 layout: each task's headline metric (acc_norm or acc, named in the header), mean ± std "
-            "over seeds; Avg. is `eval/avg/<k>shot` as `eval` logged it.",
-            "",
-        ]
-        metric_of = {t: sorted({heads[k].rsplit("/", 1)[1] for k in heads if k[0] == t}) for t in tasks}
-        head = ["row", "shots", *(f"{t} ({'/'.join(metric_of[t])})" for t in tasks), "Avg."]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in rows:
-            for k in shots:
-                cells = [r.name, f"{k}-shot"]
-                cells += [
-                    tables.fmt_cell(r.values(heads[(t, k)]), "acc") if (t, k) in heads else tables.MISSING
-                    for t in tasks
-                ]
-                cells.append(tables.fmt_cell(r.values(f"eval/avg/{k}shot"), "acc"))
-                lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-    baseline = (spec.report or {}).get("baseline")
-    paired: dict[str, dict[str, Any]] = {}
-    diff_cols = [c for c in main_cols if c.paired]
-    if baseline is not None:
-        base = next((r for r in rows if r.name == str(baseline)), None)
-        lines += [f"## Paired difference to `{baseline}`", ""]
-        if base is None:
-            lines += [f"The baseline row `{baseline}` has no finished trial yet: no differences.", ""]
-        else:
-            level = round(100 * tables.CONFIDENCE)
-            lines += [
-                f"Row − `{baseline}` on the same seed, mean over the seed pairs [{level} % Student-t interval: "
-                f"mean ± t({(1 + tables.CONFIDENCE) / 2:.3f}, n−1) · sd/√n over the n pairs]; lower perplexity and "
-                "higher accuracy (points) are better; each cell says whether its interval excludes 0 (**bold**: "
-                "the rows are distinguishable) or includes it. An interval needs two pairs.",
-                "",
-                "| " + " | ".join(["row", "pairs", *(c.title for c in diff_cols)]) + " |",
-                "|" + "---|" * (2 + len(diff_cols)),
+        )
+    return lines
+
+
+def _downstream_section(rows: list, heads: dict, shots: list) -> list[str]:
+    """MeSH Table 2: each task's headline accuracy per row and shot count, and their average."""
+    if not heads:
+        return []
+    tasks = sorted({task for task, _ in heads})
+    lines = [
+        "## Downstream accuracy (%)",
+        "",
+        "MeSH Table 2 layout: each task's headline metric (acc_norm or acc, named in the header), mean ± std "
+        "over seeds; Avg. is `eval/avg/<k>shot` as `eval` logged it.",
+        "",
+    ]
+    metric_of = {t: sorted({heads[k].rsplit("/", 1)[1] for k in heads if k[0] == t}) for t in tasks}
+    head = ["row", "shots", *(f"{t} ({'/'.join(metric_of[t])})" for t in tasks), "Avg."]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        for k in shots:
+            cells = [r.name, f"{k}-shot"]
+            cells += [
+                tables.fmt_cell(r.values(heads[(t, k)]), "acc") if (t, k) in heads else tables.MISSING
+                for t in tasks
             ]
-            for r in rows:
-                if r is base:
-                    continue
-                diffs = {c.key: tables.paired_difference(r, base, c.key) for c in diff_cols}
-                paired[r.name] = diffs
-                n = max((d["n"] for d in diffs.values() if d), default=0)
-                cells = [r.name, str(n), *(tables.fmt_difference(diffs[c.key], c.kind) for c in diff_cols)]
-                lines.append("| " + " | ".join(cells) + " |")
-            lines.append("")
-    said = ranking.significance(ranks, ranked, str(baseline) if baseline is not None else None, paired)
-    if said:  # the star's caveat, under the results table (the line the console and MLflow print)
-        lines.insert(4 + len(results_table), f"★ `{best}`: " + "; ".join(said.values()) + ".")
-        lines.insert(4 + len(results_table), "")
-    if baseline is None and seeds > 1 and len(rows) > 1:
-        lines += [
-            "Name a baseline row (`report: {baseline: <row>}` in the sweep file) for paired differences "
-            "with confidence intervals.",
-            "",
-        ]
-    figures = []
+            cells.append(tables.fmt_cell(r.values(f"eval/avg/{k}shot"), "acc"))
+            lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _paired_section(
+    rows: list, baseline: Any, diff_cols: list
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """The paired differences of every row to the ``baseline`` row with their t-intervals: (markdown lines, the
+    differences by row); nothing without a baseline, a sentence while the baseline has no finished trial."""
+    if baseline is None:
+        return [], {}
+    base = next((r for r in rows if r.name == str(baseline)), None)
+    lines = [f"## Paired difference to `{baseline}`", ""]
+    if base is None:
+        return [*lines, f"The baseline row `{baseline}` has no finished trial yet: no differences.", ""], {}
+    level = round(100 * tables.CONFIDENCE)
+    lines += [
+        f"Row − `{baseline}` on the same seed, mean over the seed pairs [{level} % Student-t interval: "
+        f"mean ± t({(1 + tables.CONFIDENCE) / 2:.3f}, n−1) · sd/√n over the n pairs]; lower perplexity and "
+        "higher accuracy (points) are better; each cell says whether its interval excludes 0 (**bold**: "
+        "the rows are distinguishable) or includes it. An interval needs two pairs.",
+        "",
+        "| " + " | ".join(["row", "pairs", *(c.title for c in diff_cols)]) + " |",
+        "|" + "---|" * (2 + len(diff_cols)),
+    ]
+    paired = paired_differences(rows, base, diff_cols)
+    for name, diffs in paired.items():
+        n = max((d["n"] for d in diffs.values() if d), default=0)
+        cells = [name, str(n), *(tables.fmt_difference(diffs[c.key], c.kind) for c in diff_cols)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""], paired
+
+
+def _curves_section(
+    rows: list, spec: Any, seeds: int, tracking_uri: str, out: Path, problems: list[str]
+) -> tuple[Path | None, list[str]]:
+    """The learning-curve figure of every row with a metric history, and its section."""
     curve_rows = {
         r.name: [
             {
@@ -315,9 +284,8 @@ def _results_sections(
     png = curves.plot_learning_curves(
         curve_rows, out / "report_learning_curves.png", title=f"{spec.name}: learning curves"
     )
-    lines += ["## Learning curves", ""]
+    lines = ["## Learning curves", ""]
     if png is not None:
-        figures.append(png)
         band = "min-max over the seeds as a band" if seeds > 1 else "one seed per row"
         lines += [
             "Training loss and validation perplexity against tokens seen, and validation perplexity against "
@@ -332,26 +300,121 @@ def _results_sections(
         lines += [f"No trial has a metric history in {mask_url(tracking_uri)}.", ""]
     if problems:
         lines += ["Could not read the history of: " + "; ".join(problems), ""]
-    cost_png, cost_points = cost.plot(rows, ranked, out / "report_cost.png", spec.name)
-    if cost_png is not None:
-        figures.append(cost_png)
-    lines += cost.section(cost_png, cost_points, ranked)
-    lines += ranking.runs_section(ranks, ranked)
-    return (
-        lines,
-        figures,
-        {
-            "trials": trials,
-            "rows": rows,
-            "table": table,
-            "paired": paired,
-            "best": best,
-            "baseline": str(baseline) if baseline is not None else None,
-            "ranking": ranks,
-            "results_table": results_table,
-            "cost": cost_points,
-        },
-    )
+    return png, lines
+
+
+def _axis_sections(
+    rows: list[dict], axes: list[str], ranked: str, out: Path, plot: str
+) -> tuple[list[str], list[Path]]:
+    """One table and figure per axis: the ranked metric and the other perplexities by the axis's value."""
+    lines, figures = [], []
+    for axis in axes:
+        table, best = axis_table(rows, axis, ranked)
+        if not table:
+            continue
+        extra_cols = sorted({c for r in table for c in r[4] if c != ranked})
+        lines += [
+            f"## By {axis}",
+            "",
+            "| " + " | ".join([axis, ranked, "n"] + extra_cols) + " |",
+            "|" + "---|" * (3 + len(extra_cols)),
+        ]
+        order = (
+            sorted(table, key=lambda r: (str(type(r[0])), r[0]))
+            if all(not isinstance(r[0], str) for r in table)
+            else table
+        )
+        for label, mean, std, n, extra in order:
+            star = " ★" if label == best else ""
+            cells = [
+                f"{_fmt(label)}{star}",
+                tables.fmt_mean_std(mean, std, lambda v, u=ranked: fmt.metric(u, v)),
+                str(n),
+            ]
+            cells += [
+                tables.fmt_mean_std(*extra[c], lambda v, c=c: fmt.metric(c, v)) if c in extra else ""
+                for c in extra_cols
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+        safe = "".join(c if c.isalnum() else "_" for c in axis)
+        png = _plot_axis(table, axis, ranked, out / f"report_{safe}.png", plot)
+        figures.append(png)
+        lines += [f"![{axis}]({png.name})", ""]
+    return lines, figures
+
+
+def _sweep_record(run_dir: Path) -> dict[str, Any]:
+    """The ``sweep.json`` of a sweep directory (one sentence for a directory that is not one)."""
+    info_file = SweepDir(run_dir).info
+    if not info_file.exists():
+        raise ConfigError(
+            f"'{run_dir}' is not a sweep directory (no {SweepDir.INFO}); pass the --run-dir of a sweep."
+        )
+    return json.loads(info_file.read_text())
+
+
+def _header(spec: Any, done: int, failed: int, unfinished: int, ppl_metric: str) -> list[str]:
+    """The report's title, the sweep's description, the trial counts and, while trials are left, that it is
+    partial."""
+    lines = [f"# Sweep `{spec.name}`", ""]
+    if spec.description:
+        lines += [spec.description, ""]
+    lines += [
+        f"{done} finished trials"
+        + (f", {failed} failed" if failed else "")
+        + f"; metric `{ppl_metric}` (lower is better), mean ± std over seeds; ★ marks the best row."
+        + VIEWER_HINT,
+        "",
+    ]
+    if unfinished:  # never present a sweep that is still running as a finished one
+        lines += [
+            f"**The sweep is not finished**: {unfinished} trial(s) are still waiting or running; this report is "
+            "partial.",
+            "",
+        ]
+    return lines
+
+
+def _failed_section(failed: list[dict]) -> list[str]:
+    if not failed:
+        return []
+    return [
+        "## Failed trials",
+        "",
+        *(f"- trial {r['number']} ({r['key']}): {r['error']}" for r in failed),
+        "",
+    ]
+
+
+def _log_to_parent(
+    tracking_uri: str,
+    parent: str,
+    files: list[Path],
+    rows: list[dict],
+    failed: list[dict],
+    data: dict,
+    ranked: str,
+) -> None:
+    """Log the report's files, the ranking and the trial counts to the sweep's MLflow parent run (the report on
+    disk stands when this fails: a warning)."""
+    try:
+        for f in files:
+            log_artifact(tracking_uri, parent, f, subdir=SweepDir.REPORT_ARTIFACTS)
+        if rows:
+            log_ranking(
+                tracking_uri,
+                parent,
+                data["ranking"],
+                ranked,
+                data["results_table"],
+                data["baseline"],
+                data["paired"],
+                {t["mlflow_run_id"]: cost.trial_metrics(t) for t in rows if t.get("mlflow_run_id")},
+            )
+            log_batch(tracking_uri, parent, {"trials/finished": len(rows), "trials/failed": len(failed)})
+    except Exception as e:  # the report on disk is still complete
+        print(mask_url(f"warning: could not log the report to MLflow ({e})"))
 
 
 def write_report(
@@ -367,12 +430,7 @@ def write_report(
     run_dir = Path(run_dir).resolve()
     out_given = out is not None
     out = Path(out).resolve() if out is not None else run_dir
-    info_file = run_dir / "sweep.json"
-    if not info_file.exists():
-        raise ConfigError(
-            f"'{run_dir}' is not a sweep directory (no sweep.json); pass the --run-dir of a sweep."
-        )
-    info = json.loads(info_file.read_text())
+    info = _sweep_record(run_dir)
     # recorded with their passwords masked: filled in from this command or the environment (uris.reveal)
     storage_url = storage_url or reveal(absolute_uri(info["storage"], base=run_dir))
     tracking_uri = tracking_uri or reveal(absolute_uri(info["tracking_uri"], base=run_dir))
@@ -384,108 +442,38 @@ def write_report(
         origin = info.get("sweep_dir")
         # the sweep file's base: config may stay behind when the directory moves; the trials hold their configs
         spec = load_sweep(
-            run_dir / "sweep.yaml", origin if origin and Path(origin).is_dir() else None, base_needed=False
+            SweepDir(run_dir).spec, origin if origin and Path(origin).is_dir() else None, base_needed=False
         )
     rows, failed, attrs = collect(storage_url, info["name"])
     unfinished = attrs.pop("_unfinished", 0)
     faults.point("during_report")
-    metric = spec.metric
-    ppl_metric = metric.replace("/loss", "/ppl")
+    ppl_metric = spec.metric.replace("/loss", "/ppl")
     axes = [a.name for a in spec.axes if a.name != SEED_AXIS] or sorted(
         {k for r in rows for k in r["params"]} - {SEED_AXIS}
     )
-    hints = spec.report or {}
-    lines = [f"# Sweep `{spec.name}`", ""]
-    if spec.description:
-        lines += [spec.description, ""]
-    lines += [
-        f"{len(rows)} finished trials"
-        + (f", {len(failed)} failed" if failed else "")
-        + f"; metric `{ppl_metric}` (lower is better), mean ± std over seeds; ★ marks the best row."
-        + VIEWER_HINT,
-        "",
-    ]
-    if unfinished:  # never present a sweep that is still running as a finished one
-        lines += [
-            f"**The sweep is not finished**: {unfinished} trial(s) are still waiting or running; this report is "
-            "partial.",
-            "",
-        ]
-    ranked = ppl_metric if any(ppl_metric in r["metrics"] for r in rows) else metric
+    lines = _header(spec, len(rows), len(failed), unfinished, ppl_metric)
+    ranked = ppl_metric if any(ppl_metric in r["metrics"] for r in rows) else spec.metric
     result_lines, figures, data = _results_sections(rows, axes, spec, ranked, tracking_uri, run_dir, out)
     rows = data["trials"]  # the trials' values as their directories hold them
-    lines += result_lines
-    for axis in axes:
-        used = ranked
-        table, best = axis_table(rows, axis, used)
-        if not table:
-            continue
-        extra_cols = sorted({c for r in table for c in r[4] if c != used})
-        lines += [
-            f"## By {axis}",
-            "",
-            "| " + " | ".join([axis, used, "n"] + extra_cols) + " |",
-            "|" + "---|" * (3 + len(extra_cols)),
-        ]
-        order = (
-            sorted(table, key=lambda r: (str(type(r[0])), r[0]))
-            if all(not isinstance(r[0], str) for r in table)
-            else table
-        )
-        for label, mean, std, n, extra in order:
-            star = " ★" if label == best else ""
-            cells = [
-                f"{_fmt(label)}{star}",
-                tables.fmt_mean_std(mean, std, lambda v, u=used: fmt.metric(u, v)),
-                str(n),
-            ]
-            cells += [
-                tables.fmt_mean_std(*extra[c], lambda v, c=c: fmt.metric(c, v)) if c in extra else ""
-                for c in extra_cols
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-        safe = "".join(c if c.isalnum() else "_" for c in axis)
-        png = _plot_axis(table, axis, used, out / f"report_{safe}.png", hints.get("plot", "auto"))
-        figures.append(png)
-        lines += [f"![{axis}]({png.name})", ""]
+    axis_lines, axis_figures = _axis_sections(
+        rows, axes, ranked, out, (spec.report or {}).get("plot", "auto")
+    )
+    lines += result_lines + axis_lines
+    figures += axis_figures
     ctx_png, ctx_lines = context_lengths.section(rows, axes, spec, out, data["rows"], data["baseline"])
     if ctx_png is not None:
         figures.append(ctx_png)
         lines += ctx_lines
-    if failed:
-        lines += ["## Failed trials", ""]
-        for r in failed:
-            lines.append(f"- trial {r['number']} ({r['key']}): {r['error']}")
-        lines.append("")
+    lines += _failed_section(failed)
     md = "\n".join(lines)
-    path = out / "report.md"
+    path, html_path = SweepDir.report_files(out)
     atomic_write_text(path, md)
-    html_path = out / "report.html"
     atomic_write_text(
         html_path, markdown_to_html(md.replace(VIEWER_HINT, ""), out, title=f"sweep {spec.name}")
     )
     parent = attrs.get("mlflow_parent_run_id") or info.get("parent_run_id")
     if parent and log:
-        try:
-            log_artifact(tracking_uri, parent, path, subdir="report")
-            log_artifact(tracking_uri, parent, html_path, subdir="report")
-            for f in figures:
-                log_artifact(tracking_uri, parent, f, subdir="report")
-            if rows:
-                log_ranking(
-                    tracking_uri,
-                    parent,
-                    data["ranking"],
-                    ranked,
-                    data["results_table"],
-                    data["baseline"],
-                    data["paired"],
-                    {t["mlflow_run_id"]: cost.trial_metrics(t) for t in rows if t.get("mlflow_run_id")},
-                )
-                log_batch(tracking_uri, parent, {"trials/finished": len(rows), "trials/failed": len(failed)})
-        except Exception as e:  # the report on disk is still complete
-            print(mask_url(f"warning: could not log the report to MLflow ({e})"))
+        _log_to_parent(tracking_uri, parent, [path, html_path, *figures], rows, failed, data, ranked)
         # every point ended but a command stopped before closing the parent (a pre-emption): closed as its grid
         # stands; a sweep still under way is left to its workers
         close_parent(spec, storage_url, tracking_uri)
@@ -508,7 +496,7 @@ def write_report(
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="recursive_lightning report", description="Tables and plots of a sweep.")
+    p = ArgumentParser(prog="recursive_lightning report", description="Tables and plots of a sweep.")
     p.add_argument("--run-dir", required=True, help="the sweep's run directory")
     p.add_argument(
         "--out", help="write report.md, report.html and the figures here (default: the run directory)"

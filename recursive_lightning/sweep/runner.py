@@ -16,6 +16,7 @@ worker crashed, or trials are running elsewhere); 2 a bad sweep file or option; 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -24,13 +25,17 @@ import socket
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning.data.tokenizer import INIT_TOKENIZER
-from recursive_lightning.errors import ConfigError
+from recursive_lightning.errors import ArgumentParser, ConfigError
 from recursive_lightning.files import writable_dir_problem
+from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep.checks import check_late_fields
+from recursive_lightning.sweep.claims import POLL_S, requeue_dead_local
 from recursive_lightning.sweep.devices import device_pool, devices_needed
 from recursive_lightning.sweep.launch import PARENT_ENV, Stop, die_with_parent, on_sigterm, spawn_workers
 from recursive_lightning.sweep.parent import close_parent, open_parent
@@ -52,7 +57,7 @@ from recursive_lightning.sweep.study import (
     record_run_dir,
     unfinished,
 )
-from recursive_lightning.sweep.trial import POLL_S, requeue_dead_local, worker
+from recursive_lightning.sweep.trial import worker
 from recursive_lightning.tracking.runs import default_tracking_uri
 from recursive_lightning.tracking.view import ui_hint
 from recursive_lightning.training.run import prepare_corpus
@@ -84,7 +89,7 @@ def prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri
     sweep as more workers (creating the stores concurrently fails inside SQLAlchemy)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     # across machines on one PostgreSQL study, an advisory lock in its database (servers.database_lock)
-    with file_lock(run_dir / ".sweep.lock"), database_lock(storage_url, spec.name):
+    with file_lock(SweepDir(run_dir).sweep_lock), database_lock(storage_url, spec.name):
         check_run_dir_holds(spec, run_dir)
         study, storage = create_study(spec, run_dir, storage_url)
         requeue_dead_local(study, storage, storage_url)
@@ -174,8 +179,300 @@ def _password_hint(storage: str) -> str:
     )
 
 
+@dataclass
+class SweepOptions:
+    """How ``run_sweep`` runs a sweep file (the ``sweep`` command's options). ``run_dir``: where trials, stores
+    and the report go (default: the study's recorded directory for ``attach``, else ``runs/sweeps/<name>``);
+    ``workers``: processes on this machine (default: the file's); ``storage`` / ``tracking_uri``: the Optuna and
+    MLflow stores (default: the environment's, else SQLite files in the run directory); ``attach``: join an
+    existing study as a worker; ``prepare``: create the study, its grid, the parent run and the data, then stop;
+    ``worker``: a worker process a sweep started; ``max_trials``: stop this worker after that many trials;
+    ``report``: write the report at the end."""
+
+    run_dir: str | os.PathLike | None = None
+    workers: int | None = None
+    storage: str | None = None
+    tracking_uri: str | None = None
+    attach: bool = False
+    prepare: bool = False
+    worker: bool = False
+    max_trials: int | None = None
+    report: bool = True
+
+
+@dataclass
+class SweepOutcome:
+    """How a ``run_sweep`` ended. ``status``: FINISHED (every grid point finished), FAILED (one failed after its
+    retries), UNFINISHED (points left: re-run or wait), PREPARED (``prepare``), DONE (a worker's part ended:
+    other live workers run the last trials); ``exit_status`` the ``sweep`` command's (0, ``EXIT_FAILED``,
+    ``EXIT_UNFINISHED``). ``finished`` / ``failed``: the report's trial counts, ``best_row`` and ``best`` its
+    winning row and summary line, ``report`` its ``report.md`` (all None without a report); ``unfinished``: the
+    grid points still waiting or running; ``storage`` and ``tracking_uri`` with their passwords masked."""
+
+    sweep_dir: Path
+    name: str
+    status: str
+    exit_status: int
+    storage: str
+    tracking_uri: str
+    finished: int | None = None
+    failed: int | None = None
+    best_row: str | None = None
+    best: str | None = None
+    report: Path | None = None
+    unfinished: list[str] = field(default_factory=list)
+
+
+def run_sweep(
+    path: str | os.PathLike | None = None,
+    run_dir: str | os.PathLike | None = None,
+    options: SweepOptions | None = None,
+    **fields: Any,
+) -> SweepOutcome:
+    """Run (or resume, or join) the sweep file ``path`` (default ``ablations/default.yaml``) into ``run_dir`` as
+    ``options`` say (or their fields as keywords: ``workers=2``, ``report=False``), printing one line per trial,
+    as the ``sweep`` command does. Call it from the main thread (it handles SIGTERM: the sweep stops like Ctrl-C
+    and its MLflow parent run is closed)."""
+    o = dataclasses.replace(options or SweepOptions(), **fields)
+    if run_dir is not None:
+        o.run_dir = run_dir
+    # the store URLs default to the environment's (how a sweep hands them to its workers, off their command
+    # lines); one given as the package shows it (its password masked) takes its password from there (uris.reveal)
+    o.storage = reveal(remember(o.storage or os.environ.get(STORAGE_ENV)))
+    o.tracking_uri = reveal(remember(o.tracking_uri or os.environ.get(TRACKING_ENV)))
+    quiet_libraries(trains=False)
+    _quiet_progress_bars(o)
+    sweep_file = Path(path if path is not None else DEFAULT_SWEEP)
+    spec = _checked_spec(sweep_file, o)
+    run_dir, storage, tracking = _locations(spec, o)
+    workers = o.workers if o.workers is not None else spec.workers
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, not {workers}.")
+    # Lightning's banners silenced where this process trains; one that spawns workers or only prepares does not
+    # import it
+    quiet_libraries(trains=o.worker or (workers == 1 and not o.prepare))
+    t0 = time.time()
+    if o.worker:
+        die_with_parent(int(os.environ.get(PARENT_ENV) or os.getppid()))
+    outcome = _Outcome(spec, sweep_file, run_dir, storage, tracking, o)
+    if not o.attach:
+        prepare_study(spec, run_dir, storage, tracking)
+        if o.prepare:
+            return _prepared(spec, sweep_file, outcome)
+        trials = len(spec.grid()) if spec.search is None else spec.search["n_trials"]
+        print(
+            f"[sweep {spec.name}] {trials} trials; study in {mask_url(storage)}; tracking {mask_url(tracking)}",
+            flush=True,
+        )
+    # SIGTERM (a scheduler, or the command stopping its workers) ends the sweep like Ctrl-C: the parent run is
+    # closed KILLED instead of staying RUNNING
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    if o.worker:
+        worker(spec, run_dir, storage, tracking, max_trials=o.max_trials, take_over=not o.max_trials)
+        return outcome.made("DONE", 0)
+    try:
+        crashed, report, status = _run_and_report(spec, sweep_file, run_dir, storage, tracking, o, workers)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(ui_hint(run_dir, tracking))
+    return outcome.ended(status, crashed, report, time.time() - t0)
+
+
+def _quiet_progress_bars(o: SweepOptions) -> None:
+    """Per-request progress bars (lm-eval, our evaluator) of parallel workers interleave into noise in a log:
+    off for workers and logs (the sweep prints one line per trial instead); ``RL_TORCH_THREADS`` applied."""
+    if o.worker or not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
+    if os.environ.get("RL_TORCH_THREADS"):
+        import torch  # heavy
+
+        torch.set_num_threads(int(os.environ["RL_TORCH_THREADS"]))
+
+
+def _checked_spec(sweep_file: Path, o: SweepOptions) -> SweepSpec:
+    """The sweep file, read and checked with the options before any work: its late fields, the counts, the
+    study an attached worker joins, the devices and what this machine can train."""
+    spec = load_sweep(sweep_file)
+    check_late_fields(spec, sweep_file.parent, str(sweep_file))  # read after training: checked now
+    if o.workers is not None and o.workers < 1:  # before the run directory is made
+        raise ConfigError(f"--workers must be >= 1, not {o.workers}.")
+    if o.attach and o.storage:
+        check_study_file_exists(spec, o.storage)  # opening a missing SQLite file would create it
+    if o.max_trials is not None and o.max_trials < 1:
+        raise ConfigError(
+            f"--max-trials must be >= 1, not {o.max_trials}; leave it out to run until no grid point is left."
+        )
+    check_devices(spec, device_pool())  # one sentence before any work
+    if not o.prepare:  # what this machine trains: combinations its kind refuses, before the first trial
+        check_machine(spec)
+    return spec
+
+
+def _locations(spec: SweepSpec, o: SweepOptions) -> tuple[Path, str, str]:
+    """(run directory, study storage, tracking store) of the sweep, each checked before anything is written;
+    the run directory made. An attached worker finds the directory and store the study was prepared with."""
+    recorded = recorded_study(o.storage, spec.name, o.tracking_uri) if o.attach and o.storage else {}
+    run_dir = Path(o.run_dir or recorded.get("run_dir") or Path("runs") / "sweeps" / spec.name).resolve()
+    storage = o.storage or default_storage(run_dir)
+    tracking = o.tracking_uri or recorded.get("tracking_uri") or default_tracking_uri(run_dir)
+    problem = writable_dir_problem(run_dir)
+    if problem is not None:  # a file, or read-only storage: one sentence, before any work
+        raise ConfigError(
+            f"the sweep's run directory '{run_dir}' cannot hold its trials: {problem}; pass --run-dir with a "
+            "folder you can write to."
+        )
+    check_stores(storage, tracking)  # one sentence for a store the sweep cannot reach, before any work
+    if o.storage and not o.attach:  # an existing study is not re-pointed to another directory
+        check_study_dir(spec, storage, run_dir)
+    if o.attach:  # the study, its grid and its run directory, checked before anything is written
+        study = attached_study(spec, storage)
+        check_unchanged(spec, study, run_dir, record=False, storage_url=storage)
+        check_attach_dir(spec, study, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir, storage, tracking
+
+
+def _prepared(spec: SweepSpec, sweep_file: Path, outcome: _Outcome) -> SweepOutcome:
+    """``prepare``: the data too, then how to start the workers that attach."""
+    prepare_data(spec)
+    print(
+        f"[sweep {spec.name}] prepared in {outcome.run_dir}; start workers (on any machine that reaches the "
+        f"stores and this directory) with: sweep {sweep_file} --attach --storage {mask_url(outcome.storage)}"
+        f"{_password_hint(outcome.storage)}",
+        flush=True,
+    )
+    return outcome.made("PREPARED", 0)
+
+
+def _run_and_report(
+    spec: SweepSpec,
+    sweep_file: Path,
+    run_dir: Path,
+    storage: str,
+    tracking: str,
+    o: SweepOptions,
+    workers: int,
+) -> tuple[int, dict[str, Any] | None, str]:
+    """Run the trials (here, or in ``workers`` processes), write the report and close the parent run: (the exit
+    code of a crashed worker process, else 0; the report; the parent run's status). Whatever stops it (Ctrl-C,
+    SIGTERM, a crash) closes the parent run first."""
+    crashed, report = 0, None
+    try:
+        if workers > 1:
+            prepare_data(spec)  # tokenise once here rather than racing in every worker
+        while True:
+            if workers > 1:
+                crashed = spawn_workers(workers, sweep_file, run_dir, storage, tracking)
+            else:
+                take_over = o.attach and not o.max_trials
+                worker(spec, run_dir, storage, tracking, max_trials=o.max_trials, take_over=take_over)
+            # trials that other live processes on this machine run are waited for, not reported as missing
+            if crashed or o.max_trials or not _wait_for_local_trials(spec, storage):
+                break
+        # the report and the parent's end stay under the SIGTERM handler: a pre-emption while the report is
+        # written closes the parent too
+        if o.report:
+            report = _report(spec, run_dir, storage, tracking)
+        faults.point("before_close_parent")
+        return crashed, report, close_parent(spec, storage, tracking)
+    except BaseException as e:  # Ctrl-C, SIGTERM (train stops at a step boundary), a crash: the sweep stopped
+        # the parent ends as its grid stands (FINISHED once every point finished, whatever stopped this command);
+        # an attached worker stopping with points unfinished (pre-empted) leaves it to the workers still running
+        close_parent(spec, storage, tracking, interrupted=not o.attach)
+        print(
+            f"[sweep {spec.name}] stopped; re-run the same command to resume it", file=sys.stderr, flush=True
+        )
+        if isinstance(e, Stop):
+            raise SystemExit(143) from None
+        raise
+
+
+def _report(spec: SweepSpec, run_dir: Path, storage: str, tracking: str) -> dict[str, Any]:
+    """Write the report (one writer at a time: workers on several machines may end together and the report's
+    files have fixed names) and print it with its path and the best row."""
+    with file_lock(SweepDir(run_dir).report_lock), database_lock(storage, f"{spec.name}/report"):
+        report = write_report(run_dir, spec=spec, storage_url=storage, tracking_uri=tracking)
+    print(report["markdown"])
+    print(f"\nreport: {report['path']}")
+    print(f"best: {summary_line(report)}")
+    return report
+
+
+@dataclass
+class _Outcome:
+    """What every ``SweepOutcome`` of one ``run_sweep`` shares, and how each ending makes one (and says it)."""
+
+    spec: SweepSpec
+    sweep_file: Path
+    run_dir: Path
+    storage: str
+    tracking: str
+    options: SweepOptions
+
+    def made(self, status: str, exit_status: int, **more: Any) -> SweepOutcome:
+        # the stores as the package shows them: a password stays out of reprs and logs
+        storage, tracking = mask_url(self.storage), mask_url(self.tracking)
+        return SweepOutcome(self.run_dir, self.spec.name, status, exit_status, storage, tracking, **more)
+
+    def ended(self, status: str, crashed: int, report: dict[str, Any] | None, seconds: float) -> SweepOutcome:
+        """The parent run's ``status`` said: finished, failed, or the grid points left and how to finish them."""
+        name = self.spec.name
+        counts = {}
+        if report is not None:
+            counts = {
+                "finished": len(report["rows"]),
+                "failed": len(report["failed"]),
+                "best_row": report["best_row"],
+                "best": summary_line(report),
+                "report": Path(report["path"]),
+            }
+        if status == "FINISHED":
+            print(f"[sweep {name}] finished in {seconds:.0f}s", flush=True)
+            return self.made("FINISHED", 0, **counts)
+        if status == "FAILED":
+            print(
+                f"[sweep {name}] FAILED: some grid points failed after their retries; see the report",
+                file=sys.stderr,
+                flush=True,
+            )
+            return self.made("FAILED", EXIT_FAILED, **counts)
+        pending = unfinished(self.spec, self.storage)
+        left = pending["waiting"] + pending["running"]
+        o = self.options
+        if o.attach and not crashed and pending["running"] and not pending["waiting"] and not o.max_trials:
+            # a scheduler's worker is done: live workers (their heartbeats advance) run the last trials
+            print(
+                f"[sweep {name}] this worker is done: no grid point is waiting and live workers run "
+                f"{', '.join(pending['running'])}; the worker that ends the last trial closes the sweep",
+                flush=True,
+            )
+            return self.made("DONE", 0, unfinished=left, **counts)
+        print(self._how_to_finish(crashed, left), file=sys.stderr, flush=True)
+        return self.made("UNFINISHED", EXIT_UNFINISHED, unfinished=left, **counts)
+
+    def _how_to_finish(self, crashed: int, left: list[str]) -> str:
+        o, storage = self.options, self.storage
+        again = (
+            f"sweep {self.sweep_file} --attach --storage {mask_url(storage)}"
+            if o.attach
+            else f"sweep {self.sweep_file} --run-dir {self.run_dir}"
+            + (f" --storage {mask_url(storage)}" if o.storage else "")
+        )
+        why = (
+            f"a worker process exited with code {crashed}"
+            if crashed
+            else "trials are still waiting or running (other machines or --max-trials)"
+        )
+        shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
+        return (
+            f"[sweep {self.spec.name}] not finished: {why}; unfinished grid point(s) {shown or '(none named)'}: run "
+            f"`{again}`{_password_hint(storage)} to finish them (the report is partial until then)"
+        )
+
+
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
+    """``python -m recursive_lightning sweep``: the options parsed, the sweep run, its exit status returned."""
+    p = ArgumentParser(
         prog="recursive_lightning sweep", description="Run an ablation sweep (Optuna + MLflow)."
     )
     p.add_argument(
@@ -208,159 +505,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-trials", type=int, help="stop this worker after N trials")
     p.add_argument("--no-report", action="store_true", help="skip the report at the end")
     args = p.parse_args(argv)
-    # the store URLs default to the environment's (how a sweep hands them to its workers, off their command
-    # lines); one given as the package shows it (its password masked) takes its password from there (uris.reveal)
-    args.storage = reveal(remember(args.storage or os.environ.get(STORAGE_ENV)))
-    args.tracking_uri = reveal(remember(args.tracking_uri or os.environ.get(TRACKING_ENV)))
-    quiet_libraries(trains=False)
-    if args.worker or not sys.stderr.isatty():
-        # per-request progress bars (lm-eval, our evaluator) of parallel workers interleave into noise in a
-        # log; the sweep prints one line per trial instead
-        os.environ.setdefault("TQDM_DISABLE", "1")
-    if os.environ.get("RL_TORCH_THREADS"):
-        import torch  # heavy
-
-        torch.set_num_threads(int(os.environ["RL_TORCH_THREADS"]))
-    sweep_file = Path(args.file)
-    spec = load_sweep(sweep_file)
-    check_late_fields(spec, sweep_file.parent, str(sweep_file))  # read after training: checked now
-    if args.workers is not None and args.workers < 1:  # before the run directory is made
-        raise ConfigError(f"--workers must be >= 1, not {args.workers}.")
-    if args.attach and args.storage:
-        check_study_file_exists(spec, args.storage)  # opening a missing SQLite file would create it
-    if args.max_trials is not None and args.max_trials < 1:
-        raise ConfigError(
-            f"--max-trials must be >= 1, not {args.max_trials}; leave it out to run until no grid point is left."
-        )
-    check_devices(spec, device_pool())  # one sentence before any work
-    if not args.prepare:  # what this machine trains: combinations its kind refuses, before the first trial
-        check_machine(spec)
-    # an attached worker finds the run directory and tracking store the study was prepared with
-    recorded = (
-        recorded_study(args.storage, spec.name, args.tracking_uri) if args.attach and args.storage else {}
+    options = SweepOptions(
+        run_dir=args.run_dir,
+        workers=args.workers,
+        storage=args.storage,
+        tracking_uri=args.tracking_uri,
+        attach=args.attach,
+        prepare=args.prepare,
+        worker=args.worker,
+        max_trials=args.max_trials,
+        report=not args.no_report,
     )
-    run_dir = Path(args.run_dir or recorded.get("run_dir") or Path("runs") / "sweeps" / spec.name).resolve()
-    storage = args.storage or default_storage(run_dir)
-    tracking = args.tracking_uri or recorded.get("tracking_uri") or default_tracking_uri(run_dir)
-    problem = writable_dir_problem(run_dir)
-    if problem is not None:  # a file, or read-only storage: one sentence, before any work
-        raise ConfigError(
-            f"the sweep's run directory '{run_dir}' cannot hold its trials: {problem}; pass --run-dir with a "
-            "folder you can write to."
-        )
-    check_stores(storage, tracking)  # one sentence for a store the sweep cannot reach, before any work
-    if args.storage and not args.attach:  # an existing study is not re-pointed to another directory
-        check_study_dir(spec, storage, run_dir)
-    if args.attach:  # the study, its grid and its run directory, checked before anything is written
-        study = attached_study(spec, storage)
-        check_unchanged(spec, study, run_dir, record=False, storage_url=storage)
-        check_attach_dir(spec, study, run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    workers = args.workers if args.workers is not None else spec.workers
-    if workers < 1:
-        raise ConfigError(f"--workers must be >= 1, not {workers}.")
-    # Lightning's banners silenced where this process trains; one that spawns workers or only prepares does not
-    # import it
-    quiet_libraries(trains=args.worker or (workers == 1 and not args.prepare))
-    t0 = time.time()
-    if args.worker:
-        die_with_parent(int(os.environ.get(PARENT_ENV) or os.getppid()))
-    if not args.attach:
-        prepare_study(spec, run_dir, storage, tracking)
-        if args.prepare:
-            prepare_data(spec)
-            print(
-                f"[sweep {spec.name}] prepared in {run_dir}; start workers (on any machine that reaches the stores "
-                f"and this directory) with: sweep {sweep_file} --attach --storage {mask_url(storage)}"
-                f"{_password_hint(storage)}",
-                flush=True,
-            )
-            return 0
-        print(
-            f"[sweep {spec.name}] {len(spec.grid()) if spec.search is None else spec.search['n_trials']} trials; "
-            f"study in {mask_url(storage)}; tracking {mask_url(tracking)}",
-            flush=True,
-        )
-    # SIGTERM (a scheduler, or the command stopping its workers) ends the sweep like Ctrl-C: the parent run is
-    # closed KILLED instead of staying RUNNING
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    if args.worker:
-        worker(spec, run_dir, storage, tracking, max_trials=args.max_trials, take_over=not args.max_trials)
-        return 0
-    crashed = 0
-    try:
-        if workers > 1:
-            prepare_data(spec)  # tokenise once here rather than racing in every worker
-        while True:
-            if workers > 1:
-                crashed = spawn_workers(workers, sweep_file, run_dir, storage, tracking)
-            else:
-                take_over = args.attach and not args.max_trials
-                worker(spec, run_dir, storage, tracking, max_trials=args.max_trials, take_over=take_over)
-            # trials that other live processes on this machine run are waited for, not reported as missing
-            if crashed or args.max_trials or not _wait_for_local_trials(spec, storage):
-                break
-        # the report and the parent's end stay under the SIGTERM handler: a pre-emption while the report is
-        # written closes the parent too
-        if not args.no_report:
-            # one writer at a time: workers on several machines may end together (the report's files have fixed
-            # names)
-            with file_lock(run_dir / ".report.lock"), database_lock(storage, f"{spec.name}/report"):
-                report = write_report(run_dir, spec=spec, storage_url=storage, tracking_uri=tracking)
-            print(report["markdown"])
-            print(f"\nreport: {report['path']}")
-            print(f"best: {summary_line(report)}")
-        faults.point("before_close_parent")
-        status = close_parent(spec, storage, tracking)
-    except BaseException as e:  # Ctrl-C, SIGTERM (train stops at a step boundary), a crash: the sweep stopped
-        # the parent ends as its grid stands (FINISHED once every point finished, whatever stopped this command);
-        # an attached worker stopping with points unfinished (pre-empted) leaves it to the workers still running
-        close_parent(spec, storage, tracking, interrupted=not args.attach)
-        print(
-            f"[sweep {spec.name}] stopped; re-run the same command to resume it", file=sys.stderr, flush=True
-        )
-        if isinstance(e, Stop):
-            raise SystemExit(143) from None
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    print(ui_hint(run_dir, tracking))
-    if status == "FINISHED":
-        print(f"[sweep {spec.name}] finished in {time.time() - t0:.0f}s", flush=True)
-        return 0
-    if status == "FAILED":
-        print(
-            f"[sweep {spec.name}] FAILED: some grid points failed after their retries; see the report",
-            file=sys.stderr,
-            flush=True,
-        )
-        return EXIT_FAILED
-    pending = unfinished(spec, storage)
-    if args.attach and not crashed and pending["running"] and not pending["waiting"] and not args.max_trials:
-        # a scheduler's worker is done: live workers (their heartbeats advance) run the last trials
-        print(
-            f"[sweep {spec.name}] this worker is done: no grid point is waiting and live workers run "
-            f"{', '.join(pending['running'])}; the worker that ends the last trial closes the sweep",
-            flush=True,
-        )
-        return 0
-    left = pending["waiting"] + pending["running"]
-    again = (
-        f"sweep {sweep_file} --attach --storage {mask_url(storage)}"
-        if args.attach
-        else f"sweep {sweep_file} --run-dir {run_dir}"
-        + (f" --storage {mask_url(storage)}" if args.storage else "")
-    )
-    why = (
-        f"a worker process exited with code {crashed}"
-        if crashed
-        else "trials are still waiting or running (other machines or --max-trials)"
-    )
-    shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
-    print(
-        f"[sweep {spec.name}] not finished: {why}; unfinished grid point(s) {shown or '(none named)'}: run "
-        f"`{again}`{_password_hint(storage)} to finish them (the report is partial until then)",
-        file=sys.stderr,
-        flush=True,
-    )
-    return EXIT_UNFINISHED
+    return run_sweep(args.file, options=options).exit_status

@@ -30,11 +30,12 @@ from pathlib import Path
 
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.processes import dies_with_parent, stop_group
+from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.tracking.runs import absolute_uri, sqlite_parts
 from recursive_lightning.tracking.stores import (
     check_database,
     check_tracking_server,
-    is_database_url,
+    check_tracking_store,
 )
 from recursive_lightning.uris import mask_url, reveal, same_server
 
@@ -42,11 +43,7 @@ from recursive_lightning.uris import mask_url, reveal, same_server
 def check_stores(storage_url: str, tracking_uri: str) -> None:
     """One sentence, before any work, for a ``--storage`` or ``--tracking-uri`` the sweep cannot use."""
     check_database(storage_url, "--storage", "Optuna storage")
-    scheme = tracking_uri.split("://", 1)[0].lower() if "://" in tracking_uri else ""
-    if scheme in ("http", "https"):
-        check_tracking_server(tracking_uri)
-    elif scheme and scheme not in ("file", "sqlite", "databricks") and is_database_url(tracking_uri):
-        check_database(tracking_uri, "--tracking-uri", "MLflow tracking store")
+    check_tracking_store(tracking_uri)
 
 
 def recorded_study(storage_url: str, name: str, tracking_uri: str | None = None) -> dict[str, str]:
@@ -82,7 +79,7 @@ def _moved_with_its_study(storage_url: str, recorded_dir: str | None) -> dict[st
     if parts is None or recorded_dir is None:
         return {}
     here = Path(parts[0]).parent
-    info = here / "sweep.json"
+    info = SweepDir(here).info
     if here == Path(recorded_dir) or not info.is_file():
         return {}
     try:

@@ -200,6 +200,43 @@ def load_sweep(
     unknown = sorted(set(raw) - TOP_KEYS)
     if unknown:
         raise ConfigError(f"{where}: '{unknown[0]}' is not a sweep field; use {', '.join(sorted(TOP_KEYS))}.")
+    base, missing = _base_config(raw, path, relative_to, base_needed, where)
+    axes = _axes(raw, where)
+    search = _search(raw.get("search"), where)
+    max_retries = raw.get("max_retries", 2)
+    if not isinstance(max_retries, int) or max_retries < 0:
+        raise ConfigError(f"{where}: max_retries must be an integer >= 0, not {max_retries!r}.")
+    workers = raw.get("workers", 1)
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ConfigError(f"{where}: workers must be an integer >= 1, not {workers!r}.")
+    evaluate = _evaluate_block(raw.get("evaluate") or {}, where)
+    name = raw.get("name") or path.stem
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}: name must be a string.")
+    check_name(name, f"{where}: name")
+    report = _report_hints(raw.get("report") or {}, axes, search, where)
+    spec = SweepSpec(
+        name=name,
+        path=path,
+        base=base,
+        axes=axes,
+        description=str(raw.get("description", "")),
+        search=search,
+        metric=str(raw.get("metric", "val/heldout/loss")),
+        max_retries=max_retries,
+        pruning=dict(raw.get("pruning") or {}),
+        evaluate=dict(evaluate),
+        report=dict(report),
+        workers=workers,
+    )
+    # without its base a grid point's config is incomplete: nothing to validate (the trials hold theirs)
+    return spec if missing else spec.validate()
+
+
+def _base_config(
+    raw: dict, path: Path, relative_to: str | Path | None, base_needed: bool, where: str
+) -> tuple[dict, bool]:
+    """(the base run config with the file's ``overrides`` applied, whether its ``base:`` file is missing)."""
     base, missing = raw.get("base"), False
     if isinstance(base, str):
         base_path = (Path(relative_to or path.parent) / base).resolve()
@@ -218,6 +255,11 @@ def load_sweep(
     base = copy.deepcopy(base)
     for key, value in (raw.get("overrides") or {}).items():
         set_dotted(base, str(key), value)
+    return base, missing
+
+
+def _axes(raw: dict, where: str) -> list[Axis]:
+    """The grid's axes, ``seeds:`` as the axis ``train.seed``."""
     if not isinstance(raw.get("axes") or {}, dict):
         raise ConfigError(
             f"{where}: axes must be a mapping of a field (or a named axis) to its values, e.g. "
@@ -228,51 +270,39 @@ def load_sweep(
         if any(a.name == "train.seed" for a in axes):
             raise ConfigError(f"{where}: give seeds either as `seeds:` or as the axis train.seed, not both.")
         axes.append(_parse_axis("train.seed", raw["seeds"], where))
-    search = raw.get("search")
-    if search is not None:
-        if not isinstance(search, dict) or not isinstance(search.get("space"), dict) or not search["space"]:
+    return axes
+
+
+def _search(search: Any, where: str) -> dict | None:
+    """A ``search:`` block checked: a non-empty space of ranges or choices, ``n_trials`` >= 1."""
+    if search is None:
+        return None
+    if not isinstance(search, dict) or not isinstance(search.get("space"), dict) or not search["space"]:
+        raise ConfigError(
+            f"{where}: search needs a non-empty `space` mapping of dotted fields to ranges or choices."
+        )
+    for k, v in search["space"].items():
+        if not isinstance(v, dict) or not ({"low", "high"} <= set(v) or "choices" in v):
             raise ConfigError(
-                f"{where}: search needs a non-empty `space` mapping of dotted fields to ranges or choices."
+                f"{where}: search.space.{k} must be {{low, high[, log, step]}} or {{choices: [...]}}."
             )
-        for k, v in search["space"].items():
-            if not isinstance(v, dict) or not ({"low", "high"} <= set(v) or "choices" in v):
-                raise ConfigError(
-                    f"{where}: search.space.{k} must be {{low, high[, log, step]}} or {{choices: [...]}}."
-                )
-        if int(search.get("n_trials", 0)) < 1:
-            raise ConfigError(f"{where}: search.n_trials must be >= 1.")
-    max_retries = raw.get("max_retries", 2)
-    if not isinstance(max_retries, int) or max_retries < 0:
-        raise ConfigError(f"{where}: max_retries must be an integer >= 0, not {max_retries!r}.")
-    workers = raw.get("workers", 1)
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ConfigError(f"{where}: workers must be an integer >= 1, not {workers!r}.")
-    evaluate = raw.get("evaluate") or {}
+    if int(search.get("n_trials", 0)) < 1:
+        raise ConfigError(f"{where}: search.n_trials must be >= 1.")
+    return search
+
+
+def _evaluate_block(evaluate: Any, where: str) -> dict:
+    """The ``evaluate:`` block's keys and the shapes of its values checked (what they name, the text sets and
+    tasks, is checked before the first trial: ``sweep/checks.py``)."""
     if not isinstance(evaluate, dict) or set(evaluate) - EVALUATE_KEYS:
         bad = sorted(set(evaluate) - EVALUATE_KEYS) if isinstance(evaluate, dict) else [repr(evaluate)]
         raise ConfigError(
             f"{where}: evaluate.{bad[0]} is not an evaluate field; use {', '.join(sorted(EVALUATE_KEYS))}."
         )
-    lengths = evaluate.get("context_lengths")
-    if lengths is not None:
-        if (
-            not isinstance(lengths, list)
-            or not lengths
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in lengths)
-        ):
-            raise ConfigError(
-                f"{where}: evaluate.context_lengths must be a list of positive token counts, not {lengths!r}."
-            )
-        if not evaluate.get("ppl"):
-            raise ConfigError(
-                f"{where}: evaluate.context_lengths needs a text set: add evaluate.ppl {{name: path}} (and ctx_set)."
-            )
-    for dial in ("loops", "h_cycles"):
-        try:
-            check_depths(evaluate.get(dial), f"evaluate.{dial}")
-        except UserError as e:
-            raise ConfigError(f"{where}: {e}") from None
+    _check_context_lengths(evaluate, where)
     try:
+        for dial in ("loops", "h_cycles"):
+            check_depths(evaluate.get(dial), f"evaluate.{dial}")
         check_thresholds(evaluate.get("exit_kl"), "evaluate.exit_kl")
     except UserError as e:
         raise ConfigError(f"{where}: {e}") from None
@@ -290,11 +320,30 @@ def load_sweep(
         raise ConfigError(
             f"{where}: evaluate.tasks must be a list of lm-eval task names (or default), not {tasks!r}."
         )
-    name = raw.get("name") or path.stem
-    if not isinstance(name, str):
-        raise ConfigError(f"{where}: name must be a string.")
-    check_name(name, f"{where}: name")
-    report = raw.get("report") or {}
+    return evaluate
+
+
+def _check_context_lengths(evaluate: dict, where: str) -> None:
+    """``evaluate.context_lengths``: positive token counts, and a text set to score them on."""
+    lengths = evaluate.get("context_lengths")
+    if lengths is None:
+        return
+    if (
+        not isinstance(lengths, list)
+        or not lengths
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in lengths)
+    ):
+        raise ConfigError(
+            f"{where}: evaluate.context_lengths must be a list of positive token counts, not {lengths!r}."
+        )
+    if not evaluate.get("ppl"):
+        raise ConfigError(
+            f"{where}: evaluate.context_lengths needs a text set: add evaluate.ppl {{name: path}} (and ctx_set)."
+        )
+
+
+def _report_hints(report: Any, axes: list[Axis], search: dict | None, where: str) -> dict:
+    """The ``report:`` block: a mapping whose ``baseline``, if given, is a row of the grid."""
     if not isinstance(report, dict):
         raise ConfigError(
             f"{where}: report must be a mapping such as {{plot: bar, baseline: <row>}}, not {report!r}."
@@ -306,19 +355,4 @@ def load_sweep(
             raise ConfigError(
                 f"{where}: report.baseline '{report['baseline']}' is not a row of this sweep; the rows are: {valid}."
             )
-    spec = SweepSpec(
-        name=name,
-        path=path,
-        base=base,
-        axes=axes,
-        description=str(raw.get("description", "")),
-        search=search,
-        metric=str(raw.get("metric", "val/heldout/loss")),
-        max_retries=max_retries,
-        pruning=dict(raw.get("pruning") or {}),
-        evaluate=dict(evaluate),
-        report=dict(report),
-        workers=workers,
-    )
-    # without its base a grid point's config is incomplete: nothing to validate (the trials hold theirs)
-    return spec if missing else spec.validate()
+    return report

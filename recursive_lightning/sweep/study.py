@@ -20,6 +20,7 @@ from typing import Any
 
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_text, read_json
+from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep.spec import SweepSpec, point_key
 from recursive_lightning.tracking.runs import portable_uri
 from recursive_lightning.uris import mask_url
@@ -41,7 +42,7 @@ NEUTRAL_KEYS = {"train.progress", "train.keep_host_memory", "data.cache_dir", "d
 
 
 def default_storage(run_dir: Path) -> str:
-    return f"sqlite:///{run_dir.resolve() / 'optuna.db'}"
+    return f"sqlite:///{SweepDir(run_dir.resolve()).optuna_db}"
 
 
 def open_storage(url: str, max_retries: int):
@@ -150,7 +151,7 @@ def _study_axes(study) -> set[str] | None:
 def edited_sweep_advice(spec: SweepSpec, run_dir: Path, storage_url: str | None) -> str:
     """What to do with a sweep file that cannot continue a study: on a server database the conflict is the
     study, named after the sweep, in that shared database (a new --run-dir alone meets the same study)."""
-    kept = run_dir / "sweep.yaml"
+    kept = SweepDir(run_dir).spec
     if storage_url is None or storage_url.startswith("sqlite"):
         return (
             f"run the edited sweep into a new --run-dir, or restore the file it was run with (kept as {kept})"
@@ -216,7 +217,7 @@ def check_unchanged(
 
 def check_run_dir_holds(spec: SweepSpec, run_dir: Path) -> None:
     """Refuse a run directory that holds another sweep (its ``sweep.json`` names it)."""
-    info = run_dir / "sweep.json"
+    info = SweepDir(run_dir).info
     if info.is_file():
         held = json.loads(info.read_text()).get("name")
         if held and held != spec.name:
@@ -254,9 +255,9 @@ def record_run_dir(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_ur
     """Keep the sweep file (``sweep.yaml``) and where its stores and MLflow parent run are (``sweep.json``) in
     the run directory."""
     if spec.path is not None:
-        atomic_write_text(run_dir / "sweep.yaml", spec.path.read_text())
+        atomic_write_text(SweepDir(run_dir).spec, spec.path.read_text())
     atomic_write_text(
-        run_dir / "sweep.json",
+        SweepDir(run_dir).info,
         json.dumps(
             {
                 "name": spec.name,
@@ -311,7 +312,7 @@ def check_attach_dir(spec: SweepSpec, study, run_dir: Path) -> None:
     directory, or the study's path where this machine does not see the shared directory (its trials would
     train elsewhere into duplicate child runs). The study's directory holds ``sweep.json`` naming the sweep
     and its MLflow parent run."""
-    info = read_json(run_dir / "sweep.json")
+    info = read_json(SweepDir(run_dir).info)
     recorded = study.user_attrs.get("run_dir")
     parent = study.user_attrs.get("mlflow_parent_run_id")
     if info is None:
@@ -342,7 +343,7 @@ def check_study_dir(spec: SweepSpec, storage: str, run_dir: Path) -> None:
     recorded = study.user_attrs.get("run_dir")
     if not recorded or Path(recorded).resolve() == run_dir.resolve():
         return
-    info = read_json(Path(recorded) / "sweep.json")
+    info = read_json(SweepDir(recorded).info)
     if not isinstance(info, dict) or info.get("name") != spec.name:
         return
     # an edited file meets the study wherever it runs: that conflict, and its fix (a new `name:`), first

@@ -20,14 +20,15 @@ from recursive_lightning.config import load_run_config
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.evaluation.downstream import headline
 from recursive_lightning.files import read_json
+from recursive_lightning.run_dir import RunDir, SweepDir
 from recursive_lightning.sweep.spec import SEED_AXIS, row_name
-from recursive_lightning.sweep.trial import SWEEP_RESULT
 
 TASK_METRIC = re.compile(r"^eval/(?P<task>[^/]+)/(?P<shots>\d+)shot/(?P<metric>[^/]+)$")
 AVG_METRIC = re.compile(r"^eval/avg/(?P<shots>\d+)shot$")
 NOT_TASKS = {"avg", "ppl", "bpb", "ppl_ctx", "ppl_ctx_last"}
 MISSING = "—"
 CONFIDENCE = 0.95  # of the paired differences' t-intervals
+SWEEP_RESULT = RunDir.SWEEP_RESULT
 DAMAGED = "damaged"  # a trial's metrics_source when its sweep_result.json is there but cannot be read
 
 
@@ -47,11 +48,11 @@ def load_trial(
     ``evaluate:``), else the study's copy; ``seconds`` / ``data_seconds`` / ``tokens`` / ``steps``: ``result.json`` (written by
     ``train``); ``describe``: parameters and FLOPs counted by ``model.describe.describe`` on the trial's
     ``config.yaml`` (else the sweep file's config of the point); ``mlflow_run_id`` from the record."""
-    trial_dir = run_dir / "trials" / str(row.get("key"))
-    record = read_json(trial_dir / SWEEP_RESULT)
-    result = read_json(trial_dir / "result.json") or {}
+    trial = SweepDir(run_dir).trial(str(row.get("key")))
+    record = read_json(trial.sweep_result)
+    result = read_json(trial.result) or {}
     out = dict(row)
-    out["trial_dir"] = trial_dir
+    out["trial_dir"] = trial.path
     if record is not None and isinstance(record.get("metrics"), dict):
         # a value that is not a number (an edited or damaged file) is missing, as a value left out
         numbers = {
@@ -62,7 +63,7 @@ def load_trial(
         out["metrics"] = numbers
         out["metrics_source"] = SWEEP_RESULT
     else:  # a record that is there but cannot be read is damaged, not a trial trained elsewhere
-        out["metrics_source"] = DAMAGED if (trial_dir / SWEEP_RESULT).exists() else "optuna study"
+        out["metrics_source"] = DAMAGED if trial.sweep_result.exists() else "optuna study"
     out["mlflow_run_id"] = (
         (record or {}).get("mlflow_run_id") or result.get("mlflow_run_id") or row.get("mlflow_run_id")
     )
@@ -70,16 +71,16 @@ def load_trial(
     out["data_seconds"] = _finite(result.get("data_seconds"))  # part of seconds: one-off data preparation
     out["tokens"] = _finite(result.get("tokens"))
     out["steps"] = _finite(result.get("steps"))
-    cfg = _trial_config(trial_dir, row, spec)
+    cfg = _trial_config(trial, row, spec)
     out["config"] = cfg
     out["describe"] = _describe(cfg, describe_cache) if cfg is not None else None
     return out
 
 
-def _trial_config(trial_dir: Path, row: dict[str, Any], spec: Any):
-    if (trial_dir / "config.yaml").is_file():
+def _trial_config(trial: RunDir, row: dict[str, Any], spec: Any):
+    if trial.config.is_file():
         try:
-            return load_run_config(trial_dir / "config.yaml")
+            return load_run_config(trial.config)
         except ConfigError:
             pass
     try:

@@ -12,10 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import sys
-import threading
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -24,215 +21,20 @@ from recursive_lightning import faults
 from recursive_lightning.evaluation.options import EvalOptions
 from recursive_lightning.evaluation.run import evaluate_checkpoint, flat_metrics
 from recursive_lightning.files import atomic_write_text, read_json
+from recursive_lightning.run_dir import RunDir, SweepDir
+from recursive_lightning.sweep.claims import Heartbeat, claim, take_over_stale
 from recursive_lightning.sweep.launch import Stop, stop_requested, train_trial
 from recursive_lightning.sweep.spec import SweepSpec, point_key
-from recursive_lightning.sweep.study import NEUTRAL_KEYS, claim_lock, grid_point, open_storage
+from recursive_lightning.sweep.study import NEUTRAL_KEYS, grid_point, open_storage
+from recursive_lightning.sweep.trial_callbacks import PruningCallback, fault_callback
 from recursive_lightning.tracking.runs import log_metrics, set_tags, set_terminated
-from recursive_lightning.training.run import TrainResult, build_datamodule, rebased
+from recursive_lightning.training.options import TrainOptions
+from recursive_lightning.training.result import TrainResult, rebased
+from recursive_lightning.training.run import build_datamodule
 from recursive_lightning.training.run_lock import describe_holder, run_dir_lock
 from recursive_lightning.uris import mask_url
 
-SWEEP_RESULT = "sweep_result.json"  # a trial's result as the sweep records it, before telling the study
-POLL_S = 2.0  # how often a worker looks again at running trials (of other workers, here or elsewhere)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process of this package (a reused pid or a zombie is not)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return True  # no /proc here: trust the signal check
-    return b"recursive_lightning" in cmdline
-
-
-def requeue_dead_local(study, storage, storage_url: str) -> list[int]:
-    """Trials whose worker on this machine died (a killed sweep) go back to WAITING: same trial, same directory,
-    resumed from its last checkpoint. In a SQLite study (every worker on this machine) a running trial that
-    names no worker was claimed by a process killed before it could: it goes back too. Returns their numbers."""
-    from optuna.exceptions import UpdateFinishedTrialError  # heavy
-    from optuna.trial import TrialState  # heavy
-
-    host, out = socket.gethostname(), []
-    with claim_lock(storage_url):  # no claim is half done while we look
-        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            pid = t.system_attrs.get("pid")
-            if pid is None:
-                dead = storage_url.startswith("sqlite")
-            else:
-                dead = t.system_attrs.get("host") == host and not pid_alive(int(pid))
-            # (on a server database another worker may have failed it as stale since the list was read)
-            with contextlib.suppress(UpdateFinishedTrialError):
-                if dead and storage.set_trial_state_values(t._trial_id, state=TrialState.WAITING):
-                    out.append(t.number)
-    return out
-
-
-class Heartbeat:
-    """Record the trial's heartbeat every ``storage.heartbeat_interval`` seconds while the body runs."""
-
-    def __init__(self, storage, trial_id: int) -> None:
-        self.storage, self.trial_id = storage, trial_id
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.storage.heartbeat_interval):
-            try:
-                self.storage.record_heartbeat(self.trial_id)
-            except Exception:
-                pass
-
-    def __enter__(self):
-        self.storage.record_heartbeat(self.trial_id)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-
-
-def claim(study, storage, storage_url: str, ask: bool = False) -> int | None:
-    """Move one WAITING trial to RUNNING (or, with ``ask``, start a new one when none waits), record this
-    process as its worker, and return its id (None when none is waiting)."""
-    from optuna.exceptions import UpdateFinishedTrialError  # heavy
-    from optuna.trial import TrialState  # heavy
-
-    with claim_lock(storage_url):
-        trial_id = None
-        for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-            try:
-                claimed = storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING)
-            except UpdateFinishedTrialError:  # claimed and finished by another worker since the list was read
-                continue  # (a server database: workers claim without the file lock)
-            if claimed:
-                trial_id = t._trial_id
-                break
-        if trial_id is None and ask:
-            trial_id = study.ask()._trial_id
-        if trial_id is not None:
-            storage.set_trial_system_attr(trial_id, "host", socket.gethostname())
-            storage.set_trial_system_attr(trial_id, "pid", os.getpid())
-    return trial_id
-
-
-def _running_heartbeats(storage, study_id: int):
-    """(the database server's clock, {trial id: last heartbeat or None} of the study's running trials)."""
-    import sqlalchemy  # heavy
-    from optuna.storages._rdb import models  # heavy
-    from optuna.trial import TrialState  # heavy
-
-    with storage.scoped_session() as session:
-        now = session.execute(sqlalchemy.func.now()).scalar().replace(tzinfo=None)
-        rows = (
-            session.query(models.TrialModel.trial_id, models.TrialHeartbeatModel.heartbeat)
-            .outerjoin(
-                models.TrialHeartbeatModel, models.TrialHeartbeatModel.trial_id == models.TrialModel.trial_id
-            )
-            .filter(models.TrialModel.state == TrialState.RUNNING, models.TrialModel.study_id == study_id)
-            .all()
-        )
-    return now, {tid: (beat.replace(tzinfo=None) if beat is not None else None) for tid, beat in rows}
-
-
-def take_over_stale(study, storage, storage_url: str) -> int | None:
-    """No grid point is waiting: watch the other workers' running trials until each is shown alive (its
-    heartbeat advances: left to its worker) or taken over. A trial whose heartbeats stop goes stale after
-    the grace period (Optuna fails it and enqueues its retry, ``RetryHeartbeatStaleTrialCallback``, claimed
-    here); one that never sent a heartbeat (its worker died between its claim and its first beat, which Optuna
-    never calls stale) is put back to WAITING once it has been seen without one for the grace period. The
-    claimed trial resumes from the dead worker's last checkpoint in the shared run directory, into the same
-    MLflow child run. Returns None when no trial is running or every running one has a live worker."""
-    from optuna.exceptions import UpdateFinishedTrialError  # heavy
-    from optuna.storages import fail_stale_trials  # heavy
-    from optuna.trial import TrialState  # heavy
-
-    grace = storage.grace_period
-    first: dict[int, tuple[Any, Any]] = {}  # trial id -> (heartbeat, database time) when first seen
-    alive: set[int] = set()
-    announced = False
-    while True:
-        fail_stale_trials(study)
-        trial_id = claim(study, storage, storage_url)
-        if trial_id is not None:
-            return trial_id
-        now, beats = _running_heartbeats(storage, study._study_id)
-        suspects = []
-        for tid, beat in beats.items():
-            if tid in alive:
-                continue
-            beat0, seen = first.setdefault(tid, (beat, now))
-            if beat is not None and (beat0 is None or beat > beat0):
-                alive.add(tid)  # its worker is beating
-            elif beat is None and (now - seen).total_seconds() > grace:
-                with claim_lock(storage_url), contextlib.suppress(UpdateFinishedTrialError):
-                    storage.set_trial_state_values(tid, state=TrialState.WAITING)
-            else:
-                suspects.append(tid)
-        if not suspects:
-            return None
-        # a live worker beats every heartbeat interval: say nothing until a trial has missed two beats
-        late = any((now - first[t][1]).total_seconds() > 2 * storage.heartbeat_interval for t in suspects)
-        if late and not announced:
-            print(
-                f"[sweep {study.study_name}] {len(suspects)} running trial(s) sent no recent heartbeat: watching "
-                f"them up to {grace}s to take over any whose worker died",
-                flush=True,
-            )
-            announced = True
-        time.sleep(min(float(storage.heartbeat_interval), POLL_S))
-
-
-class PruningCallback:
-    """Report the validation loss by global step to Optuna; stop the trainer when the pruner says so."""
-
-    def __new__(cls, trial, monitor: str, warmup_steps: int):
-        import lightning as L  # heavy
-
-        class _Cb(L.Callback):
-            pruned = False
-
-            def on_validation_end(self, trainer, pl_module) -> None:
-                value = trainer.callback_metrics.get(monitor)
-                if value is None or trainer.sanity_checking:
-                    return
-                trial.report(float(value), step=trainer.global_step)
-                if trainer.global_step >= warmup_steps and trial.should_prune():
-                    self.pruned = True
-                    trainer.should_stop = True
-
-        return _Cb()
-
-
-def _fault_callback(cfg):
-    """Test-only: the named fault points inside training (see ``recursive_lightning.faults``)."""
-    import lightning as L  # heavy
-
-    t = cfg.train
-
-    class _Faults(L.Callback):
-        fired = False
-
-        def on_train_batch_end(self, trainer, *args) -> None:
-            if not self.fired and t.checkpoint_every < trainer.global_step < t.max_steps:
-                self.fired = True  # once per trial, after its first checkpoint
-                faults.point("mid_training")
-
-        def on_validation_start(self, trainer, pl_module) -> None:
-            if trainer.global_step >= t.max_steps:  # last.ckpt at max_steps is written, no result yet
-                faults.point("final_validation")
-
-        def on_fit_end(self, trainer, pl_module) -> None:  # after the last checkpoint, before result.json
-            faults.point("after_last_checkpoint")
-
-    return _Faults()
+SWEEP_RESULT = RunDir.SWEEP_RESULT  # a trial's result as the sweep records it, before telling the study
 
 
 def axis_params(point: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any]:
@@ -257,7 +59,7 @@ def finished_before(cfg, trial_dir: Path) -> tuple[dict[str, Any] | None, TrainR
     """Whether a trial finished before, as what is on disk says (a kill at any instant loses at most the work
     since a checkpoint): (the sweep's record ``sweep_result.json`` of this config, None) when there is one, else
     (None, ``train``'s result) when it reached ``max_steps`` with validation metrics, else (None, None): train."""
-    record = read_json(trial_dir / SWEEP_RESULT)
+    record = read_json(RunDir(trial_dir).sweep_result)
     if record is not None and not _same_config(record.get("config") or {}, cfg.flat()):
         record = None
     if record is not None:
@@ -270,7 +72,7 @@ def finished_before(cfg, trial_dir: Path) -> tuple[dict[str, Any] | None, TrainR
 def _finished_result(cfg, trial_dir: Path) -> TrainResult | None:
     """The TrainResult of a trial whose ``train`` finished (its ``result.json`` has validation metrics at
     ``max_steps``), or None."""
-    r = read_json(trial_dir / "result.json")
+    r = read_json(RunDir(trial_dir).result)
     if r is None or int(r.get("steps") or 0) < cfg.train.max_steps or not _has_val(r.get("metrics") or {}):
         return None
     try:  # its checkpoints where the trial directory lies now (a moved or copied sweep)
@@ -288,7 +90,7 @@ def validate_last_checkpoint(cfg, result: TrainResult) -> TrainResult:
     from recursive_lightning.training.module import RecursiveLMModule  # heavy
     from recursive_lightning.training.trainer import build_trainer  # heavy
 
-    ckpt = latest_good(result.run_dir / "checkpoints")
+    ckpt = latest_good(RunDir(result.run_dir).checkpoints)
     if ckpt is None:
         return result
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
@@ -307,7 +109,7 @@ def validate_last_checkpoint(cfg, result: TrainResult) -> TrainResult:
     )
     set_terminated(result.tracking_uri, result.mlflow_run_id, "FINISHED")
     result.metrics = metrics
-    atomic_write_text(result.run_dir / "result.json", json.dumps(result.to_dict(), indent=2))
+    result.save()
     return result
 
 
@@ -350,7 +152,7 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
     if key is None:  # a grid point is enqueued with its key; a trial of a search gets it here
         key = point_key(point)
         trial.set_user_attr("point_key", key)
-    trial_dir = run_dir / "trials" / key
+    trial_dir = SweepDir(run_dir).trial(key).path
 
     def waiting(holder: dict) -> None:
         print(
@@ -366,78 +168,104 @@ def run_trial(spec: SweepSpec, study, trial_id: int, run_dir: Path, tracking_uri
 def _run_held(
     spec: SweepSpec, study, trial, point: dict, key: str, run_dir: Path, tracking_uri: str, parent: str
 ) -> None:
-    """``run_trial`` once the trial directory is held."""
-    from optuna.trial import TrialState  # heavy
-
+    """``run_trial`` once the trial directory is held: the result it finished before, else trained (and
+    evaluated) now; then told to the study."""
     cfg = spec.trial_config(point)
-    flat = cfg.flat()
-    trial_dir = run_dir / "trials" / key
+    trial_dir = SweepDir(run_dir).trial(key).path
     label = ", ".join(f"{k}={v}" for k, v in point.items())
     record, result = finished_before(cfg, trial_dir)
-    pruned = bool(record and record.get("pruned"))
     if record is not None or result is not None:
         print(
             f"[sweep {spec.name}] trial {trial.number}: {label} (finished before; its result is kept)",
             flush=True,
         )
     if record is None:
+        pruned = False
         if result is None:
-            resume = (trial_dir / "checkpoints").exists() and any((trial_dir / "checkpoints").glob("*.ckpt"))
-            callbacks = []
-            pruner_cb = None
-            if spec.pruning.get("enabled"):
-                pruner_cb = PruningCallback(trial, spec.metric, int(spec.pruning.get("warmup_steps", 0)))
-                callbacks.append(pruner_cb)
-            if faults.active():
-                callbacks.append(_fault_callback(cfg))
-            print(
-                f"[sweep {spec.name}] trial {trial.number}: {label}" + (" (resuming)" if resume else ""),
-                flush=True,
-            )
-            tags = {
-                "sweep": spec.name,
-                "optuna.trial_number": str(trial.number),
-                "point_key": key,
-                "optuna.study": spec.name,
-            }
-            faults.point("before_training")
-            result, in_process = train_trial(
-                cfg,
-                trial_dir,
-                run_dir,
-                resume=resume,
-                tracking_uri=tracking_uri,
-                experiment=spec.name,
-                run_name=key,
-                parent=parent,
-                tags=tags,
-                params=axis_params(point, flat),
-                callbacks=callbacks,
-                who=f"[sweep {spec.name}] trial {trial.number}",
-            )
-            pruned = pruner_cb is not None and pruner_cb.pruned
-            if (
-                in_process
-                and not pruned
-                and not _has_val(result.metrics)
-                and result.steps >= cfg.train.max_steps
-            ):
-                result = validate_last_checkpoint(cfg, result)
+            result, pruned = _train(spec, trial, cfg, point, key, run_dir, tracking_uri, parent, label)
         faults.point("after_result_write")
-        metrics = dict(result.metrics)
-        if spec.evaluate:  # perplexity sets and (optionally) lm-eval tasks on the finished trial
-            metrics.update(_evaluate(spec, result, tracking_uri))
-        record = {
-            "point_key": key,
-            "metrics": metrics,
-            "pruned": pruned,
-            "steps": result.steps,
-            "mlflow_run_id": result.mlflow_run_id,
-            "checkpoint": str(result.last_checkpoint),
-            "trial_dir": str(trial_dir.resolve()),
-            "config": flat,
-        }
-        atomic_write_text(trial_dir / SWEEP_RESULT, json.dumps(record, indent=2, default=str))
+        record = _record_result(spec, cfg, key, trial_dir, result, pruned, tracking_uri)
+    _tell(spec, study, trial, record, cfg.flat(), tracking_uri)
+
+
+def _train(
+    spec: SweepSpec,
+    trial,
+    cfg,
+    point: dict,
+    key: str,
+    run_dir: Path,
+    tracking_uri: str,
+    parent: str,
+    label: str,
+) -> tuple[TrainResult, bool]:
+    """Train the trial (resuming from its checkpoints) into its MLflow child run under ``parent``, with the
+    pruning and fault callbacks it needs: (its result, whether it was pruned). A trial trained here that ended
+    without a validation at its last step is validated there again."""
+    trial_dir = SweepDir(run_dir).trial(key).path
+    resume = RunDir(trial_dir).has_checkpoint_files()
+    callbacks = []
+    pruner_cb = None
+    if spec.pruning.get("enabled"):
+        pruner_cb = PruningCallback(trial, spec.metric, int(spec.pruning.get("warmup_steps", 0)))
+        callbacks.append(pruner_cb)
+    if faults.active():
+        callbacks.append(fault_callback(cfg))
+    print(
+        f"[sweep {spec.name}] trial {trial.number}: {label}" + (" (resuming)" if resume else ""), flush=True
+    )
+    tags = {
+        "sweep": spec.name,
+        "optuna.trial_number": str(trial.number),
+        "point_key": key,
+        "optuna.study": spec.name,
+    }
+    faults.point("before_training")
+    options = TrainOptions(
+        resume=resume,
+        tracking_uri=tracking_uri,
+        experiment=spec.name,
+        run_name=key,
+        parent_run_id=parent,
+        tags=tags,
+        callbacks=callbacks,
+        params=axis_params(point, cfg.flat()),
+    )
+    who = f"[sweep {spec.name}] trial {trial.number}"
+    result, in_process = train_trial(cfg, trial_dir, run_dir, options, who)
+    pruned = pruner_cb is not None and pruner_cb.pruned
+    if in_process and not pruned and not _has_val(result.metrics) and result.steps >= cfg.train.max_steps:
+        result = validate_last_checkpoint(cfg, result)
+    return result, pruned
+
+
+def _record_result(
+    spec: SweepSpec, cfg, key: str, trial_dir: Path, result: TrainResult, pruned: bool, tracking_uri: str
+) -> dict[str, Any]:
+    """The sweep's record of a finished trial (its metrics with the ``evaluate:`` block's), kept in its
+    directory before the study is told."""
+    metrics = dict(result.metrics)
+    if spec.evaluate:  # perplexity sets and (optionally) lm-eval tasks on the finished trial
+        metrics.update(_evaluate(spec, result, tracking_uri))
+    record = {
+        "point_key": key,
+        "metrics": metrics,
+        "pruned": pruned,
+        "steps": result.steps,
+        "mlflow_run_id": result.mlflow_run_id,
+        "checkpoint": str(result.last_checkpoint),
+        "trial_dir": str(trial_dir.resolve()),
+        "config": cfg.flat(),
+    }
+    atomic_write_text(RunDir(trial_dir).sweep_result, json.dumps(record, indent=2, default=str))
+    return record
+
+
+def _tell(spec: SweepSpec, study, trial, record: dict[str, Any], flat: dict, tracking_uri: str) -> None:
+    """Tag the trial's MLflow run, keep the record on the Optuna trial and tell the study its value (or that
+    it was pruned)."""
+    from optuna.trial import TrialState  # heavy
+
     faults.point("before_tell")
     # one request: with a tracking server each is a round trip (the per-trial bookkeeping)
     set_tags(
@@ -451,7 +279,7 @@ def _run_held(
     trial.set_user_attr("checkpoint", record["checkpoint"])
     trial.set_user_attr("config", flat)
     trial.set_user_attr("steps", record["steps"])
-    if pruned:
+    if record.get("pruned"):
         study.tell(trial, state=TrialState.PRUNED)
         faults.point("after_tell")
         return

@@ -16,12 +16,13 @@ from typing import Any
 
 from recursive_lightning.errors import UserError
 from recursive_lightning.files import atomic_write_text, writable_dir_problem
+from recursive_lightning.run_dir import RunDir, SweepDir
 from recursive_lightning.tracking.sqlite_store import create_store
 from recursive_lightning.tracking.stores import check_tracking_server, sqlite_file_problem
 from recursive_lightning.uris import mask_url, reveal
 
-RUN_ID_FILE = "mlflow_run_id"
-TRACKING_URI_FILE = "mlflow_tracking_uri"  # where that run lives (a sweep's trials log to the sweep's store)
+RUN_ID_FILE = RunDir.RUN_ID
+TRACKING_URI_FILE = RunDir.TRACKING_URI  # where that run lives (a sweep's trials log to the sweep's store)
 
 
 def sqlite_parts(uri: str) -> tuple[str, str] | None:
@@ -55,19 +56,15 @@ def portable_uri(uri: str, directory: str | os.PathLike) -> str:
     db = Path(parts[0])
     # inside the directory; or the store of a sweep directory around it (a trial directory): the sweep
     # moves as a whole. A store elsewhere (a shared database passed with --tracking-uri) stays absolute.
-    if d in db.parents or (db.parent in d.parents and _is_sweep_dir(db.parent)):
+    if d in db.parents or (db.parent in d.parents and SweepDir.is_sweep(db.parent)):
         return f"sqlite:///{os.path.relpath(db, d)}{parts[1]}"
     return uri
-
-
-def _is_sweep_dir(d: Path) -> bool:
-    return (d / "sweep.json").is_file() or (d / "optuna.db").is_file()
 
 
 def record_tracking_uri(run_dir: str | os.PathLike, uri: str) -> None:
     """Keep ``uri`` in ``run_dir`` (relative where it points inside it, see ``portable_uri``; its password masked,
     filled in again when read back: ``default_tracking_uri``)."""
-    atomic_write_text(Path(run_dir) / TRACKING_URI_FILE, mask_url(portable_uri(uri, run_dir)))
+    atomic_write_text(RunDir(run_dir).tracking_uri_file, mask_url(portable_uri(uri, run_dir)))
 
 
 def default_tracking_uri(run_dir: str | os.PathLike) -> str:
@@ -76,7 +73,7 @@ def default_tracking_uri(run_dir: str | os.PathLike) -> str:
     A recorded relative SQLite path is resolved against the directory's current location; a recorded masked
     password is filled in from this command's options or the environment (``uris.reveal``)."""
     run_dir = Path(run_dir).resolve()
-    recorded = run_dir / TRACKING_URI_FILE
+    recorded = RunDir(run_dir).tracking_uri_file
     if recorded.is_file():
         uri = absolute_uri(recorded.read_text().strip(), base=run_dir)
         parts = sqlite_parts(uri)
@@ -84,11 +81,11 @@ def default_tracking_uri(run_dir: str | os.PathLike) -> str:
             # recorded as an absolute path (before paths were kept relative) by a directory since moved: the
             # store it took along, in the directory or in the sweep directory around it
             name = Path(parts[0]).name
-            for d in (run_dir, *(a for a in run_dir.parents if _is_sweep_dir(a))):
+            for d in (run_dir, *(a for a in run_dir.parents if SweepDir.is_sweep(a))):
                 if (d / name).is_file():
                     return f"sqlite:///{d / name}{parts[1]}"
         return reveal(uri)
-    return f"sqlite:///{run_dir / 'mlflow.db'}"
+    return f"sqlite:///{RunDir(run_dir).mlflow_db}"
 
 
 def ui_command(run_dir: str | os.PathLike, tracking_uri: str) -> str:

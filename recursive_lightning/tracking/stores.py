@@ -194,3 +194,13 @@ def check_tracking_server(uri: str, option: str = "--tracking-uri") -> None:
             f"cannot reach the MLflow tracking server {option} '{mask_url(uri)}' ({reason}); start `mlflow server` there "
             "(see docs/sweeps.md) or fix the URL, then run the command again."
         ) from None
+
+
+def check_tracking_store(uri: str, option: str = "--tracking-uri") -> None:
+    """One sentence, before any work, for an MLflow tracking URI that MLflow would wait on for minutes or fail
+    on with a traceback: a tracking server that does not answer (:func:`check_tracking_server`), a database that
+    cannot be opened or a damaged SQLite file (:func:`check_database`). A folder (``file://``) is not checked."""
+    if uri.split("://", 1)[0].lower() in ("http", "https"):
+        check_tracking_server(uri, option)
+    elif is_database_url(uri):
+        check_database(uri, option, "MLflow tracking store")

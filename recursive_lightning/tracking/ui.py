@@ -10,7 +10,6 @@ http://...``) is served by its own server: the command prints its address.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -26,9 +25,10 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from recursive_lightning import faults
-from recursive_lightning.errors import UserError
+from recursive_lightning.errors import ArgumentParser, UserError
 from recursive_lightning.files import absent
 from recursive_lightning.processes import dies_with_parent, stop_group
+from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.tracking.mlflow_app import APP_NAME
 from recursive_lightning.tracking.runs import (
     absolute_uri,
@@ -36,7 +36,7 @@ from recursive_lightning.tracking.runs import (
     relocate_artifacts,
     sqlite_parts,
 )
-from recursive_lightning.tracking.stores import CONNECT_TIMEOUT_S
+from recursive_lightning.tracking.stores import CONNECT_TIMEOUT_S, check_tracking_store
 from recursive_lightning.tracking.view import entry_page, experiment_links, server_links
 from recursive_lightning.uris import mask_url, remember, reveal
 
@@ -50,7 +50,7 @@ def store_of(run_dir: str | os.PathLike) -> str:
         raise UserError(
             f"ui: '{run_dir}' is not a folder; pass a run or sweep directory (what --run-dir named)."
         )
-    info = d / "sweep.json"
+    info = SweepDir(d).info
     if info.is_file():
         try:
             uri = json.loads(info.read_text()).get("tracking_uri")
@@ -156,8 +156,11 @@ def start_server(uri: str, host: str, port: int, workdir: Path) -> subprocess.Po
         while time.monotonic() < deadline:
             faults.point("ui_server_starting")
             if proc.poll() is not None:
-                tail = (workdir / "server.log").read_text(errors="replace")[-2000:]
-                raise UserError(f"ui: mlflow server exited with code {proc.returncode}:\n{tail}")
+                reason = last_error((workdir / "server.log").read_text(errors="replace"))
+                raise UserError(
+                    f"ui: mlflow server could not serve the store {mask_url(uri)} (exit code {proc.returncode}): "
+                    f"{reason}"
+                )
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
@@ -171,6 +174,18 @@ def start_server(uri: str, host: str, port: int, workdir: Path) -> subprocess.Po
     raise UserError(
         f"ui: mlflow server on {host}:{port} did not answer within 120 s; see {workdir}/server.log."
     )
+
+
+def last_error(log: str) -> str:
+    """The error a server's log ends with, without the stack lines before it or the exception's module path
+    (``mlflow.exceptions.MlflowException: ...`` -> ``MlflowException: ...``)."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    if not lines:
+        return "it wrote nothing"
+    kind, sep, message = lines[-1].partition(": ")
+    if sep and " " not in kind:  # a qualified exception name before the message
+        return f"{kind.rsplit('.', 1)[-1]}: {message}"
+    return lines[-1]
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -201,7 +216,7 @@ def _served_elsewhere(uri: str, what: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="recursive_lightning ui",
         description="Serve the MLflow UI of a run or sweep directory (moved or copied ones included).",
     )
@@ -237,6 +252,15 @@ def main(argv: list[str]) -> int:
         uri = store_of(run_dir)
         if uri.startswith(("http://", "https://")):
             return _served_elsewhere(uri, f"'{run_dir}' logs to the tracking server {mask_url(uri)}")
+    # a database server that does not answer (mlflow server would wait on it for minutes), a driver that is not
+    # installed, a damaged SQLite file: one sentence before the server starts
+    check_tracking_store(uri, "--tracking-uri" if args.tracking_uri else f"of '{args.run_dir}'")
+    folder = uri[len("file://") :] if uri.startswith("file://") else None
+    if folder is not None and not Path(folder).is_dir():  # MLflow would make an empty store there
+        raise UserError(
+            f"ui: --tracking-uri '{mask_url(uri)}': '{folder}' {absent(folder)}; pass the mlflow.db of a run or "
+            "sweep directory, or the directory itself."
+        )
 
     def _stop(
         signum, frame

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import quote
 
+from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.tracking.mlflow_app import CLASSIC_PAGE, WORKFLOW_KEY
 from recursive_lightning.tracking.runs import client, set_experiment_tag, ui_command
 from recursive_lightning.uris import mask_url
@@ -336,7 +337,7 @@ def parent_note(
 ) -> str:
     """The sweep's parent run's description: the winner, a link to ``report.html`` (relative: it opens on
     whatever address serves the UI), the report's results table and its trials' run pages."""
-    report = run_url("", experiment_id, parent_run_id, "report/report.html")
+    report = run_url("", experiment_id, parent_run_id, SweepDir.REPORT_HTML_ARTIFACT)
     shown = [
         f"[{name}]({run_url('', experiment_id, rid)})" if rid else name for name, rid in runs[:MAX_NOTE_RUNS]
     ]
@@ -381,7 +382,7 @@ def trial_note(
     row_mean: float,
 ) -> str:
     """A trial's description: its grid point, its place in the report's order and a link to the report."""
-    report = run_url("", experiment_id, parent_run_id, "report/report.html")
+    report = run_url("", experiment_id, parent_run_id, SweepDir.REPORT_HTML_ARTIFACT)
     seed_text = f", seed {seed}" if seed is not None else ""
     return (
         f"Grid point **`{row}`**{seed_text}: rank **{rank}** in the sweep's report; `{metric}` {value:.4g} "

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -27,8 +26,9 @@ from recursive_lightning import faults
 from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import UserError
-from recursive_lightning.files import absent
+from recursive_lightning.files import absent, no_space_is_one_sentence
 from recursive_lightning.model.build import build_model
+from recursive_lightning.run_dir import RunDir, checkpoints_newest_first
 
 HF_WEIGHTS = (
     "model.safetensors",
@@ -45,12 +45,13 @@ class CheckpointError(UserError):
 def save_atomic(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     """torch.save to ``<path>.tmp``, fsync, then os.replace: readers see the old or the new file, never half.
 
-    A write that fails (a full disk) removes ``<path>.tmp``; Ctrl-C while the file is written takes effect once
-    it is in place (inside torch.save it would surface as the zip writer's own error, not as an interrupt)."""
+    A write that fails removes ``<path>.tmp`` (a full disk: one sentence naming the file, ``DiskFull``); Ctrl-C
+    while the file is written takes effect once it is in place (inside torch.save it would surface as the zip
+    writer's own error, not as an interrupt)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with _ctrl_c_after_the_write():
+    with _ctrl_c_after_the_write(), no_space_is_one_sentence(path):
         try:
             with open(tmp, "wb") as f:
                 torch.save(
@@ -97,20 +98,9 @@ class _FaultPoint:
         return getattr(self.f, name)
 
 
-def _step_of(p: Path) -> int:
-    m = re.search(r"step=?(\d+)", p.name)
-    return int(m.group(1)) if m else -1
-
-
 def candidates(ckpt_dir: str | os.PathLike) -> list[Path]:
     """Checkpoints of a run, newest first: last.ckpt, then periodic step checkpoints, then best."""
-    d = Path(ckpt_dir)
-    if not d.is_dir():
-        return []
-    out = [d / "last.ckpt"] if (d / "last.ckpt").exists() else []
-    out += sorted((p for p in d.glob("step*.ckpt")), key=_step_of, reverse=True)
-    out += [p for p in d.glob("best*.ckpt")]
-    return out
+    return checkpoints_newest_first(ckpt_dir)
 
 
 def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
@@ -202,7 +192,7 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     directory, or a run directory whose newest good checkpoint is used)."""
     path = Path(path)
     if path.is_dir() and not (path / "meta.pt").exists() and not (path / ".metadata").exists():
-        found = latest_good(path / "checkpoints") or latest_good(path)
+        found = latest_good(RunDir(path).checkpoints) or latest_good(path)
         if found is None and any((path / f).is_file() for f in HF_WEIGHTS):  # not one of this package's runs
             raise CheckpointError(
                 f"'{path}' holds Hugging Face model weights, not a run of this package"
@@ -215,7 +205,7 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
             )
         if found is None:
             raise CheckpointError(f"no readable checkpoint under '{path}'; train first or pass a .ckpt file.")
-        newest = (candidates(path / "checkpoints") or candidates(path))[0]
+        newest = (candidates(RunDir(path).checkpoints) or candidates(path))[0]
         if newest != found:  # say so: the results will be an older step's
             print(
                 f"warning: '{newest}' is damaged or truncated; using the newest good checkpoint '{found}' instead.",

@@ -18,9 +18,9 @@ from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import ConfigError, Terminated
 from recursive_lightning.files import atomic_write_text
 from recursive_lightning.model.describe import describe
+from recursive_lightning.run_dir import RunDir
 from recursive_lightning.tracking import view
 from recursive_lightning.tracking.runs import (
-    RUN_ID_FILE,
     absolute_uri,
     client,
     create_run,
@@ -36,8 +36,9 @@ from recursive_lightning.tracking.runs import (
     set_terminated,
     to_json,
 )
-from recursive_lightning.tracking.stores import check_database, check_tracking_server, is_database_url
+from recursive_lightning.tracking.stores import check_tracking_store
 from recursive_lightning.training.loop_flops import expected_training_flops
+from recursive_lightning.training.options import TrainOptions
 from recursive_lightning.uris import mask_url
 
 
@@ -45,31 +46,25 @@ def open_run(
     cfg: RunConfig,
     run_dir: Path,
     corpus: dict[str, Any],
+    options: TrainOptions,
     *,
-    resume: bool,
-    tracking_uri: str | None = None,
-    experiment: str | None = None,
-    run_name: str | None = None,
-    parent_run_id: str | None = None,
-    tags: dict[str, str] | None = None,
-    params: dict[str, Any] | None = None,
     closer: RunCloser | None = None,
 ) -> tuple[str, str]:
     """(tracking URI, run id) of ``run_dir``'s MLflow run: the one it records (marked RUNNING again), else a new
     one with ``run_params`` and ``params`` (a sweep's axes), ``tags``, the config and ``describe`` counts as
     artifacts and ``corpus`` (``TextDataModule.corpus_summary()``) as its datasets. On a resume a param whose
     value changed becomes a ``resumed/<param>`` tag. ``closer`` learns the run the moment it is RUNNING."""
-    given = bool(tracking_uri)
-    tracking_uri = absolute_uri(tracking_uri) if tracking_uri else default_tracking_uri(run_dir)
-    if is_database_url(tracking_uri):
-        # a database server that does not answer, or a password it lacks (the run directory records the URL
-        # masked), a SQLite file that is damaged: one sentence now, not MLflow's minutes of retries and a traceback
-        option = "--tracking-uri" if given else f"of '{run_dir}'"
-        check_database(tracking_uri, option, "MLflow tracking store")
-    elif tracking_uri.split("://", 1)[0].lower() in ("http", "https"):  # MLflow's client retries for minutes
-        check_tracking_server(tracking_uri, "--tracking-uri" if given else f"of '{run_dir}'")
-    exp_id = ensure_experiment(tracking_uri, experiment or cfg.name, run_dir / "mlartifacts")
-    id_file = run_dir / RUN_ID_FILE
+    given = bool(options.tracking_uri)
+    tracking_uri = absolute_uri(options.tracking_uri) if given else default_tracking_uri(run_dir)
+    # a server or database that does not answer, a password it lacks (the run directory records the URL
+    # masked), a SQLite file that is damaged: one sentence now, not MLflow's minutes of retries and a traceback
+    check_tracking_store(tracking_uri, "--tracking-uri" if given else f"of '{run_dir}'")
+    id_file = RunDir(run_dir).run_id_file
+    if (
+        options.parent_run_id and not id_file.exists()
+    ):  # MLflow would file the new run under a parent not there
+        _check_parent_exists(tracking_uri, options.parent_run_id)
+    exp_id = ensure_experiment(tracking_uri, options.experiment or cfg.name, RunDir(run_dir).artifacts)
     if id_file.exists():
         run_id = id_file.read_text().strip()
         _check_run_exists(tracking_uri, run_id, run_dir)
@@ -80,9 +75,9 @@ def open_run(
         run_id = create_run(
             tracking_uri,
             exp_id,
-            run_name or cfg.name,
-            tags={"run_dir": str(run_dir), **(tags or {})},
-            parent_run_id=parent_run_id,
+            options.run_name or cfg.name,
+            tags={"run_dir": str(run_dir), **(options.tags or {})},
+            parent_run_id=options.parent_run_id,
         )
         if closer is not None:
             closer.opened(tracking_uri, run_id)
@@ -91,12 +86,12 @@ def open_run(
         stats = describe(cfg.model, seq_len=cfg.data.seq_len)
         if cfg.train.loops is not None:  # sampled-loop training: expected training FLOPs per token
             stats.update(expected_training_flops(cfg.model, cfg.data.seq_len, cfg.train.loops))
-        log_params(tracking_uri, run_id, {**run_params(cfg, stats), **(params or {})})
+        log_params(tracking_uri, run_id, {**run_params(cfg, stats), **(options.params or {})})
         log_metrics(tracking_uri, run_id, cost_metrics(stats))  # columns that sort and chart
-        log_artifact_text(tracking_uri, run_id, "config.yaml", cfg.to_yaml())
+        log_artifact_text(tracking_uri, run_id, RunDir.CONFIG, cfg.to_yaml())
         log_artifact_text(tracking_uri, run_id, "describe.json", to_json(stats))
         log_corpus(tracking_uri, run_id, corpus)
-    if resume:  # a value changed by the resume (a larger max_steps) is kept as a tag
+    if options.resume:  # a value changed by the resume (a larger max_steps) is kept as a tag
         _tag_changed_params(tracking_uri, run_id, cfg)
     return tracking_uri, run_id
 
@@ -127,6 +122,16 @@ def cost_metrics(stats: dict[str, Any]) -> dict[str, float]:
         "cost/fwd_flops_per_token": float(fwd),
         "cost/train_flops_per_token": float(stats.get("flops_train_per_token_expected") or 3 * fwd),
     }
+
+
+def _check_parent_exists(tracking_uri: str, parent_run_id: str) -> None:
+    try:
+        client(tracking_uri).get_run(parent_run_id)
+    except MlflowException:
+        raise ConfigError(
+            f"--parent-run-id '{parent_run_id}' is not a run in the tracking store {mask_url(tracking_uri)}; pass "
+            "the id of a run there (e.g. a sweep's parent run, with its --tracking-uri), or leave it out."
+        ) from None
 
 
 def _check_run_exists(tracking_uri: str, run_id: str, run_dir: Path) -> None:
@@ -170,7 +175,7 @@ class RunCloser:
     def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> bool:
         if error is None or self.run is None or not self.rank_zero:
             return False
-        if (self.run_dir / "result.json").is_file():
+        if RunDir(self.run_dir).result.is_file():
             status = "FINISHED"
         elif isinstance(error, (Terminated, KeyboardInterrupt)):
             status = "KILLED"

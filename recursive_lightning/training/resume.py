@@ -12,6 +12,7 @@ import torch
 from recursive_lightning.config import RunConfig, load_yaml
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_text, writable_dir_problem
+from recursive_lightning.run_dir import RunDir, has_periodic_checkpoints
 from recursive_lightning.training.checkpoint import CheckpointError, latest_good, read_checkpoint
 from recursive_lightning.training.parallel import resolve_precision
 
@@ -28,8 +29,8 @@ RESUMABLE_CHANGES = (
 def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> None:
     """Check that ``run_dir`` can hold the run (writable; no checkpoints unless ``resume``; a resume with the
     config it was started with) and keep ``cfg`` in it as ``config.yaml``."""
-    ckpt_dir = run_dir / "checkpoints"
-    saved_cfg = run_dir / "config.yaml"
+    ckpt_dir = RunDir(run_dir).checkpoints
+    saved_cfg = RunDir(run_dir).config
     problem = writable_dir_problem(run_dir)
     if problem is not None:
         raise ConfigError(
@@ -47,7 +48,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> None:
 def keep_config(cfg: RunConfig, run_dir: Path) -> None:
     """Keep ``cfg`` in ``run_dir`` as ``config.yaml`` once every check has passed: a new run's config, or a
     resume's allowed changes (e.g. a larger --max-steps extends the run: resume uses it from now on)."""
-    saved_cfg = run_dir / "config.yaml"
+    saved_cfg = RunDir(run_dir).config
     if not saved_cfg.exists() or RunConfig.from_dict(load_yaml(saved_cfg)).flat() != cfg.flat():
         atomic_write_text(saved_cfg, cfg.to_yaml())
 
@@ -58,7 +59,7 @@ def resume_checkpoint(cfg: RunConfig, run_dir: Path, resume: bool, ckpt_path: st
     if ckpt_path is not None and Path(ckpt_path).is_dir() and not (Path(ckpt_path) / ".metadata").is_file():
         raise CheckpointError(
             f"--ckpt-path '{ckpt_path}' is a directory but not a sharded checkpoint (no .metadata inside); pass a "
-            f".ckpt file such as '{Path(ckpt_path) / 'last.ckpt'}', or --resume alone for the run's newest one."
+            f".ckpt file such as '{Path(ckpt_path) / RunDir.LAST}', or --resume alone for the run's newest one."
         )
     if ckpt_path is not None and not Path(ckpt_path).is_dir():
         # an explicit --ckpt-path: one sentence if it is damaged or was written by a different run
@@ -66,9 +67,8 @@ def resume_checkpoint(cfg: RunConfig, run_dir: Path, resume: bool, ckpt_path: st
     if not resume or ckpt_path is not None:
         check_max_steps(cfg, ckpt_path)
         return ckpt_path
-    ckpt_dir = run_dir / "checkpoints"
-    last = ckpt_dir / "last.ckpt"
-    if last.exists() or any(ckpt_dir.glob("step*.ckpt")):
+    ckpt_dir, last = RunDir(run_dir).checkpoints, RunDir(run_dir).last_checkpoint
+    if last.exists() or has_periodic_checkpoints(ckpt_dir):
         good = latest_good(ckpt_dir)
         if last.exists() and good != last:
             read_checkpoint(last)  # raises one sentence naming the damaged file and the good one
@@ -143,7 +143,7 @@ def check_same_config(saved: RunConfig, cfg: RunConfig, run_dir: Path) -> None:
 def previous_result(run_dir: Path, steps: int) -> dict:
     """What ``result.json`` recorded at ``steps`` (a finished run resumed without training), else {}."""
     try:
-        old = json.loads((run_dir / "result.json").read_text())
+        old = json.loads(RunDir(run_dir).result.read_text())
     except (OSError, ValueError):
         return {}
     return old if isinstance(old, dict) and old.get("steps") == steps else {}

@@ -1,19 +1,8 @@
 """``python -m recursive_lightning train``: one config, one run directory, one MLflow run, exact resume.
 
-Run directory layout::
-
-    <run-dir>/config.yaml          the fully resolved config (resume uses it)
-    <run-dir>/checkpoints/         last.ckpt, step=NNNNNN.ckpt (two newest), best.ckpt
-    <run-dir>/mlflow.db            SQLite tracking store (unless --tracking-uri points elsewhere)
-    <run-dir>/mlartifacts/         MLflow artifacts of the SQLite store
-    <run-dir>/mlflow_run_id        the MLflow run this directory logs to (a resume continues it)
-    <run-dir>/mlflow_tracking_uri  the store of that run; a SQLite file inside the directory (or the store of
-                                   the sweep around it) is kept relative, so the directory can be moved or copied;
-                                   a password is kept masked (``uris.reveal`` fills it in from the environment)
-    <run-dir>/result.json          final metrics, written (atomically) when training finishes; a --resume of a
-                                   finished run validates its last checkpoint again and rewrites the same metrics
-    <run-dir>/.writer.lock         locked (flock) by the one process writing the directory, removed when it ends
-                                   (training/run_lock.py); a second `train` into it is refused
+The run directory's layout (``config.yaml``, ``checkpoints/``, the MLflow run's id and store, ``result.json``,
+the writer's lock) is ``run_dir.RunDir``'s; a ``--resume`` of a finished run validates its last checkpoint again
+and rewrites the same metrics; a second ``train`` into a directory another process writes is refused.
 
 ``train`` runs in phases: the run directory and the checkpoint it resumes from (training/resume.py), the data,
 the MLflow run (training/mlflow_run.py), the model, the trainer and fit (training/trainer.py), the summary
@@ -22,14 +11,13 @@ the MLflow run (training/mlflow_run.py), the model, the trainer and fit (trainin
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import errno
-import json
 import os
+import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,84 +25,18 @@ from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
 from recursive_lightning import threads as thread_policy
 from recursive_lightning.config import RunConfig, load_run_config
-from recursive_lightning.errors import ConfigError, UserError
-from recursive_lightning.files import atomic_write_text, default_cache_dir, writable_dir_problem
-from recursive_lightning.tracking.runs import RUN_ID_FILE, default_tracking_uri, ui_command
+from recursive_lightning.errors import ArgumentParser, ConfigError, Terminated, UserError
+from recursive_lightning.files import default_cache_dir, writable_dir_problem
+from recursive_lightning.run_dir import RunDir
+from recursive_lightning.tracking.runs import ui_command
 from recursive_lightning.training.host import TRAIN_BYTES_PER_PARAM, check_fits_in_memory, keep_freed_memory
+from recursive_lightning.training.options import TrainOptions
+from recursive_lightning.training.result import TrainResult
 from recursive_lightning.training.run_lock import first_rank, run_dir_lock
-from recursive_lightning.uris import TRACKING_ENV, mask_url, remember, reveal
+from recursive_lightning.uris import TRACKING_ENV, remember, reveal
 from recursive_lightning.validation import undo_on_refusal
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "cpu" / "looped-mesh.yaml"
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    steps: int
-    tokens: int
-    metrics: dict[str, float]
-    last_checkpoint: Path | None
-    best_checkpoint: Path | None
-    mlflow_run_id: str
-    tracking_uri: str
-    seconds: float  # wall-clock of the run: the sum of its segments (training/wallclock.py)
-    extra: dict[str, Any] = field(default_factory=dict)
-    segment_steps: int | None = None  # steps this command trained (None: the whole run)
-    segment_seconds: float | None = None
-    segments: int = 1
-    data_seconds: float = 0.0  # the part of ``seconds`` spent preparing the data (training/wallclock.py)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "run_dir": str(self.run_dir),
-            "steps": self.steps,
-            "tokens": self.tokens,
-            "metrics": self.metrics,
-            "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
-            "best_checkpoint": str(self.best_checkpoint) if self.best_checkpoint else None,
-            "mlflow_run_id": self.mlflow_run_id,
-            "tracking_uri": mask_url(self.tracking_uri),  # no password on disk (read back: uris.reveal)
-            "seconds": self.seconds,
-            "segments": self.segments,
-            "data_seconds": self.data_seconds,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], run_dir: Path) -> TrainResult:
-        """A ``result.json`` read back from ``run_dir`` where it lies now: paths recorded inside the run directory
-        at the time (the checkpoints) follow it when it was moved or copied, and the tracking store is the one
-        the directory records (``default_tracking_uri``). Raises KeyError / TypeError / ValueError on a
-        damaged record."""
-        old = d.get("run_dir")
-
-        def here(path: str | None) -> Path | None:
-            return None if not path else rebased(path, old, run_dir)
-
-        return cls(
-            run_dir=run_dir,
-            steps=int(d["steps"]),
-            tokens=int(d["tokens"]),
-            metrics={k: float(v) for k, v in d["metrics"].items()},
-            last_checkpoint=here(d.get("last_checkpoint")),
-            best_checkpoint=here(d.get("best_checkpoint")),
-            mlflow_run_id=str(d["mlflow_run_id"]),
-            tracking_uri=default_tracking_uri(run_dir),
-            seconds=float(d.get("seconds") or 0.0),
-            segments=int(d.get("segments") or 1),
-            data_seconds=float(d.get("data_seconds") or 0.0),
-        )
-
-
-def rebased(path: str | os.PathLike, old_dir: str | os.PathLike | None, new_dir: str | os.PathLike) -> Path:
-    """``path``, recorded while its directory was ``old_dir``, where that directory lies now (``new_dir``); a path
-    outside ``old_dir`` (or with no ``old_dir`` recorded) as it was."""
-    if old_dir:
-        try:
-            return Path(new_dir) / Path(path).relative_to(old_dir)
-        except ValueError:
-            pass
-    return Path(path)
 
 
 def build_datamodule(cfg: RunConfig, run_dir: str | os.PathLike | None = None):
@@ -148,55 +70,20 @@ def prepare_corpus(cfg: RunConfig) -> None:
 
 
 def train(
-    cfg: RunConfig,
-    run_dir: str | os.PathLike,
-    *,
-    resume: bool = False,
-    ckpt_path: str | None = None,
-    tracking_uri: str | None = None,
-    experiment: str | None = None,
-    run_name: str | None = None,
-    parent_run_id: str | None = None,
-    tags: dict[str, str] | None = None,
-    callbacks: list | None = None,
-    params: dict[str, Any] | None = None,
+    cfg: RunConfig, run_dir: str | os.PathLike, options: TrainOptions | None = None, **fields: Any
 ) -> TrainResult:
-    """Train ``cfg`` into ``run_dir``; with ``resume`` continue from its newest good checkpoint.
+    """Train ``cfg`` into ``run_dir`` as ``options`` say (or their fields as keywords: ``resume=True``,
+    ``tracking_uri=...``); with ``resume`` continue from its newest good checkpoint.
 
-    ``params``: MLflow params beside the config's (a sweep's axes). Another live process writing ``run_dir`` is
-    refused in one sentence (``run_lock.RunDirBusy``)."""
+    Another live process writing ``run_dir`` is refused in one sentence (``run_lock.RunDirBusy``)."""
+    options = dataclasses.replace(options or TrainOptions(), **fields)
     run_dir = Path(run_dir).resolve()
     # one writer per run directory; a multi-device run's further ranks write through its first
     with run_dir_lock(run_dir) if first_rank() else contextlib.nullcontext():
-        return _train(
-            cfg,
-            run_dir,
-            resume=resume,
-            ckpt_path=ckpt_path,
-            tracking_uri=tracking_uri,
-            experiment=experiment,
-            run_name=run_name,
-            parent_run_id=parent_run_id,
-            tags=tags,
-            callbacks=callbacks,
-            params=params,
-        )
+        return _train(cfg, run_dir, options)
 
 
-def _train(
-    cfg: RunConfig,
-    run_dir: Path,
-    *,
-    resume: bool,
-    ckpt_path: str | None,
-    tracking_uri: str | None,
-    experiment: str | None,
-    run_name: str | None,
-    parent_run_id: str | None,
-    tags: dict[str, str] | None,
-    callbacks: list | None,
-    params: dict[str, Any] | None,
-) -> TrainResult:
+def _train(cfg: RunConfig, run_dir: Path, options: TrainOptions) -> TrainResult:
     import lightning as L  # heavy
 
     from recursive_lightning.training import mlflow_run, parallel  # heavy
@@ -208,31 +95,15 @@ def _train(
     if cfg.train.keep_host_memory:
         keep_freed_memory()
     # ---- the run directory and the checkpoint it resumes from
-    run_dir_state.prepare_run_dir(cfg, run_dir, resume)
-    resume_from = run_dir_state.resume_checkpoint(cfg, run_dir, resume, ckpt_path)
+    run_dir_state.prepare_run_dir(cfg, run_dir, options.resume)
+    resume_from = run_dir_state.resume_checkpoint(cfg, run_dir, options.resume, options.ckpt_path)
     run_dir_state.keep_config(cfg, run_dir)
     source = _uptraining_source(cfg, run_dir, resume_from)
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     dm = _datamodule(cfg, run_dir, source)
     # from the instant its MLflow run is RUNNING, whatever stops this command closes it (mlflow_run.RunCloser)
     with mlflow_run.RunCloser(run_dir, rank_zero=first_rank()) as closer:
-        return _fit_and_summarise(
-            cfg,
-            run_dir,
-            dm,
-            source,
-            resume_from,
-            t0,
-            closer,
-            resume=resume,
-            tracking_uri=tracking_uri,
-            experiment=experiment,
-            run_name=run_name,
-            parent_run_id=parent_run_id,
-            tags=tags,
-            callbacks=callbacks,
-            params=params,
-        )
+        return _fit_and_summarise(cfg, run_dir, dm, source, resume_from, t0, closer, options)
 
 
 def _fit_and_summarise(
@@ -243,15 +114,7 @@ def _fit_and_summarise(
     resume_from: str | None,
     t0: float,
     closer: Any,
-    *,
-    resume: bool,
-    tracking_uri: str | None,
-    experiment: str | None,
-    run_name: str | None,
-    parent_run_id: str | None,
-    tags: dict[str, str] | None,
-    callbacks: list | None,
-    params: dict[str, Any] | None,
+    options: TrainOptions,
 ) -> TrainResult:
     """The MLflow run opened (``closer`` told the instant it is RUNNING), the model, the trainer, fit and the
     summary."""
@@ -265,19 +128,7 @@ def _fit_and_summarise(
     from recursive_lightning.training.wallclock import WallClock  # heavy
 
     # ---- MLflow: one experiment per config name, one run per run directory
-    tracking_uri, run_id = mlflow_run.open_run(
-        cfg,
-        run_dir,
-        dm.corpus_summary(),
-        resume=resume,
-        tracking_uri=tracking_uri,
-        experiment=experiment,
-        run_name=run_name,
-        parent_run_id=parent_run_id,
-        tags=tags,
-        params=params,
-        closer=closer,
-    )
+    tracking_uri, run_id = mlflow_run.open_run(cfg, run_dir, dm.corpus_summary(), options, closer=closer)
     faults.point("run_opened")  # tests: Ctrl-C during the set-up, after the run is RUNNING
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)  # init: not what data prep consumed
     module = RecursiveLMModule(cfg.to_dict(), val_names=("heldout",), tokenizer_json=dm.tokenizer.to_str())
@@ -290,8 +141,12 @@ def _fit_and_summarise(
         cfg,
         run_dir,
         # a resumed run retrains the steps since its last checkpoint: each step's metrics are logged once
-        logger=step_once_logger(experiment or cfg.name, tracking_uri, run_id, resumed=resumed),
-        callbacks=[clock, *_run_callbacks(cfg, module, source, tracking_uri, run_id), *(callbacks or [])],
+        logger=step_once_logger(options.experiment or cfg.name, tracking_uri, run_id, resumed=resumed),
+        callbacks=[
+            clock,
+            *_run_callbacks(cfg, module, source, tracking_uri, run_id),
+            *(options.callbacks or []),
+        ],
         precision=run_dir_state.resumed_precision(cfg, resume_from),
     )
     with mlflow_run.tracked(tracking_uri, run_id, resumed, rank_zero=trainer.is_global_zero):
@@ -308,7 +163,7 @@ def _summarise(
     from recursive_lightning.training import resume as run_dir_state  # heavy
     from recursive_lightning.training.trainer import best_checkpoint, val_metrics  # heavy
 
-    last = run_dir / "checkpoints" / "last.ckpt"
+    last = RunDir(run_dir).last_checkpoint
     d, steps = cfg.data, trainer.global_step
     trained = steps != clock.start_step
     val = val_metrics(trainer)
@@ -338,7 +193,7 @@ def _summarise(
     )
     if trainer.is_global_zero:
         mlflow_run.finish_run(tracking_uri, run_id, metrics, steps, result.tokens, result.seconds)
-        atomic_write_text(run_dir / "result.json", json.dumps(result.to_dict(), indent=2))
+        result.save()
     return result
 
 
@@ -451,8 +306,20 @@ def summary_line(r: TrainResult) -> str:
     )
 
 
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM outside a training step (the set-up, the data's preparation, the summary): ``Terminated`` there,
+    so that the run directory's lock, a directory with nothing of value in it and the MLflow run are closed as
+    for Ctrl-C. Inside ``trainer.fit`` Lightning's handler calls this one too, and stops at the next step."""
+    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        return
+    raise Terminated(
+        "train: stopped by SIGTERM outside a training step; run the same command again (with --resume where "
+        "the run directory holds its MLflow run)."
+    )
+
+
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="recursive_lightning train",
         description="Train one config.",
         epilog="Any config field can be overridden: --model.topology mesh --train.lr 3e-4",
@@ -525,11 +392,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError(
             f"--resume: run directory '{run_dir}' does not exist; start the run without --resume first."
         )
-    if args.resume and (run_dir / "config.yaml").exists() and not args.config:
-        cfg = load_run_config(run_dir / "config.yaml", overrides)
-    elif (
-        args.resume and not args.config and any((run_dir / f).exists() for f in ("checkpoints", RUN_ID_FILE))
-    ):
+    if args.resume and RunDir(run_dir).config.exists() and not args.config:
+        cfg = load_run_config(RunDir(run_dir).config, overrides)
+    elif args.resume and not args.config and RunDir(run_dir).holds_run():
         # the default config would resume another model (a size mismatch deep in the checkpoint's loading)
         raise ConfigError(
             f"--resume: '{run_dir}' holds a run but not its config.yaml, the config it was started with; put "
@@ -540,21 +405,24 @@ def main(argv: list[str]) -> int:
     # command line); a masked password (as files and other commands show it) is filled in from there
     tracking_uri = reveal(remember(args.tracking_uri or os.environ.get(TRACKING_ENV)))
     # one writer per run directory, taken before anything is written to it; then a refused run leaves nothing
-    # behind (no config.yaml, no tracking store)
+    # behind (no config.yaml, no tracking store), nor does one stopped before its MLflow run was opened
     lock = run_dir_lock(run_dir) if first_rank() else contextlib.nullcontext()
-    with lock, undo_on_refusal(run_dir):
-        result = train(
-            cfg,
-            run_dir,
-            resume=args.resume,
-            ckpt_path=args.ckpt_path,
-            tracking_uri=tracking_uri,
-            experiment=args.experiment,
-            run_name=args.run_name,
-            parent_run_id=args.parent_run_id,
-            tags=tags,
-            params=params,
-        )
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with lock, undo_on_refusal(run_dir, kept_on_stop_by=RunDir.RUN_ID):
+            options = TrainOptions(
+                resume=args.resume,
+                ckpt_path=args.ckpt_path,
+                tracking_uri=tracking_uri,
+                experiment=args.experiment,
+                run_name=args.run_name,
+                parent_run_id=args.parent_run_id,
+                tags=tags,
+                params=params,
+            )
+            result = train(cfg, run_dir, options)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     from lightning.pytorch.utilities.rank_zero import rank_zero_only  # heavy
 
     if rank_zero_only.rank == 0:  # DDP / FSDP: every rank returns here, one line is enough

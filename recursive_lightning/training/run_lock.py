@@ -19,14 +19,18 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from recursive_lightning import faults
 from recursive_lightning.errors import UserError
 from recursive_lightning.files import writable_dir_problem
+from recursive_lightning.run_dir import RunDir
+from recursive_lightning.tracking.runs import client, default_tracking_uri, set_terminated
 
-LOCK_FILE = ".writer.lock"
+LOCK_FILE = RunDir.WRITER_LOCK
 HELD_ENV = (
     "RECURSIVE_LIGHTNING_RUN_DIR_HELD"  # {run dir: [pid, host]} of the locks this process's ancestors hold
 )
@@ -41,7 +45,7 @@ class RunDirBusy(UserError):
 def holder(run_dir: str | os.PathLike) -> dict[str, object]:
     """The pid and host the lock file of ``run_dir`` records (empty when there is none or it is unreadable)."""
     try:
-        data = json.loads((Path(run_dir) / LOCK_FILE).read_text() or "{}")
+        data = json.loads(RunDir(run_dir).writer_lock.read_text() or "{}")
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -114,7 +118,7 @@ def run_dir_lock(
     folder = Path(path)
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
-    lock = folder / LOCK_FILE
+    lock = RunDir(folder).writer_lock
     announced = False
     while True:
         try:
@@ -149,6 +153,21 @@ def run_dir_lock(
             on_wait(info)
             announced = True
         time.sleep(POLL_S)
+    dead = holder(folder)  # a record nobody holds: its writer died without ending (a SIGKILL, a lost node)
+    before = _record_holder(fd, path)
+    try:
+        if dead.get("pid"):
+            close_dead_writers_run(folder, dead)
+        faults.point("run_dir_locked")  # tests: a signal the instant the directory is taken
+        yield
+    finally:
+        _release(fd, path, before, created)
+
+
+def _record_holder(fd: int, path: str) -> str | None:
+    """Write this process (pid, host) into the held lock file ``fd`` of the directory ``path`` and into the
+    environment its child processes inherit (``HELD_ENV``: they hold it for us); returns that variable's value
+    before, for ``_release``."""
     me = {"pid": os.getpid(), "host": socket.gethostname()}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(me).encode(), 0)
@@ -159,17 +178,63 @@ def run_dir_lock(
         inherited = {}
     os.environ[HELD_ENV] = json.dumps({**inherited, path: [me["pid"], me["host"]]})
     _held.add(path)
+    return before
+
+
+def _release(fd: int, path: str, before: str | None, created: bool) -> None:
+    """Undo ``_record_holder``: the environment as it was, the lock file removed, the directory too when the
+    lock created it and nothing was written there; the lock released."""
+    _held.discard(path)
+    if before is None:
+        os.environ.pop(HELD_ENV, None)
+    else:
+        os.environ[HELD_ENV] = before
+    folder = Path(path)
+    with contextlib.suppress(OSError):  # removed while held: a process opening it now opens it again
+        RunDir(folder).writer_lock.unlink()
+    if created:
+        with contextlib.suppress(OSError):  # only when empty: the command wrote nothing here
+            folder.rmdir()
+    os.close(fd)
+
+
+def close_dead_writers_run(run_dir: Path, dead: dict[str, object]) -> None:
+    """The MLflow run of ``run_dir`` that its dead writer (``dead``: its pid and host) left RUNNING, marked
+    KILLED and said in one line on stderr: a process killed by SIGKILL (or on a lost node) could not close it,
+    and the run would show as running for ever. A store that cannot be read is left to the command's checks."""
+    id_file = RunDir(run_dir).run_id_file
+    if not id_file.is_file():
+        return
+    run_id, uri = id_file.read_text().strip(), default_tracking_uri(run_dir)
     try:
-        yield
+        if client(uri).get_run(run_id).info.status != "RUNNING":
+            return
+        set_terminated(uri, run_id, "KILLED")
+    except Exception:  # noqa: BLE001 - a damaged or unreachable store: refused in one sentence later
+        return
+    print(
+        f"note: the MLflow run {run_id} of '{run_dir}' was left RUNNING by its writer ({describe_holder(dead)}), "
+        "which is gone; marked it KILLED.",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def close_if_abandoned(run_dir: str | os.PathLike) -> None:
+    """For a command that reads ``run_dir`` without writing it (``eval``): a writer lock that nobody holds but
+    that records a writer (it died) has its MLflow run closed (:func:`close_dead_writers_run`); a live
+    writer's run is left as it is."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its writer is alive
+            return
+        dead = holder(run_dir)
+        if dead.get("pid"):
+            close_dead_writers_run(Path(run_dir), dead)
     finally:
-        _held.discard(path)
-        if before is None:
-            os.environ.pop(HELD_ENV, None)
-        else:
-            os.environ[HELD_ENV] = before
-        with contextlib.suppress(OSError):  # removed while held: a process opening it now opens it again
-            lock.unlink()
-        if created:
-            with contextlib.suppress(OSError):  # only when empty: the command wrote nothing here
-                folder.rmdir()
         os.close(fd)

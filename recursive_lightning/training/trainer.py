@@ -20,10 +20,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import Terminated
+from recursive_lightning.run_dir import RunDir
 from recursive_lightning.training import parallel
 from recursive_lightning.training.checkpoint import read_checkpoint, save_atomic
 
-BEST = "best"  # the best checkpoint's file name (best.ckpt)
+BEST = RunDir.BEST  # the best checkpoint's stem
 
 # Lightning's lines that say nothing about this run: the srun hint where SLURM's client is installed but the
 # run is not a SLURM step (a sweep starts its own steps, sweep/slurm.py), a deprecation inside Lightning itself,
@@ -92,10 +93,10 @@ def build_trainer(
         )
     if run_dir is None:
         raise ValueError("build_trainer: a trainer that trains needs its run_dir")
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir = RunDir(run_dir).checkpoints
     periodic = ModelCheckpoint(
         dirpath=ckpt_dir,
-        filename="step={step:06d}",
+        filename=RunDir.STEP,
         auto_insert_metric_name=False,
         every_n_train_steps=t.checkpoint_every,
         save_top_k=2,
@@ -154,7 +155,7 @@ def fit(
         if trainer.global_step % cfg.train.val_every != 0 or not val_metrics(trainer):
             trainer.validate(module, datamodule=dm, verbose=False)
     except SIGTERMException:  # Lightning stops at the next step (or validation batch) and raises SystemExit()
-        saved = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
+        saved = RunDir(run_dir).has_checkpoint_files()
         where = (
             f"the run is resumable from its last checkpoint: --run-dir {run_dir} --resume."
             if saved
@@ -180,5 +181,5 @@ def best_checkpoint(trainer: L.Trainer, run_dir: Path) -> Path | None:
     folder's path with the callback's state)."""
     for cb in trainer.checkpoint_callbacks:
         if isinstance(cb, ModelCheckpoint) and cb.filename == BEST and cb.best_model_path:
-            return run_dir / "checkpoints" / Path(cb.best_model_path).name
+            return RunDir(run_dir).checkpoints / Path(cb.best_model_path).name
     return None

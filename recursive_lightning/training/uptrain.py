@@ -42,10 +42,11 @@ from recursive_lightning.files import atomic_write_text
 from recursive_lightning.interop import hf
 from recursive_lightning.interop.init import MESH_ROUTER_MARGIN, initialise
 from recursive_lightning.model.recursive.model import RecursiveLM
+from recursive_lightning.run_dir import RunDir
 from recursive_lightning.tracking.runs import log_artifact_text, log_params, set_tags
 from recursive_lightning.training.checkpoint import HF_WEIGHTS, load_checkpoint
 
-TOKENIZER_FILE = "init_tokenizer.json"  # the source's tokenizer, kept in the run directory for --resume
+TOKENIZER_FILE = RunDir.INIT_TOKENIZER  # the source's tokenizer, kept in the run directory for --resume
 CHECKPOINT_KEY = "uptrain"
 
 
@@ -193,7 +194,7 @@ def tokenizer_spec(cfg: RunConfig, run_dir: Path) -> str:
     """``data.tokenizer`` as the data module reads it: ``init`` is the source's copy in the run directory."""
     if cfg.data.tokenizer.strip() != INIT_TOKENIZER:
         return cfg.data.tokenizer
-    path = Path(run_dir) / TOKENIZER_FILE
+    path = RunDir(run_dir).init_tokenizer
     if not cfg.train.init_from:
         raise ConfigError(
             "data.tokenizer 'init' means the tokenizer of train.init_from, which is not set; pass --init-from "
@@ -216,7 +217,7 @@ def keep_tokenizer(cfg: RunConfig, source: Source, run_dir: Path) -> None:
             f"data.tokenizer is 'init' but the source '{source.name}' carries no tokenizer (no tokenizer.json); "
             "save the tokenizer beside the model or set data.tokenizer to its tokenizer.json."
         )
-    atomic_write_text(Path(run_dir) / TOKENIZER_FILE, source.tokenizer.to_str())
+    atomic_write_text(RunDir(run_dir).init_tokenizer, source.tokenizer.to_str())
 
 
 def check_tokenizer(cfg: RunConfig, source: Source, tokenizer: Any) -> None:

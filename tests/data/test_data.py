@@ -365,3 +365,38 @@ def test_lightning_resume_continues_with_next_batch(
         _fit(resumed, _long_dm(cache_dir), stop, ckpt_path=saves[step])
         assert len(resumed.seen) == stop - step
         assert all(torch.equal(a, b) for a, b in zip(resumed.seen, reference.seen[step:stop]))
+
+
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        (
+            {"HF_HUB_OFFLINE": "1"},
+            "error: The tokenizer 'nobody/no-such-tokenizer' is not in the local Hugging Face cache and "
+            "HF_HUB_OFFLINE=1 keeps the Hub off; fetch it with `hf download nobody/no-such-tokenizer tokenizer.json` "
+            "where the Hub can be reached (or unset HF_HUB_OFFLINE)",
+        ),
+        (
+            {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:1"},
+            "error: The tokenizer 'nobody/no-such-tokenizer' is not in the local Hugging Face cache and the Hub "
+            "(http://127.0.0.1:1) cannot be reached (Connection refused); fetch it with `hf download",
+        ),
+    ],
+    ids=["offline", "hub-unreachable"],
+)
+def test_a_hub_tokenizer_that_cannot_be_had_is_one_sentence_at_once(env, says, tmp_path, data_cache):
+    """`train --data.tokenizer <a Hub name not in the cache>`: offline, or with a Hub that does not answer, one
+    sentence saying how to fetch it, without the Hub client's half minute of retries; no run directory left."""
+    import yaml
+    from conftest import ENV, command_output, tiny_config
+
+    cfg = tiny_config(data_cache)
+    cfg["data"]["tokenizer"] = "nobody/no-such-tokenizer"
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    code, out = command_output(
+        "train", "--config", tmp_path / "c.yaml", "--run-dir", run_dir, env={**ENV, **env}
+    )
+    assert code == 2, out
+    assert len(out.strip().splitlines()) == 1 and out.startswith(says) and "Retrying" not in out, out
+    assert not run_dir.exists()

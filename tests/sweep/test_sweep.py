@@ -323,7 +323,7 @@ def test_a_failing_grid_point_is_retried_then_reported(tmp_path, data_cache):
 _CLAIMER = """
 import sys, time
 from recursive_lightning.sweep.study import open_storage
-from recursive_lightning.sweep.trial import claim
+from recursive_lightning.sweep.claims import claim
 import optuna
 url, start = sys.argv[1], float(sys.argv[2])
 storage = open_storage(url, 0)
@@ -530,7 +530,7 @@ def _wait_for(fn, timeout=300, proc=None):
 def test_workers_die_with_the_sweep_command(tmp_path, data_cache):
     """SIGKILL of a sweep command with two workers: the workers (held at a named point in the middle of their
     trials) die with it instead of training unattended, and the re-run finishes every grid point once."""
-    from recursive_lightning.sweep.trial import pid_alive
+    from recursive_lightning.sweep.claims import pid_alive
 
     rows = {"base": {"model.topology": "base"}, "mesh": {"model.topology": "mesh"}}
     spec = sweep_file(tmp_path, data_cache, rows, steps=6)
@@ -645,7 +645,7 @@ time.sleep(600)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_multi_device_trials_train_command_dies_with_its_worker(tmp_path):
     """A multi-device trial runs as a `train` subprocess of the worker; killing the worker kills it too."""
-    from recursive_lightning.sweep.trial import pid_alive
+    from recursive_lightning.sweep.claims import pid_alive
 
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER], env=ENV, stdout=subprocess.PIPE, text=True)
     try:

@@ -211,8 +211,8 @@ def test_a_worker_with_nothing_left_takes_over_a_dead_workers_trial(pg, tmp_path
 def test_a_claim_skips_a_trial_finished_since_the_list_was_read(pg):
     """Workers on a server database list the waiting trials, then claim one by one: a trial another worker
     claimed and finished in between is skipped (with eight workers it crashed a worker before)."""
+    from recursive_lightning.sweep.claims import claim
     from recursive_lightning.sweep.study import open_storage
-    from recursive_lightning.sweep.trial import claim
 
     url = pg.create_database("stale_list")
     storage = open_storage(url, 0)
@@ -378,3 +378,71 @@ def test_a_multi_device_trial_is_started_by_srun_inside_slurm(tmp_path, tiny_run
     assert (srun.parent / "called").read_text().split()[-2:] == ["--export=ALL", "train"]
     assert slurm_launcher(cfg, {"PATH": str(srun.parent)}) == []  # not in an allocation
     assert slurm_launcher(cfg, {"SLURM_JOB_ID": "7", "PATH": str(tmp_path)}) == []  # no srun
+
+
+def test_sigterm_while_a_finished_postgresql_sweep_writes_its_report_closes_its_parent(
+    pg, tracking, tmp_path, data_cache
+):
+    """A sweep on PostgreSQL (its study there, its runs on an `mlflow server` with a PostgreSQL store), stopped
+    by SIGTERM at the instant it writes its report (every point finished): exit 143, the MLflow parent run
+    FINISHED, not RUNNING. A SIGKILL there leaves the parent RUNNING; a later `report` closes it."""
+    import signal
+
+    from conftest import command_output
+
+    def sweep(how: str, fault: str) -> tuple[subprocess.Popen, Path, str]:
+        name = f"pg-report-{how}"
+        spec = pg_sweep(tmp_path, data_cache, name, variants=("mesh",), seeds=(0,))
+        run_dir = tmp_path / how
+        args = [spec, "--run-dir", run_dir, "--storage", pg.create_database(f"report_{how}")]
+        env = {
+            **PG_ENV,
+            "RECURSIVE_LIGHTNING_FAULT": fault,
+            "RECURSIVE_LIGHTNING_FAULT_MARK": str(tmp_path / f"{how}.mark"),
+        }
+        return run_sweep([*args, "--tracking-uri", tracking], env=env), run_dir, name
+
+    p, _, name = sweep("term", "during_report:1:pause")
+    try:
+        while not (tmp_path / "term.mark").is_file():  # the sweep waits inside its report
+            assert p.poll() is None, p.communicate()[0]
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        code, out = finish(p)
+    finally:
+        p.kill()
+    assert code == 143, out
+    _, (parent,), (child,) = sweep_runs(tracking, name)
+    assert parent.info.status == "FINISHED" and child.info.status == "FINISHED", out
+
+    p, run_dir, name = sweep("kill", "during_report:1")
+    code, out = finish(p)
+    assert code == -9, out
+    _, (parent,), _ = sweep_runs(tracking, name)
+    assert parent.info.status == "RUNNING"
+    code, out = command_output("report", "--run-dir", run_dir, env=PG_ENV, timeout=300)
+    assert code == 0, out
+    _, (parent,), _ = sweep_runs(tracking, name)
+    assert parent.info.status == "FINISHED" and (run_dir / "report.md").is_file()
+
+
+def test_a_new_run_dir_for_a_postgresql_study_is_refused_naming_its_directory(
+    pg, tracking, tmp_path, data_cache
+):
+    """A study prepared on PostgreSQL into one run directory: `sweep` with another --run-dir is refused in one
+    sentence naming the study's directory, and writes nothing there."""
+    from conftest import sweep_output
+
+    from recursive_lightning.uris import mask_url
+
+    spec = pg_sweep(tmp_path, data_cache, "pg-one-dir", variants=("mesh",), seeds=(0,))
+    storage, run_dir = pg.create_database("one_dir"), tmp_path / "run"
+    prepare(spec, run_dir, storage, tracking)
+    elsewhere = tmp_path / "elsewhere"
+    code, out = sweep_output(spec, "--run-dir", elsewhere, "--storage", storage, env=PG_ENV, timeout=300)
+    assert code == 2, out
+    assert out.strip() == (
+        f"error: --run-dir '{elsewhere}': the study 'pg-one-dir' in {mask_url(storage)} runs in '{run_dir}'; pass "
+        f"--run-dir {run_dir} to continue it there, or give the sweep file a new `name:` to start another study."
+    ), out
+    assert not elsewhere.exists()

@@ -125,6 +125,7 @@ class _Started:
 
 def test_workers_and_trial_processes_get_the_urls_through_the_environment(tmp_path, monkeypatch, tiny_run):
     from recursive_lightning.config import RunConfig
+    from recursive_lightning.training.options import TrainOptions
 
     storage = f"postgresql+psycopg://rl:{SECRET}@db.example/optuna"
     tracking = f"postgresql+psycopg://rl@db.example/mlflow?password={SECRET}"
@@ -138,7 +139,10 @@ def test_workers_and_trial_processes_get_the_urls_through_the_environment(tmp_pa
         json.dumps({"steps": 1, "tokens": 1, "metrics": {}, "mlflow_run_id": "r", "run_dir": str(trial_dir)})
     )
     cfg = RunConfig.from_dict(tiny_run())
-    launch._train_in_subprocess(cfg, trial_dir, False, tracking, "e", "p", "parent", {}, {}, ["0"])
+    options = TrainOptions(
+        tracking_uri=tracking, experiment="e", run_name="p", parent_run_id="parent", tags={}
+    )
+    launch._train_in_subprocess(cfg, trial_dir, options, ["0"])
     assert len(_Started.seen) == 3
     for cmd, env in _Started.seen:
         assert SECRET not in " ".join(cmd), cmd  # what `ps` shows

@@ -204,3 +204,52 @@ def test_report_on_an_unreachable_study_is_one_sentence(tmp_path, capsys):
     assert main(["report", "--run-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: cannot open the Optuna storage") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "uri, says",
+    [
+        (
+            "postgresql://user@127.0.0.1:1/db",
+            "error: --tracking-uri 'postgresql://user@127.0.0.1:1/db' asks SQLAlchemy for the psycopg2 driver, "
+            "which is not installed; write postgresql+psycopg://user@127.0.0.1:1/db",
+        ),
+        (
+            "postgresql+psycopg://user@127.0.0.1:1/db",
+            "error: cannot open the MLflow tracking store --tracking-uri 'postgresql+psycopg://user@127.0.0.1:1/db' "
+            "(connection failed",
+        ),
+    ],
+    ids=["default-driver", "nothing-listening"],
+)
+def test_ui_of_a_database_that_does_not_answer_is_one_sentence_at_once(uri, says, tmp_path):
+    """`ui --tracking-uri postgresql://...` where nothing listens: one sentence before any server starts (the
+    mlflow server waited on the database for minutes); the subprocess's limit only stops a hang."""
+    from conftest import command_output
+
+    code, out = command_output("ui", "--tracking-uri", uri, timeout=120)
+    assert code == 2, out
+    assert len(out.strip().splitlines()) == 1 and out.startswith(says), out
+
+
+def test_ui_of_a_folder_store_is_the_servers_sentence_without_its_stack(tmp_path):
+    """`ui --tracking-uri file:///...`: a folder that does not exist is refused as a missing SQLite file is; one
+    that MLflow's server refuses gives its error's line only (no stack lines from its log)."""
+    from conftest import ENV, command_output
+
+    code, out = command_output("ui", "--tracking-uri", f"file://{tmp_path}/nothing")
+    assert code == 2 and out.strip() == (
+        f"error: ui: --tracking-uri 'file://{tmp_path}/nothing': '{tmp_path}/nothing' does not exist; pass the "
+        "mlflow.db of a run or sweep directory, or the directory itself."
+    ), out
+    env = {
+        k: v for k, v in ENV.items() if k != "MLFLOW_ALLOW_FILE_STORE"
+    }  # this MLflow refuses folder stores
+    code, out = command_output("ui", "--tracking-uri", f"file://{tmp_path}", env=env, timeout=300)
+    assert code == 2, out
+    assert len(out.strip().splitlines()) == 1 and "File " not in out, out
+    assert out.startswith(
+        f"error: ui: mlflow server could not serve the store file://{tmp_path} (exit code 1): "
+    ), out
+    assert "MlflowException: The filesystem tracking backend" in out, out
+    assert list(tmp_path.iterdir()) == []

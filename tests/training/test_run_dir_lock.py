@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import ENV, run_sweep, write_sweep
 from mlflow.tracking import MlflowClient
@@ -178,3 +179,60 @@ def test_a_sweep_worker_waits_for_a_trial_directory_another_process_writes(tmp_p
     out, _ = sweep.communicate(timeout=600)
     assert sweep.returncode == 0, text + out
     assert (trial_dir / "sweep_result.json").exists() and not (trial_dir / ".writer.lock").exists()
+
+
+@pytest.mark.parametrize("then", ["eval", "refused-resume"])
+def test_a_killed_writers_run_is_closed_killed_by_the_next_command(then, tmp_path, tiny_run):
+    """`train` killed by SIGKILL after its first checkpoint leaves its MLflow run RUNNING and its lock file
+    behind; the next command into the directory (`eval` of it, or a `train --resume` that is then refused) finds
+    the lock abandoned, marks the run KILLED and says so in one line."""
+    from test_run_dirs import _run_of
+
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump(tiny_run()))
+    run_dir, mark = tmp_path / "run", tmp_path / "paused"
+    env = {
+        **QUIET,
+        "RECURSIVE_LIGHTNING_FAULT": "training_step:6:pause",
+        "RECURSIVE_LIGHTNING_FAULT_MARK": str(mark),
+    }
+    first = subprocess.Popen(
+        _train("--config", cfg_file, "--run-dir", run_dir),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(mark, first)
+    finally:
+        first.kill()  # SIGKILL: nothing closes its run
+        first.communicate()
+    assert _run_of(run_dir).info.status == "RUNNING" and (run_dir / ".writer.lock").exists()
+    if then == "eval":
+        (tmp_path / "t.txt").write_text("the shared core loops over the middle layers. " * 20)
+        argv = [
+            sys.executable,
+            "-m",
+            "recursive_lightning",
+            "eval",
+            str(run_dir),
+            "--ppl",
+            str(tmp_path / "t.txt"),
+        ]
+        p = subprocess.run([*argv, "--tasks", "none"], env=QUIET, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout + p.stderr
+    else:
+        p = subprocess.run(
+            _train("--run-dir", run_dir, "--resume", "--max-steps", 2),
+            env=QUIET,
+            capture_output=True,
+            text=True,
+        )
+        assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error: "), p.stderr
+    run = _run_of(run_dir)
+    assert run.info.status == "KILLED", p.stdout + p.stderr
+    said = [line for line in p.stderr.splitlines() if line.startswith("note: the MLflow run")]
+    assert said == [
+        f"note: the MLflow run {run.info.run_id} of '{run_dir}' was left RUNNING by its writer (pid {first.pid} on "
+        f"{socket.gethostname()}), which is gone; marked it KILLED."
+    ], p.stderr

@@ -459,10 +459,83 @@ def test_a_full_disk_while_a_finished_run_is_extended_keeps_it_finished(finished
     p = subprocess.run(
         _train("--run-dir", run_dir, "--resume", "--max-steps", 16), env=env, capture_output=True, text=True
     )
-    assert p.returncode != 0 and "No space left on device" in p.stderr, p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert (
+        f"error: no space left on the device to write '{run_dir / 'checkpoints' / 'last.ckpt'}'" in p.stderr
+    )
     assert _run_of(run_dir).info.status == "FINISHED"
     assert (run_dir / "result.json").read_bytes() == result
     assert not list(run_dir.rglob("*.tmp"))
+
+
+@pytest.mark.parametrize(
+    "point, written",
+    [("checkpoint_write_last", "checkpoints/last.ckpt"), ("write_result.json", "result.json")],
+    ids=["checkpoint", "result"],
+)
+def test_a_full_disk_while_a_checkpoint_or_the_result_is_written_is_one_sentence(
+    point, written, tmp_path, tiny_run
+):
+    """The disk fills (the fault point raises ENOSPC) while `train` writes its first `last.ckpt` or its
+    `result.json`: one sentence naming the file and "no space left" (exit 2), no traceback, the MLflow run
+    FAILED, no `*.tmp` file left and no result.json."""
+    import subprocess
+
+    from test_run_dir_lock import QUIET, _train
+
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump(tiny_run()))
+    run_dir = tmp_path / "run"
+    env = {**QUIET, "RECURSIVE_LIGHTNING_FAULT": f"{point}:1:raise"}
+    p = subprocess.run(
+        _train("--config", cfg_file, "--run-dir", run_dir),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"error: no space left on the device to write '{run_dir / written}'; free space on its file system (or "
+        "choose another folder), then run the command again."
+    ), p.stderr
+    assert _run_of(run_dir).info.status == "FAILED"
+    assert not list(run_dir.rglob("*.tmp")) and not (run_dir / "result.json").exists()
+
+
+def test_sigterm_the_instant_train_takes_a_new_run_dir_leaves_no_folder(tmp_path, tiny_run):
+    """SIGTERM right after `train` took the writer lock of a new --run-dir, before anything was written: exit 143
+    in one sentence, and the directory it created (holding only `.writer.lock`) is removed."""
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump(tiny_run()))
+    run_dir = tmp_path / "run"
+    code, out = _stopped_at("run_dir_locked", tmp_path, cfg_file, run_dir, signum=signal.SIGTERM)
+    assert code == 143 and "Traceback" not in out, out
+    assert out.strip().splitlines()[-1] == (
+        "train: stopped by SIGTERM outside a training step; run the same command again (with --resume where the "
+        "run directory holds its MLflow run)."
+    ), out
+    assert not run_dir.exists()
+
+
+def test_ctrl_c_while_the_corpus_is_tokenised_exits_130_and_leaves_nothing_half_written(tmp_path, tiny_run):
+    """Ctrl-C while a litdata worker tokenises the corpus (data preparation, before the MLflow run is opened):
+    exit 130, not litdata's 0; no half-built shard folder or litdata scratch folder in the cache, and no run
+    directory (nothing of value was written to it)."""
+    from recursive_lightning.data.shards import is_complete
+
+    cfg = tiny_run()
+    cfg["data"]["cache_dir"] = str(tmp_path / "cache")  # a cache of its own: the corpus is tokenised here
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    code, out = _stopped_at("tokenising", tmp_path, cfg_file, run_dir)
+    assert code == 130 and "Traceback" not in out, out
+    assert out.strip().splitlines()[-1] == "interrupted", out
+    shards = tmp_path / "cache" / "shards"
+    assert [d.name for d in shards.iterdir() if not is_complete(d)] == [], list(shards.rglob("*"))
+    assert not list((tmp_path / "cache").rglob("*.tmp"))
+    assert not run_dir.exists()
 
 
 def test_sigterm_before_the_first_checkpoint_says_no_checkpoint_exists(tmp_path, tiny_run):
