@@ -169,6 +169,12 @@ def _generate(argv: list[str]) -> int:
             "--top-k samples among the k most likely tokens, but --temperature 0 decodes greedily; "
             "give a --temperature above 0 (e.g. 0.8) or drop --top-k."
         )
+    try:  # bytes the terminal could not decode reach Python as surrogate escapes the tokenizer cannot take
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(
+            "--prompt is not UTF-8 text (the shell passed bytes that do not decode); give the prompt as UTF-8."
+        ) from None
     check_device(args.device)
     loaded = load_checkpoint(args.checkpoint, device=args.device)
     if loaded.tokenizer is None:

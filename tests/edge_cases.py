@@ -713,6 +713,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("generate-tokens-0", ["generate", "{run}", "--max-new-tokens", "0"], "--max-new-tokens"),
     ("generate-temperature", ["generate", "{run}", "--temperature", "-1"], "--temperature"),
     ("generate-temperature-nan", ["generate", "{run}", "--temperature", "nan"], "--temperature"),
+    # bytes the terminal could not decode (Python's surrogate escapes, passed on as the bytes 0xff 0xfe)
+    ("generate-prompt-not-utf8", ["generate", "{run}", "--prompt", "\udcff\udcfe"], "--prompt is not UTF-8"),
     ("generate-temperature-inf", ["generate", "{run}", "--temperature", "inf"], "--temperature"),
     ("generate-seed-big", ["generate", "{run}", "--temperature", "0.8", "--seed", str(2**64)], "--seed"),
     ("generate-loops-bound", ["generate", "{run}", "--loops", "100000"], "--loops 100000 exceeds 256"),

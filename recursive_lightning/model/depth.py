@@ -41,7 +41,9 @@ def check_depth(model: torch.nn.Module, k: object, dial: str | None = None) -> i
     if dial is not None and dial != own:
         flag, fix = f"--{dial.replace('_', '-')}", f"--{own.replace('_', '-')}"
         what = (
-            "Mela's depth dial is its high-level cycles" if own == "h_cycles" else "a looped model's dial is"
+            "Mela's depth dial is its high-level cycles"
+            if own == "h_cycles"
+            else "a looped model's depth dial is the loop count of its shared core"
         )
         raise UserError(f"{flag} does not apply to this {model.cfg.arch} model: {what}; use {fix}.")
     if own == "loops":

@@ -84,7 +84,12 @@ def test_eval_h_cycles_of_mela(ckpts, doc, tmp_path, capsys):  # noqa: F811
     "family,flags,message",
     [
         ("mela", ["--loops", "2"], "--loops does not apply to this mela model"),
-        ("looped-mesh", ["--h-cycles", "2"], "--h-cycles does not apply"),
+        (
+            "looped-mesh",
+            ["--h-cycles", "2"],
+            "--h-cycles does not apply to this recursive model: a looped model's depth dial is the loop count of "
+            "its shared core; use --loops.",
+        ),
         ("vanilla", ["--loops", "2"], "no shared core to loop"),
         ("unshared", ["--loops", "1,2"], "no shared core to loop"),
         ("looped-base", ["--loops", "0,2"], "--loops must be whole counts >= 1, not 0"),
