@@ -234,6 +234,16 @@ def sweep_output(*args, env=None, timeout=900) -> tuple[int, str]:
     return command_output("sweep", *args, env=env, timeout=timeout)
 
 
+def run_of(run_dir: Path):
+    """The MLflow run a run directory logs to (its recorded run id, in the store it records)."""
+    from mlflow.tracking import MlflowClient
+
+    from recursive_lightning.tracking.runs import default_tracking_uri
+
+    run_id = (Path(run_dir) / "mlflow_run_id").read_text().strip()
+    return MlflowClient(default_tracking_uri(run_dir)).get_run(run_id)
+
+
 def sweep_runs(tracking: str, name: str):
     """(MLflow client, the sweep's parent runs, its child runs) in the tracking store."""
     from mlflow.tracking import MlflowClient

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ENV, run_sweep, write_sweep
+from conftest import ENV, run_of, run_sweep, write_sweep
 from mlflow.tracking import MlflowClient
 
 # the holder is paused mid-step with nothing else running: MLflow's system-metrics thread would write meanwhile
@@ -62,6 +62,23 @@ def snapshot(folder: Path) -> dict[str, tuple]:
     return out
 
 
+def paused_train(cfg_file: Path, run_dir: Path, mark: Path, step: int) -> subprocess.Popen:
+    """`train --config cfg_file --run-dir run_dir` started to pause inside training step ``step`` (the fault
+    point writes ``mark`` when it gets there; ``wait_for(mark, proc)``), holding the directory."""
+    env = {
+        **QUIET,
+        "RECURSIVE_LIGHTNING_FAULT": f"training_step:{step}:pause",
+        "RECURSIVE_LIGHTNING_FAULT_MARK": str(mark),
+    }
+    return subprocess.Popen(
+        _train("--config", cfg_file, "--run-dir", run_dir),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
 def wait_for(path: Path, proc: subprocess.Popen) -> None:
     """Until ``proc`` has created ``path`` (a fault point's mark); fails if it ends first."""
     while not path.exists():
@@ -79,18 +96,7 @@ def test_a_second_train_into_a_run_dir_in_use_is_refused_and_a_dead_holders_lock
     cfg_file.write_text(yaml.safe_dump(tiny_run()))
     run_dir, mark = tmp_path / "run", tmp_path / "paused"
     # the first holds the directory, paused inside its second step (before its first checkpoint)
-    env = {
-        **QUIET,
-        "RECURSIVE_LIGHTNING_FAULT": "training_step:2:pause",
-        "RECURSIVE_LIGHTNING_FAULT_MARK": str(mark),
-    }
-    first = subprocess.Popen(
-        _train("--config", cfg_file, "--run-dir", run_dir),
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    first = paused_train(cfg_file, run_dir, mark, step=2)
     try:
         wait_for(mark, first)
         before = snapshot(run_dir)
@@ -186,28 +192,16 @@ def test_a_killed_writers_run_is_closed_killed_by_the_next_command(then, tmp_pat
     """`train` killed by SIGKILL after its first checkpoint leaves its MLflow run RUNNING and its lock file
     behind; the next command into the directory (`eval` of it, or a `train --resume` that is then refused) finds
     the lock abandoned, marks the run KILLED and says so in one line."""
-    from test_run_dirs import _run_of
-
     cfg_file = tmp_path / "tiny.yaml"
     cfg_file.write_text(yaml.safe_dump(tiny_run()))
     run_dir, mark = tmp_path / "run", tmp_path / "paused"
-    env = {
-        **QUIET,
-        "RECURSIVE_LIGHTNING_FAULT": "training_step:6:pause",
-        "RECURSIVE_LIGHTNING_FAULT_MARK": str(mark),
-    }
-    first = subprocess.Popen(
-        _train("--config", cfg_file, "--run-dir", run_dir),
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    first = paused_train(cfg_file, run_dir, mark, step=6)
     try:
         wait_for(mark, first)
     finally:
         first.kill()  # SIGKILL: nothing closes its run
         first.communicate()
-    assert _run_of(run_dir).info.status == "RUNNING" and (run_dir / ".writer.lock").exists()
+    assert run_of(run_dir).info.status == "RUNNING" and (run_dir / ".writer.lock").exists()
     if then == "eval":
         (tmp_path / "t.txt").write_text("the shared core loops over the middle layers. " * 20)
         argv = [
@@ -229,7 +223,7 @@ def test_a_killed_writers_run_is_closed_killed_by_the_next_command(then, tmp_pat
             text=True,
         )
         assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error: "), p.stderr
-    run = _run_of(run_dir)
+    run = run_of(run_dir)
     assert run.info.status == "KILLED", p.stdout + p.stderr
     said = [line for line in p.stderr.splitlines() if line.startswith("note: the MLflow run")]
     assert said == [

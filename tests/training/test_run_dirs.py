@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import tiny_config
+from conftest import run_of, tiny_config
 from mlflow.tracking import MlflowClient
 
 from recursive_lightning import cli, files
@@ -20,12 +20,6 @@ from recursive_lightning.errors import ConfigError, Terminated, UserError
 from recursive_lightning.tracking import runs
 from recursive_lightning.tracking.runs import default_tracking_uri, portable_uri
 from recursive_lightning.training.run import train
-
-
-def _run_of(run_dir: Path):
-    uri = default_tracking_uri(run_dir)
-    run_id = (run_dir / "mlflow_run_id").read_text().strip()
-    return MlflowClient(uri).get_run(run_id)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +59,7 @@ def test_resume_of_a_finished_run_keeps_its_result(finished, tmp_path, result_lo
     assert set(after["metrics"]) == set(before["metrics"])  # not {} (it was)
     for k, v in before["metrics"].items():
         assert after["metrics"][k] == pytest.approx(v, rel=1e-5), k
-    assert _run_of(run_dir).info.status == "FINISHED"
+    assert run_of(run_dir).info.status == "FINISHED"
 
 
 def test_resume_with_a_larger_max_steps_extends_a_finished_run(finished, tmp_path, capsys):
@@ -75,7 +69,7 @@ def test_resume_with_a_larger_max_steps_extends_a_finished_run(finished, tmp_pat
     assert main(["--run-dir", str(run_dir), "--resume", "--max-steps", "16"]) == 0
     out = capsys.readouterr().out  # what this command trained, then where the run stands
     assert "trained 4 steps" in out and "the run now at step 16" in out and "over 2 segments" in out
-    run = _run_of(run_dir)
+    run = run_of(run_dir)
     assert run.info.status == "FINISHED"  # not FAILED on "Changing param values is not allowed"
     assert run.data.params["train.max_steps"] == "12"  # MLflow params never change ...
     assert run.data.tags["resumed/train.max_steps"] == "16"  # ... the extension is recorded as a tag
@@ -100,7 +94,7 @@ def test_a_moved_run_directory_resumes_and_evaluates_in_place(finished, tmp_path
     res = evaluate_checkpoint(new, EvalOptions(ppl_sets={"t": str(text_file)}, tasks=[]))
     assert res["mlflow"]["tracking_uri"] == default_tracking_uri(new) and not res["mlflow"]["created"]
     assert not (tmp_path / "a" / "run").exists()  # no stray database at the old path
-    run = _run_of(new)
+    run = run_of(new)
     assert "eval/ppl/t" in run.data.metrics
     assert run.info.artifact_uri.startswith((new / "mlartifacts").resolve().as_uri())
 
@@ -112,9 +106,9 @@ def test_a_copied_run_directory_logs_into_its_own_store(finished, tmp_path, text
     original = _copy(finished[0], tmp_path / "original")
     copy = _copy(original, tmp_path / "copy")
     evaluate_checkpoint(copy, EvalOptions(ppl_sets={"t": str(text_file)}, tasks=[]))
-    assert "eval/ppl/t" in _run_of(copy).data.metrics
-    assert "eval/ppl/t" not in _run_of(original).data.metrics  # the original's store is left alone
-    assert _run_of(copy).info.artifact_uri.startswith((copy / "mlartifacts").resolve().as_uri())
+    assert "eval/ppl/t" in run_of(copy).data.metrics
+    assert "eval/ppl/t" not in run_of(original).data.metrics  # the original's store is left alone
+    assert run_of(copy).info.artifact_uri.startswith((copy / "mlartifacts").resolve().as_uri())
     assert not list((original / "mlartifacts").rglob("eval-*.json"))
 
 
@@ -242,11 +236,11 @@ def test_sigterm_stops_train_with_143_and_the_run_resumes(tmp_path, tiny_run, mo
         code = cli.main(["train", "--config", str(cfg_file), "--run-dir", str(run_dir)])
     assert code == Terminated.EXIT_CODE == 143
     assert "SIGTERM" in capsys.readouterr().err
-    assert _run_of(run_dir).info.status == "KILLED"
+    assert run_of(run_dir).info.status == "KILLED"
     assert not (run_dir / "result.json").exists()
     assert cli.main(["train", "--run-dir", str(run_dir), "--resume"]) == 0
     assert json.loads((run_dir / "result.json").read_text())["steps"] == 12
-    assert _run_of(run_dir).info.status == "FINISHED"
+    assert run_of(run_dir).info.status == "FINISHED"
 
 
 # ------------------------------------------------------------------------------------ item 9
@@ -373,7 +367,6 @@ def test_ctrl_c_during_training_exits_130_and_marks_the_run_killed(tmp_path, tin
     import sys
 
     import yaml
-    from mlflow.tracking import MlflowClient
 
     cfg = tiny_run()
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
@@ -438,7 +431,7 @@ def test_ctrl_c_during_set_up_or_while_last_ckpt_is_written_ends_the_run_killed(
     code, out = _stopped_at(point, tmp_path, cfg_file, run_dir)
     assert code == 130, out
     assert "Traceback" not in out and "inline_container" not in out, out
-    assert _run_of(run_dir).info.status == "KILLED"
+    assert run_of(run_dir).info.status == "KILLED"
     assert not list(run_dir.rglob("*.tmp")) and not (run_dir / "result.json").exists()
     if point == "checkpoint_write_last":
         from recursive_lightning.training.checkpoint import read_checkpoint
@@ -463,7 +456,7 @@ def test_a_full_disk_while_a_finished_run_is_extended_keeps_it_finished(finished
     assert (
         f"error: no space left on the device to write '{run_dir / 'checkpoints' / 'last.ckpt'}'" in p.stderr
     )
-    assert _run_of(run_dir).info.status == "FINISHED"
+    assert run_of(run_dir).info.status == "FINISHED"
     assert (run_dir / "result.json").read_bytes() == result
     assert not list(run_dir.rglob("*.tmp"))
 
@@ -499,7 +492,7 @@ def test_a_full_disk_while_a_checkpoint_or_the_result_is_written_is_one_sentence
         f"error: no space left on the device to write '{run_dir / written}'; free space on its file system (or "
         "choose another folder), then run the command again."
     ), p.stderr
-    assert _run_of(run_dir).info.status == "FAILED"
+    assert run_of(run_dir).info.status == "FAILED"
     assert not list(run_dir.rglob("*.tmp")) and not (run_dir / "result.json").exists()
 
 
