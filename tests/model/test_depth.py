@@ -258,3 +258,39 @@ def test_describe_counts_the_flops_of_a_depth(topology):
         six["block_applications"] == 3 * two["block_applications"]
         and six["flops_forward"] > two["flops_forward"]
     )
+
+
+def test_mesh_far_past_the_trained_depth_reads_a_bounded_buffer(monkeypatch):
+    """At K' far above K the factored buffer is collapsed to B writes whenever it reaches 2B
+    (MeSH.collapse_writes): the same logits and gradients as reading every write, in float64, and no read of
+    more than 2B writes."""
+    from recursive_lightning.model.recursive.mesh import MeSH
+
+    model = _model("looped", "mesh")
+    slots, k = model.cfg.buffer_slots, 8 * model.cfg.buffer_slots
+    x = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(2))
+    longest = []
+    write_read = MeSH.write_read
+
+    def spy(self, idx, router_in, u, carry, writes):
+        longest.append(len(writes) + 1)
+        return write_read(self, idx, router_in, u, carry, writes)
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        with at_depth(model, k):
+            out = model(x)
+        out.pow(2).mean().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    monkeypatch.setattr(MeSH, "write_read", spy)
+    out, grads = run()
+    assert max(longest) <= 2 * slots
+    monkeypatch.setattr(MeSH, "collapse_writes", staticmethod(lambda writes: writes))
+    longest.clear()
+    ref, ref_grads = run()
+    assert max(longest) == k + 1  # the reference reads every write
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    assert len(grads) == len(ref_grads)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-12, rtol=0)

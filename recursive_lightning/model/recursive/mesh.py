@@ -32,7 +32,9 @@ class MeSH(Topology):
     kept in that factored form: ``carry["writes"]`` lists every write (u^(tau), w_write^(tau)). A read is then
     h_emb * w_read,0 + sum_tau <w_write^(tau), w_read> u^(tau) — the same numbers as materialising the
     (B, b, l, d) buffer (see :meth:`buffer`), at O((t + 2) L d) instead of O(2 B L d) memory traffic per
-    step, which keeps MeSH's wall-clock overhead near its FLOP overhead.
+    step, which keeps MeSH's wall-clock overhead near its FLOP overhead. Past the trained depth the list is
+    collapsed back to B writes whenever it reaches 2B (:meth:`collapse_writes`), so a read never costs more
+    than the materialised buffer's traffic.
     """
 
     def __init__(self, cfg: ModelConfig, n_steps: int) -> None:
@@ -118,8 +120,27 @@ class MeSH(Topology):
     def step(self, t: int, h: torch.Tensor, u: torch.Tensor, carry: Carry) -> tuple[torch.Tensor, Carry]:
         # routers read the state that entered the core, h^(t) (Alg. 2 line 17); Eq. 5: distributed write of
         # the core output; Eq. 6: read
-        h_next, writes = self.write_read(t + 1, h, u, carry, carry["writes"])
+        writes = carry["writes"]
+        if len(writes) >= 2 * self.slots:  # only past the trained depth: K + 1 writes < 2 (K + 3)
+            writes = self.collapse_writes(writes)
+        h_next, writes = self.write_read(t + 1, h, u, carry, writes)
         return h_next, {**carry, "writes": writes}
+
+    @staticmethod
+    def collapse_writes(writes: Writes) -> Writes:
+        """The same buffer as B writes, one per slot: (m_b, e_b) with m_b = sum_tau w_write,b^(tau) u^(tau)
+        (Eq. 5 summed) and e_b the b-th unit vector, so that Eq. 6 reads the same h.
+
+        A read of the factored buffer costs one product per write, so a model run at a test-time depth K'
+        far above the trained K (``--loops``) would read O(K'^2) in all; collapsing whenever the list reaches
+        2B writes keeps every read at most 2B products (O(K' B) in all). At the trained depth the list never
+        gets there (K + 1 writes against 2B = 2 (K + 3) by default), so training is unchanged."""
+        slots = writes[0][1].shape[-1]
+        us = torch.stack([u for u, _ in writes])  # (T, b, l, d)
+        ws = torch.stack([w.to(u.dtype) for u, w in writes])  # (T, b, l, B)
+        m = torch.einsum("tblk,tbld->kbld", ws, us)  # (B, b, l, d): the buffer less slot 0's h_emb (Eq. 2)
+        unit = torch.eye(slots, dtype=writes[0][1].dtype, device=m.device)
+        return [(m[k], unit[k].expand(*m.shape[1:3], slots)) for k in range(slots)]
 
 
 def _mesh_update(
