@@ -379,10 +379,11 @@ def test_only_run_dir_spells_the_run_and_sweep_directory_layout():
 MAX_FUNCTION_LINES = 80
 # the command modules still to be split when their code moves apart from the library; nothing may join them
 LONG_FUNCTIONS_ALLOWED = {
-    "recursive_lightning/cli.py": None,  # every function of the module
-    "recursive_lightning/tracking/ui.py": None,
-    "recursive_lightning/evaluation/cli.py": None,
-    "recursive_lightning/training/run.py": {"main"},
+    "recursive_lightning/commands/describe.py": {"main"},
+    "recursive_lightning/commands/generate.py": {"main"},
+    "recursive_lightning/commands/ui.py": {"main"},
+    "recursive_lightning/commands/eval.py": None,  # every function of the module
+    "recursive_lightning/commands/train.py": {"main"},
 }
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
-from recursive_lightning.errors import ArgumentParser, ConfigError
+from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_figure, atomic_write_text
 from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep import context_lengths, cost, curves, ranking, tables
@@ -493,17 +493,3 @@ def write_report(
         "failed": failed,
         "unfinished": unfinished,
     }
-
-
-def main(argv: list[str]) -> int:
-    p = ArgumentParser(prog="recursive_lightning report", description="Tables and plots of a sweep.")
-    p.add_argument("--run-dir", required=True, help="the sweep's run directory")
-    p.add_argument(
-        "--out", help="write report.md, report.html and the figures here (default: the run directory)"
-    )
-    p.add_argument("--no-mlflow", action="store_true", help="do not log the report to the sweep's parent run")
-    args = p.parse_args(argv)
-    out = write_report(args.run_dir, log=not args.no_mlflow, out=args.out)
-    print(out["markdown"])
-    print(f"\nreport: {out['path']}")
-    return 0

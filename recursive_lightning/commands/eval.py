@@ -8,7 +8,7 @@ prints.
     python -m recursive_lightning eval runs/looped-mesh --ppl wiki=wiki.txt --tasks none --loops 8 --exit-kl 5e-4,1e-3
 
 CHECKPOINT is a ``.ckpt`` file or a run directory (its newest good checkpoint); what is evaluated and where the
-results go: evaluation/run.py. Without ``--tasks`` the tasks are ``DEFAULT_TASKS`` (evaluation/downstream.py); a
+results go: evaluation/run.py (``evaluate_checkpoint``, with the ``EvalOptions`` these arguments make). Without ``--tasks`` the tasks are ``DEFAULT_TASKS`` (evaluation/downstream.py); a
 default task whose data cannot be had (a Hub dataset not cached on an offline machine) is skipped, and one line
 says which and why; a task named explicitly that cannot be had is an error.
 """
