@@ -13,14 +13,7 @@ from recursive_lightning.sampled_loops import check_train_loops, format_training
 MAX_DESCRIBE_SEQ = 2**24  # `describe --seq-len`: 16M tokens (attention counted at L x L)
 
 
-def main(argv: list[str]) -> int:
-    from recursive_lightning.model.describe import (  # heavy
-        describe,
-        format_description,
-        without_loading_the_compiler,
-    )
-    from recursive_lightning.training.loop_flops import expected_training_flops  # heavy
-
+def _parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="recursive_lightning describe",
         description="Parameters and forward FLOPs of a model, before training.",
@@ -50,7 +43,18 @@ def main(argv: list[str]) -> int:
         help="with --train-loops: gradients through the last K loop steps",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    args, rest = p.parse_known_args(argv)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    from recursive_lightning.model.describe import (  # heavy
+        describe,
+        format_description,
+        without_loading_the_compiler,
+    )
+    from recursive_lightning.training.loop_flops import expected_training_flops  # heavy
+
+    args, rest = _parser().parse_known_args(argv)
     data: dict = {}
     loops = None
     if args.train_backprop is not None and args.train_loops is None:

@@ -3,6 +3,7 @@ with ``--temperature``; cached decoding), printed as it is decoded."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import time
@@ -12,19 +13,7 @@ from recursive_lightning.errors import ArgumentParser, UserError
 from recursive_lightning.validation import check_device
 
 
-def main(argv: list[str]) -> int:
-    import torch  # heavy
-
-    from recursive_lightning.evaluation.perplexity import EOS_TOKEN  # heavy
-    from recursive_lightning.model.decoding import decode  # heavy
-    from recursive_lightning.model.depth import at_depth, check_depth  # heavy
-    from recursive_lightning.model.recursive.adaptive_exit import (  # heavy
-        ExitStats,
-        check_adaptive_exit,
-        decode_adaptive,
-    )
-    from recursive_lightning.training.checkpoint import load_checkpoint  # heavy
-
+def _parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="recursive_lightning generate",
         description="Continuation of a prompt by a checkpoint (greedy, or sampled with --temperature), "
@@ -54,7 +43,10 @@ def main(argv: list[str]) -> int:
         help="adaptive exit: stop a token's loop steps once two successive steps' next-token distributions "
         "differ by less than KL nats (e.g. 5e-4); prints the mean loop steps used",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, not {args.max_new_tokens}.")
     if args.exit_kl is not None and args.no_cache:
@@ -78,6 +70,23 @@ def main(argv: list[str]) -> int:
             "--prompt is not UTF-8 text (the shell passed bytes that do not decode); give the prompt as UTF-8."
         ) from None
     check_device(args.device)
+
+
+def main(argv: list[str]) -> int:
+    import torch  # heavy
+
+    from recursive_lightning.evaluation.perplexity import EOS_TOKEN  # heavy
+    from recursive_lightning.model.decoding import decode  # heavy
+    from recursive_lightning.model.depth import at_depth, check_depth  # heavy
+    from recursive_lightning.model.recursive.adaptive_exit import (  # heavy
+        ExitStats,
+        check_adaptive_exit,
+        decode_adaptive,
+    )
+    from recursive_lightning.training.checkpoint import load_checkpoint  # heavy
+
+    args = _parser().parse_args(argv)
+    _check_args(args)  # one sentence for a bad option, before the checkpoint is read
     loaded = load_checkpoint(args.checkpoint, device=args.device)
     if loaded.tokenizer is None:
         raise UserError(f"checkpoint '{loaded.path}' carries no tokenizer, which generation needs.")

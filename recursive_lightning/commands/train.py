@@ -4,6 +4,7 @@ refused; SIGTERM outside a training step stops it as Ctrl-C does, resumable."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning import formatting as fmt
-from recursive_lightning.config import load_run_config
+from recursive_lightning.config import RunConfig, load_run_config
 from recursive_lightning.errors import ArgumentParser, ConfigError, Terminated, UserError
 from recursive_lightning.files import writable_dir_problem
 from recursive_lightning.run_dir import RunDir
@@ -70,7 +71,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     )
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="recursive_lightning train",
         description="Train one config.",
@@ -116,7 +117,12 @@ def main(argv: list[str]) -> int:
         metavar="KEY=VALUE",
         help="MLflow param of a new run (sweep axes)",
     )
-    args, rest = p.parse_known_args(argv)
+    return p
+
+
+def _run_config(args: argparse.Namespace, rest: list[str]) -> tuple[RunConfig, Path]:
+    """The run config (``--config`` or, on ``--resume``, the run's own, with the flags and ``--section.field``
+    overrides) and the run directory, checked before any lock or file."""
     config = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)
     overrides = list(rest)
     for flag, key in (
@@ -152,6 +158,12 @@ def main(argv: list[str]) -> int:
             f"--resume: '{run_dir}' holds a run but not its config.yaml, the config it was started with; put "
             "config.yaml back, or pass that config with --config."
         )
+    return cfg, run_dir
+
+
+def main(argv: list[str]) -> int:
+    args, rest = _parser().parse_known_args(argv)
+    cfg, run_dir = _run_config(args, rest)
     tags, params = _pairs("--tag", args.tag), _pairs("--param", args.param)
     # the tracking URI defaults to the environment's (how a sweep worker hands it to its `train` process, off the
     # command line); a masked password (as files and other commands show it) is filled in from there
