@@ -1,4 +1,5 @@
-"""``python -m recursive_lightning report``: the papers' tables of a sweep, tables per axis and plots.
+"""``write_report``: the papers' tables of a sweep, tables per axis and plots (the ``report`` command:
+``commands/report.py``).
 
 The results table has one row per grid point (its axes other than the seed), aggregated over seeds as mean ±
 std: parameters (non-embedding) and forward FLOPs per token (``model.describe.describe`` of the trial's

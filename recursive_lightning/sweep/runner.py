@@ -1,6 +1,7 @@
-"""``python -m recursive_lightning sweep``: an Optuna study per sweep file, one MLflow child run per trial.
+"""``run_sweep``: an Optuna study per sweep file, one MLflow child run per trial (the ``sweep`` command:
+``commands/sweep.py``).
 
-The command prepares the study and its grid (``study``), the MLflow parent run (``parent``), runs workers here
+It prepares the study and its grid (``study``), the MLflow parent run (``parent``), runs workers here
 (``launch``: ``--workers N`` processes) that claim and run trials (``trial``: where a trial is decided
 finished), waits for trials other live processes on this machine still run, writes the report and closes the
 parent run. Re-running the command resumes: finished trials are skipped, a trial whose local worker died is
@@ -8,9 +9,10 @@ put back to WAITING and resumes from its last checkpoint into the same MLflow ch
 worker stopped sending heartbeats is failed and retried by Optuna's ``RetryHeartbeatStaleTrialCallback``; a
 trial that raises is retried up to ``max_retries`` times and then reported.
 
-Workers die with the command that started them (``PR_SET_PDEATHSIG``). Exit status: 0 every grid point
-finished, 1 one failed after its retries (the MLflow parent run ends FAILED), 3 the sweep is not finished (a
-worker crashed, or trials are running elsewhere); 2 a bad sweep file or option; 130 / 143 interrupted.
+Workers die with the command that started them (``PR_SET_PDEATHSIG``). ``SweepOutcome.exit_status``: 0 every
+grid point finished, 1 one failed after its retries (the MLflow parent run ends FAILED), 3 the sweep is not
+finished (a worker crashed, or trials are running elsewhere); the command exits 2 on a bad sweep file or option,
+130 / 143 interrupted.
 """
 
 from __future__ import annotations

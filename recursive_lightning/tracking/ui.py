@@ -1,7 +1,7 @@
-"""``python -m recursive_lightning ui [RUN_DIR]``: the MLflow UI of a run or sweep directory, wherever it lies now.
+"""Serving the MLflow UI of a run or sweep directory, wherever it lies now (the ``ui`` command: ``commands/ui.py``).
 
 MLflow keeps absolute artifact locations in its store, so a directory copied to a laptop or moved to shared
-storage would show "No Artifacts Recorded" under a plain ``mlflow ui``. This command finds the directory's
+storage would show "No Artifacts Recorded" under a plain ``mlflow ui``. The command finds the directory's
 store (``sweep.json`` of a sweep, ``mlflow_tracking_uri`` of a run), points its artifact locations at the
 directory's current place (``tracking.runs.relocate_artifacts``; on a read-only copy, in a private copy of the
 database), and serves it with ``mlflow server`` on 127.0.0.1. A server-backed store (``--tracking-uri
