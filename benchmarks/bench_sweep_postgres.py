@@ -4,7 +4,7 @@
 
 Starts a throwaway PostgreSQL cluster (fsync on, as a real one) and an `mlflow server` on a second database
 of it (served artifacts), prepares a study of workers x trials-per-worker grid points, then starts the
-workers as separate processes, all at once. Each worker runs the runner's real code (`runner.main` with
+workers as separate processes, all at once. Each worker runs the runner's real code (the `sweep` command's `main` with
 `--attach`: checks of the stores, loading the study, stale-trial checks, claims, heartbeats, the trial's
 directory and `sweep_result.json`, MLflow tags, the study's user attributes and `tell`) around a stand-in
 for training: it creates the trial's MLflow child run under the parent, logs the config as params, sleeps
@@ -72,6 +72,7 @@ def fake_train(trial_seconds: float, jitter: float = 0.0):
 
 def as_worker(args: argparse.Namespace) -> None:
     t_start = time.perf_counter()
+    from recursive_lightning.commands import sweep as sweep_command
     from recursive_lightning.sweep import runner
     from recursive_lightning.training import run
 
@@ -93,9 +94,11 @@ def as_worker(args: argparse.Namespace) -> None:
     if args.profile:  # where the bookkeeping's time goes: one cProfile file per worker
         import cProfile
 
-        cProfile.runctx("runner.main(argv)", globals(), locals(), f"{args.profile}/worker-{os.getpid()}.prof")
+        cProfile.runctx(
+            "sweep_command.main(argv)", globals(), locals(), f"{args.profile}/worker-{os.getpid()}.prof"
+        )
     else:
-        runner.main(argv)
+        sweep_command.main(argv)
     print(json.dumps(timing), flush=True)
 
 

@@ -230,12 +230,12 @@ def _get_defaults(tree: ast.AST, mapping: str) -> dict[str, str]:
 
 def _eval_flags() -> dict[str, tuple[str, str]]:
     """EvalOptions field -> (the `eval` option that sets it, that option's help)."""
-    from recursive_lightning.evaluation.cli import build_parser  # heavy
+    from recursive_lightning.commands.eval import build_parser  # heavy
 
     parser = build_parser()
     formatter = parser._get_formatter()
     by_dest = {a.dest: a for a in parser._actions}
-    source = (PACKAGE / "evaluation" / "cli.py").read_text(encoding="utf-8")
+    source = (PACKAGE / "commands" / "eval.py").read_text(encoding="utf-8")
     out = {}
     for call in ast.walk(ast.parse(source)):
         if isinstance(call, ast.Call) and getattr(call.func, "id", "") == "EvalOptions":

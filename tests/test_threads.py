@@ -87,8 +87,9 @@ def test_policy_acts_only_inside_a_command_and_restores_torch_threads(no_thread_
 
 def test_threads_option_reaches_the_command(no_thread_env, monkeypatch, capsys):
     seen = []
-    monkeypatch.setattr(cli, "_describe", lambda rest: seen.append((rest, os.environ.get(threads.ENV))) or 0)
-    monkeypatch.setitem(cli.COMMANDS, "describe", ("recursive_lightning.cli", "_describe"))
+    from recursive_lightning.commands import describe
+
+    monkeypatch.setattr(describe, "main", lambda rest: seen.append((rest, os.environ.get(threads.ENV))) or 0)
     assert cli.main(["--threads", "1", "describe", "--preset", "cpu-tiny"]) == 0
     assert seen == [(["--preset", "cpu-tiny"], "1")]
     assert threads.ENV not in os.environ

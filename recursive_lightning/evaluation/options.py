@@ -1,5 +1,5 @@
 """What an evaluation of a checkpoint does: ``EvalOptions``, shared by the ``eval`` command (built from its
-arguments, evaluation/cli.py) and a sweep's ``evaluate:`` block (``EvalOptions.from_sweep``), checked when
+arguments, commands/eval.py) and a sweep's ``evaluate:`` block (``EvalOptions.from_sweep``), checked when
 made, one sentence per bad field."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The evaluation of one checkpoint (``evaluate_checkpoint``): perplexity, perplexity by context length and
-lm-eval accuracy, as ``EvalOptions`` say (evaluation/options.py; the ``eval`` command: evaluation/cli.py; a sweep's
+lm-eval accuracy, as ``EvalOptions`` say (evaluation/options.py; the ``eval`` command: commands/eval.py; a sweep's
 ``evaluate:`` block).
 
 CHECKPOINT is a ``.ckpt`` file or a run directory (its newest good checkpoint). Results go to a JSON file

@@ -1,4 +1,5 @@
-"""``python -m recursive_lightning probe``: the papers' diagnostic probes of a checkpoint.
+"""The papers' diagnostic probes of a checkpoint (``probe_checkpoint``) or of several side by side
+(``probe_compare``), as ``ProbeOptions`` say; the ``probe`` command (``commands/probe.py``) parses them:
 
     probe CHECKPOINT [--data PATH] [--samples 500] [--seq-len N] [--batch-size N] [--out DIR]
                      [--token-index I] [--kernel rbf|linear] [--no-attention] [--no-mlflow]
@@ -37,7 +38,6 @@ if that run is not found - together with a few scalar ``probe/...`` metrics.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from recursive_lightning.errors import ArgumentParser, UserError
+from recursive_lightning.errors import UserError
 from recursive_lightning.probes import mela
 from recursive_lightning.probes.capture import capture
 from recursive_lightning.probes.captured import Capture, ProbeSettings
@@ -68,6 +68,28 @@ DEFAULT_TOKEN_INDEX = 27  # MeSH Fig. 11: the case-study token "gu" is idx 27
 # ---------------------------------------------------------------------------
 # checkpoints and output locations
 # ---------------------------------------------------------------------------
+
+
+@dataclass
+class ProbeOptions:
+    """How ``probe_checkpoint`` / ``probe_compare`` probe (the ``probe`` command's options): the text (``data``:
+    default the run's ``data.path``), ``samples`` windows of ``seq_len`` tokens (default the run's), forward
+    ``batch_size`` (default ``auto_batch_size``), the figures' folder ``out`` (default ``<run_dir>/probes`` or
+    ``probes_compare``), the MeSH case-study ``token_index``, the CKA ``kernel`` and ``cka_tokens`` (0: all),
+    ``attention`` probes, logging to MLflow (``mlflow``, ``tracking_uri``) and a progress bar."""
+
+    data: str | None = None
+    samples: int = 500
+    seq_len: int | None = None
+    batch_size: int | None = None
+    out: str | None = None
+    token_index: int = DEFAULT_TOKEN_INDEX
+    kernel: str = "rbf"
+    cka_tokens: int = 0
+    attention: bool = True
+    mlflow: bool = True
+    tracking_uri: str | None = None
+    progress: bool = True
 
 
 @dataclass
@@ -133,83 +155,6 @@ def _model_meta(loaded: Any) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="recursive_lightning probe",
-        description="Diagnostic probes of a checkpoint (MeSH Sec. 2/4.1, App. E.8/F; SpiralFormer Sec. 4): "
-        "figures and probes.json.",
-    )
-    p.add_argument("checkpoint", nargs="?", help="a .ckpt file or a run directory")
-    p.add_argument(
-        "--compare",
-        nargs="+",
-        metavar="RUN_DIR",
-        help="probe several run dirs (or one sweep dir) and draw the figures side by side",
-    )
-    p.add_argument(
-        "--data",
-        help="text file, folder, glob, hf:<dataset> or embedded (default: the run's data.path, else the embedded corpus)",
-    )
-    p.add_argument(
-        "--samples", type=int, default=500, help="number of sequences (default 500, as in the papers)"
-    )
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the run's data.seq_len)")
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        help="sequences per forward (default 16, fewer if the recorded attention maps would pass ~8 GB)",
-    )
-    p.add_argument("--out", help="output directory (default <run_dir>/probes, or <sweep>/probes_compare)")
-    p.add_argument(
-        "--token-index",
-        type=int,
-        default=DEFAULT_TOKEN_INDEX,
-        help="token position of the MeSH router/composition case study (default 27, clipped to the sequence)",
-    )
-    p.add_argument("--kernel", choices=("rbf", "linear"), default="rbf", help="CKA kernel (default rbf)")
-    p.add_argument(
-        "--cka-tokens",
-        type=int,
-        default=0,
-        help="evenly spaced token positions per sample used for CKA (default 0 = all tokens)",
-    )
-    p.add_argument("--no-attention", action="store_true", help="skip the attention probes")
-    p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite:///<run_dir>/mlflow.db)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    if bool(args.checkpoint) == bool(args.compare):
-        raise UserError("pass either one CHECKPOINT or --compare RUN_DIR [RUN_DIR ...], not both or neither.")
-    for name in ("samples", "batch_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}.")
-    if args.seq_len is not None and args.seq_len < 2:
-        raise UserError(f"--seq-len must be at least 2, not {args.seq_len}.")
-    if args.cka_tokens < 0 or args.cka_tokens == 1:
-        raise UserError(f"--cka-tokens must be 0 (all tokens) or at least 2, not {args.cka_tokens}.")
-
-
-def _device(name: str | None) -> torch.device:
-    if name:
-        try:
-            dev = torch.device(name)
-        except RuntimeError:
-            raise UserError(f"--device '{name}' is not a device name such as cpu or cuda.") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise UserError(f"--device {name} was asked for but CUDA is not available here.")
-        return dev
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def _token_index(index: int, seq_len: int) -> int:
     if index >= seq_len or index < -seq_len:
         if index == DEFAULT_TOKEN_INDEX:
@@ -235,7 +180,7 @@ def auto_batch_size(model: Any, seq_len: int, attention: bool) -> int:
 
 def probe_one(
     path: str | os.PathLike,
-    args: argparse.Namespace,
+    options: ProbeOptions,
     device: torch.device,
     seq_len: int | None = None,
     label: str | None = None,
@@ -253,24 +198,28 @@ def probe_one(
             f"probe --compare draws the looped-transformer probes side by side and '{path}' is a Mela "
             "checkpoint, whose memory probes have no common axes across runs; probe each Mela run on its own."
         )
-    L = seq_len or args.seq_len or loaded.run.data.seq_len
+    L = seq_len or options.seq_len or loaded.run.data.seq_len
     if L > model.cfg.max_seq_len:
         raise UserError(f"--seq-len {L} exceeds the model's max_seq_len {model.cfg.max_seq_len}.")
     samples = load_samples(
-        loaded.tokenizer, probe_data(args.data, loaded.run), args.samples, L, vocab_size=model.cfg.vocab_size
+        loaded.tokenizer,
+        probe_data(options.data, loaded.run),
+        options.samples,
+        L,
+        vocab_size=model.cfg.vocab_size,
     )
     if is_mela:
-        return _probe_mela(loaded, path, args, device, samples, label)
-    attention = not args.no_attention and model.layout.kind in ("looped", "multires")
+        return _probe_mela(loaded, path, options, device, samples, label)
+    attention = options.attention and model.layout.kind in ("looped", "multires")
     settings = ProbeSettings(
-        kernel=args.kernel,
-        cka_tokens=args.cka_tokens or None,
-        token_index=_token_index(args.token_index, L),
+        kernel=options.kernel,
+        cka_tokens=options.cka_tokens or None,
+        token_index=_token_index(options.token_index, L),
         attention=attention,
-        batch_size=args.batch_size or auto_batch_size(model, L, attention),
+        batch_size=options.batch_size or auto_batch_size(model, L, attention),
     )
     name = label or loaded.run.name
-    cap = capture(model, samples.tokens, settings, progress=not args.no_progress, desc=f"probe {name}")
+    cap = capture(model, samples.tokens, settings, progress=options.progress, desc=f"probe {name}")
     run_dir = _run_dir_of(Path(path), Path(loaded.path))
     try:
         tok_text = loaded.tokenizer.decode([int(samples.tokens[0, cap.token_index])])
@@ -304,17 +253,17 @@ def probe_one(
 def _probe_mela(
     loaded: Any,
     path: str | os.PathLike,
-    args: argparse.Namespace,
+    options: ProbeOptions,
     device: torch.device,
     samples: Samples,
     label: str | None,
 ) -> Probed:
     print(mela.SKIPPED, flush=True)
     model = loaded.model
-    batch_size = args.batch_size or 16
+    batch_size = options.batch_size or 16
     name = label or loaded.run.name
     cap = mela.capture_mela(
-        model, samples.tokens, batch_size, progress=not args.no_progress, desc=f"probe {name}"
+        model, samples.tokens, batch_size, progress=options.progress, desc=f"probe {name}"
     )
     run_dir = _run_dir_of(Path(path), Path(loaded.path))
     summary = {
@@ -341,22 +290,26 @@ def _title(p: Probed) -> str:
     return f"{p.label} ({m['layout']}, {m['topology']})"
 
 
-def _check_outputs(args: argparse.Namespace, run_dirs: Sequence[Path], out: Path) -> None:
+def _check_outputs(options: ProbeOptions, run_dirs: Sequence[Path], out: Path) -> None:
     """Before any probing: the figures' folder and each run's MLflow store must be writable."""
-    check_outputs("probe", out, bool(args.out))
-    if not args.no_mlflow:
+    check_outputs("probe", out, bool(options.out))
+    if options.mlflow:
         for run_dir in run_dirs:
-            check_outputs("probe", out, bool(args.out), args.tracking_uri or default_tracking_uri(run_dir))
+            check_outputs(
+                "probe", out, bool(options.out), options.tracking_uri or default_tracking_uri(run_dir)
+            )
 
 
-def _run_single(args: argparse.Namespace, device: torch.device) -> int:
+def probe_checkpoint(checkpoint: str | os.PathLike, options: ProbeOptions, device: torch.device) -> str:
+    """Probe one checkpoint (a ``.ckpt`` file or a run directory): figures and ``probes.json`` in ``options.out``,
+    logged to its MLflow run; returns the line that says what was written where."""
     t0 = time.perf_counter()
-    arg = Path(args.checkpoint)
+    arg = Path(checkpoint)
     if arg.exists():  # else load_checkpoint says what is missing
         run_dir = _run_dir_of(arg, arg)
-        _check_outputs(args, [run_dir], Path(args.out) if args.out else RunDir(run_dir).probes_dir)
-    p = probe_one(args.checkpoint, args, device)
-    out = Path(args.out) if args.out else RunDir(p.run_dir).probes_dir
+        _check_outputs(options, [run_dir], Path(options.out) if options.out else RunDir(run_dir).probes_dir)
+    p = probe_one(checkpoint, options, device)
+    out = Path(options.out) if options.out else RunDir(p.run_dir).probes_dir
     out.mkdir(parents=True, exist_ok=True)
     t1 = time.perf_counter()
     if p.summary.get("probes") == "mela":
@@ -370,21 +323,20 @@ def _run_single(args: argparse.Namespace, device: torch.device) -> int:
     p.summary["timing"]["total_s"] = time.perf_counter() - t0
     json_path = write_json(out / JSON_NAME, p.summary)
     msg = f"probe: {p.capture.n_samples} samples x {p.capture.seq_len} tokens; {len(files)} figures and {JSON_NAME} in {out}"
-    if not args.no_mlflow:
+    if options.mlflow:
         try:
             uri, run_id = log_to_mlflow(
                 p.run_dir,
                 p.loaded,
                 [*files, json_path],
                 metrics,
-                args.tracking_uri,
+                options.tracking_uri,
                 "probes",
             )
             msg += f"; MLflow run {run_id} ({mask_url(uri)}), artifacts under probes/"
         except Exception as e:  # the local outputs are complete; tracking problems only warn
             print(mask_url(f"warning: could not log to MLflow ({type(e).__name__}: {e})."), file=sys.stderr)
-    print(msg)
-    return 0
+    return msg
 
 
 def _labels(probed: list[Probed], paths: list[Path]) -> list[str]:
@@ -403,28 +355,30 @@ def _labels(probed: list[Probed], paths: list[Path]) -> list[str]:
     return [f"{n}-{i}" for i, n in enumerate(names)]
 
 
-def _compare_out(args: argparse.Namespace, run_dirs: Sequence[Path]) -> Path:
-    if args.out:
-        return Path(args.out)
-    if len(args.compare) == 1:
-        return Path(args.compare[0]) / "probes_compare"
+def _compare_out(options: ProbeOptions, compare: Sequence[str], run_dirs: Sequence[Path]) -> Path:
+    if options.out:
+        return Path(options.out)
+    if len(compare) == 1:
+        return Path(compare[0]) / "probes_compare"
     return Path(os.path.commonpath([str(d) for d in run_dirs])) / "probes_compare"
 
 
-def _run_compare(args: argparse.Namespace, device: torch.device) -> int:
+def probe_compare(compare: Sequence[str], options: ProbeOptions, device: torch.device) -> str:
+    """Probe several run directories (or one sweep directory's runs, ``expand_compare``) on the same text
+    windows and draw their figures side by side; returns the line that says what was written where."""
     t0 = time.perf_counter()
-    paths = expand_compare(args.compare)
+    paths = expand_compare(compare)
     run_dirs = [_run_dir_of(path, path) for path in paths]
-    _check_outputs(args, run_dirs, _compare_out(args, run_dirs))
+    _check_outputs(options, run_dirs, _compare_out(options, compare, run_dirs))
     probed: list[Probed] = []
-    seq_len = args.seq_len
+    seq_len = options.seq_len
     for path in paths:
-        p = probe_one(path, args, device, seq_len=seq_len, label=path.name, compare=True)
+        p = probe_one(path, options, device, seq_len=seq_len, label=path.name, compare=True)
         seq_len = seq_len or p.capture.seq_len  # every model sees the same text windows
         probed.append(p)
     for p, label in zip(probed, _labels(probed, paths)):
         p.label = label
-    out = _compare_out(args, [p.run_dir for p in probed])
+    out = _compare_out(options, compare, [p.run_dir for p in probed])
     out.mkdir(parents=True, exist_ok=True)
     results = {p.label: (p.capture, p.summary) for p in probed}
     t1 = time.perf_counter()
@@ -438,7 +392,7 @@ def _run_compare(args: argparse.Namespace, device: torch.device) -> int:
     }
     json_path = write_json(out / JSON_NAME, summary)
     msg = f"probe --compare: {', '.join(results)}; {len(files)} figures and {JSON_NAME} in {out}"
-    if not args.no_mlflow:
+    if options.mlflow:
         logged = []
         for p in probed:
             try:
@@ -447,7 +401,7 @@ def _run_compare(args: argparse.Namespace, device: torch.device) -> int:
                     p.loaded,
                     [*files, json_path],
                     scalar_metrics(p.summary),
-                    args.tracking_uri,
+                    options.tracking_uri,
                     "probes_compare",
                 )
                 logged.append(run_id)
@@ -457,20 +411,4 @@ def _run_compare(args: argparse.Namespace, device: torch.device) -> int:
                 )
         if logged:
             msg += f"; logged under probes_compare/ of MLflow runs {', '.join(logged)}"
-    print(msg)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    _check_args(args)
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    device = _device(args.device)
-    if args.compare:
-        return _run_compare(args, device)
-    return _run_single(args, device)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
+    return msg

@@ -1,4 +1,5 @@
-"""``python -m recursive_lightning report``: the papers' tables of a sweep, tables per axis and plots.
+"""``write_report``: the papers' tables of a sweep, tables per axis and plots (the ``report`` command:
+``commands/report.py``).
 
 The results table has one row per grid point (its axes other than the seed), aggregated over seeds as mean ±
 std: parameters (non-embedding) and forward FLOPs per token (``model.describe.describe`` of the trial's
@@ -25,7 +26,7 @@ from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
-from recursive_lightning.errors import ArgumentParser, ConfigError
+from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_figure, atomic_write_text
 from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep import context_lengths, cost, curves, ranking, tables
@@ -493,17 +494,3 @@ def write_report(
         "failed": failed,
         "unfinished": unfinished,
     }
-
-
-def main(argv: list[str]) -> int:
-    p = ArgumentParser(prog="recursive_lightning report", description="Tables and plots of a sweep.")
-    p.add_argument("--run-dir", required=True, help="the sweep's run directory")
-    p.add_argument(
-        "--out", help="write report.md, report.html and the figures here (default: the run directory)"
-    )
-    p.add_argument("--no-mlflow", action="store_true", help="do not log the report to the sweep's parent run")
-    args = p.parse_args(argv)
-    out = write_report(args.run_dir, log=not args.no_mlflow, out=args.out)
-    print(out["markdown"])
-    print(f"\nreport: {out['path']}")
-    return 0

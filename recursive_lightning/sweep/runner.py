@@ -1,6 +1,7 @@
-"""``python -m recursive_lightning sweep``: an Optuna study per sweep file, one MLflow child run per trial.
+"""``run_sweep``: an Optuna study per sweep file, one MLflow child run per trial (the ``sweep`` command:
+``commands/sweep.py``).
 
-The command prepares the study and its grid (``study``), the MLflow parent run (``parent``), runs workers here
+It prepares the study and its grid (``study``), the MLflow parent run (``parent``), runs workers here
 (``launch``: ``--workers N`` processes) that claim and run trials (``trial``: where a trial is decided
 finished), waits for trials other live processes on this machine still run, writes the report and closes the
 parent run. Re-running the command resumes: finished trials are skipped, a trial whose local worker died is
@@ -8,14 +9,14 @@ put back to WAITING and resumes from its last checkpoint into the same MLflow ch
 worker stopped sending heartbeats is failed and retried by Optuna's ``RetryHeartbeatStaleTrialCallback``; a
 trial that raises is retried up to ``max_retries`` times and then reported.
 
-Workers die with the command that started them (``PR_SET_PDEATHSIG``). Exit status: 0 every grid point
-finished, 1 one failed after its retries (the MLflow parent run ends FAILED), 3 the sweep is not finished (a
-worker crashed, or trials are running elsewhere); 2 a bad sweep file or option; 130 / 143 interrupted.
+Workers die with the command that started them (``PR_SET_PDEATHSIG``). ``SweepOutcome.exit_status``: 0 every
+grid point finished, 1 one failed after its retries (the MLflow parent run ends FAILED), 3 the sweep is not
+finished (a worker crashed, or trials are running elsewhere); the command exits 2 on a bad sweep file or option,
+130 / 143 interrupted.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -31,7 +32,7 @@ from typing import Any
 
 from recursive_lightning import faults
 from recursive_lightning.data.tokenizer import INIT_TOKENIZER
-from recursive_lightning.errors import ArgumentParser, ConfigError
+from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import writable_dir_problem
 from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep.checks import check_late_fields
@@ -468,52 +469,3 @@ class _Outcome:
             f"[sweep {self.spec.name}] not finished: {why}; unfinished grid point(s) {shown or '(none named)'}: run "
             f"`{again}`{_password_hint(storage)} to finish them (the report is partial until then)"
         )
-
-
-def main(argv: list[str]) -> int:
-    """``python -m recursive_lightning sweep``: the options parsed, the sweep run, its exit status returned."""
-    p = ArgumentParser(
-        prog="recursive_lightning sweep", description="Run an ablation sweep (Optuna + MLflow)."
-    )
-    p.add_argument(
-        "file", nargs="?", default=str(DEFAULT_SWEEP), help="sweep YAML (default ablations/default.yaml)"
-    )
-    p.add_argument(
-        "--run-dir", help="where trials, optuna.db, mlflow.db and the report go (default runs/sweeps/<name>)"
-    )
-    p.add_argument(
-        "--workers", type=int, help="worker processes on this machine (default: the sweep file's, else 1)"
-    )
-    p.add_argument(
-        "--storage",
-        help="Optuna RDB URL (default sqlite:///<run-dir>/optuna.db; PostgreSQL for several machines)",
-    )
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default sqlite:///<run-dir>/mlflow.db)")
-    p.add_argument(
-        "--attach",
-        action="store_true",
-        help="join an existing study as a worker (another machine, a scheduler's job): its run directory and "
-        "tracking store default to the study's",
-    )
-    p.add_argument(
-        "--prepare",
-        action="store_true",
-        help="create the study, its grid, the MLflow parent run and the data shards, then exit (before "
-        "starting `--attach` workers from a scheduler)",
-    )
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--max-trials", type=int, help="stop this worker after N trials")
-    p.add_argument("--no-report", action="store_true", help="skip the report at the end")
-    args = p.parse_args(argv)
-    options = SweepOptions(
-        run_dir=args.run_dir,
-        workers=args.workers,
-        storage=args.storage,
-        tracking_uri=args.tracking_uri,
-        attach=args.attach,
-        prepare=args.prepare,
-        worker=args.worker,
-        max_trials=args.max_trials,
-        report=not args.no_report,
-    )
-    return run_sweep(args.file, options=options).exit_status

@@ -252,7 +252,7 @@ def sweep(tokenizer_and_text, tmp_path_factory):
 def test_probe_end_to_end_with_mlflow(sweep):
     from mlflow.tracking import MlflowClient
 
-    from recursive_lightning.probes.run import main
+    from recursive_lightning.commands.probe import main
     from recursive_lightning.tracking.runs import default_tracking_uri
 
     run_dir = sweep.root / "spiral"
@@ -304,7 +304,7 @@ def test_probe_end_to_end_with_mlflow(sweep):
 
 
 def test_probe_compare_sweep_dir(sweep):
-    from recursive_lightning.probes.run import main
+    from recursive_lightning.commands.probe import main
 
     out = sweep.root / "cmp"
     argv = [
@@ -341,7 +341,7 @@ def test_probe_compare_sweep_dir(sweep):
 
 def test_user_errors_are_one_sentence(tmp_path, capsys, sweep):
     from recursive_lightning import cli
-    from recursive_lightning.probes.run import main
+    from recursive_lightning.commands.probe import main
 
     for argv in (
         [str(tmp_path / "missing.ckpt")],

@@ -189,7 +189,7 @@ def run_dir(tmp_path_factory):
 def test_probe_command_on_a_mela_checkpoint(run_dir, capsys):
     from mlflow.tracking import MlflowClient
 
-    from recursive_lightning.probes.run import main
+    from recursive_lightning.commands.probe import main
     from recursive_lightning.tracking.runs import RUN_ID_FILE, default_tracking_uri
 
     text = run_dir.parent / "text.txt"

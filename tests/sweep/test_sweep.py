@@ -458,7 +458,7 @@ def test_sweep_and_report_refuse_directories_they_cannot_write(
     from test_run_dirs import _read_only
 
     from recursive_lightning.cli import main
-    from recursive_lightning.sweep import report
+    from recursive_lightning.commands import report
 
     spec = two_worker_sweep.parent / "sweep.yaml"
     (tmp_path / "file").write_text("x")

@@ -17,8 +17,9 @@ from mlflow.tracking import MlflowClient
 from test_sweep_grow import grow_spec, parent_and_children
 
 from recursive_lightning import cli
+from recursive_lightning.commands import sweep as sweep_command
 from recursive_lightning.errors import ConfigError
-from recursive_lightning.sweep import runner, servers
+from recursive_lightning.sweep import servers
 from recursive_lightning.tracking.runs import param_value
 from recursive_lightning.uris import mask_url, same_server
 
@@ -47,23 +48,25 @@ def test_attach_checks_the_run_directory_and_a_refusal_leaves_nothing(tmp_path, 
     The study's own directory, and a study whose tracking URI names the same loopback server, are fine."""
     run_dir = tmp_path / "run"
     spec = grow_spec(tmp_path, data_cache)
-    assert runner.main([str(spec), "--run-dir", str(run_dir), "--prepare"]) == 0
+    assert sweep_command.main([str(spec), "--run-dir", str(run_dir), "--prepare"]) == 0
     storage = f"sqlite:///{run_dir / 'optuna.db'}"
     (tmp_path / "o").mkdir()
     other = grow_spec(tmp_path / "o", data_cache, name="other-sweep")
-    assert runner.main([str(other), "--run-dir", str(tmp_path / "other"), "--prepare"]) == 0
+    assert sweep_command.main([str(other), "--run-dir", str(tmp_path / "other"), "--prepare"]) == 0
 
     empty = tmp_path / "not-mounted"
     with pytest.raises(ConfigError, match="does not hold the sweep 'grow-sweep' .*no sweep.json"):
-        runner.main([str(spec), "--attach", "--storage", storage, "--run-dir", str(empty)])
+        sweep_command.main([str(spec), "--attach", "--storage", storage, "--run-dir", str(empty)])
     assert not empty.exists()
     with pytest.raises(ConfigError, match="holds another sweep \\('other-sweep'"):
-        runner.main([str(spec), "--attach", "--storage", storage, "--run-dir", str(tmp_path / "other")])
+        sweep_command.main(
+            [str(spec), "--attach", "--storage", storage, "--run-dir", str(tmp_path / "other")]
+        )
     nowhere = tmp_path / "nowhere"
     with pytest.raises(ConfigError, match="no study named 'grow-sweep'"):
-        runner.main([str(spec), "--attach", "--storage", f"sqlite:///{nowhere / 'optuna.db'}"])
+        sweep_command.main([str(spec), "--attach", "--storage", f"sqlite:///{nowhere / 'optuna.db'}"])
     with pytest.raises(ConfigError, match="no study named 'grow-sweep'"):
-        runner.main([str(spec), "--attach", "--run-dir", str(nowhere)])
+        sweep_command.main([str(spec), "--attach", "--run-dir", str(nowhere)])
     assert not nowhere.exists() and not (Path.cwd() / "runs" / "sweeps" / "grow-sweep").exists()
 
     study = optuna.load_study(study_name="grow-sweep", storage=storage)
@@ -103,7 +106,7 @@ def test_the_last_worker_takes_over_a_trial_that_never_sent_a_heartbeat(pg, tmp_
     spec = grow_spec(tmp_path, data_cache, name="pg-last")
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert (
-        runner.main(
+        sweep_command.main(
             [
                 str(spec),
                 "--run-dir",

@@ -13,8 +13,8 @@ import pytest
 from conftest import ENV, run_sweep
 from test_sweep_grow import grow_spec, parent_and_children
 
+from recursive_lightning.commands import sweep as sweep_command
 from recursive_lightning.errors import ConfigError
-from recursive_lightning.sweep import runner
 from recursive_lightning.sweep.devices import device_pool, devices_needed
 
 NAME = "grow-sweep"  # grow_spec's
@@ -66,10 +66,10 @@ def test_more_devices_than_the_pool_and_max_trials_0_are_refused_before_any_work
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     spec = grow_spec(tmp_path, data_cache, **{"train.devices": 2})
     with pytest.raises(ConfigError, match=r"train.devices asks for 2 devices .* has 1; lower train.devices"):
-        runner.main([str(spec), "--run-dir", str(run_dir)])
+        sweep_command.main([str(spec), "--run-dir", str(run_dir)])
     spec = grow_spec(tmp_path, data_cache)
     with pytest.raises(ConfigError, match="--max-trials must be >= 1, not 0"):
-        runner.main([str(spec), "--run-dir", str(run_dir), "--max-trials", "0"])
+        sweep_command.main([str(spec), "--run-dir", str(run_dir), "--max-trials", "0"])
     assert not run_dir.exists()  # nothing on disk
 
 

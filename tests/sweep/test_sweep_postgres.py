@@ -43,10 +43,10 @@ def pg_sweep(tmp: Path, cache: str, name: str, variants=("anchor", "mesh", "base
 
 def prepare(spec: Path, run_dir: Path, storage: str, tracking: str) -> None:
     """`sweep FILE --prepare` (in this process: it saves a process start on a 2-core CI machine)."""
-    from recursive_lightning.sweep import runner
+    from recursive_lightning.commands import sweep as sweep_command
 
     args = [spec, "--run-dir", run_dir, "--storage", storage, "--tracking-uri", tracking, "--prepare"]
-    assert runner.main([str(a) for a in args]) == 0
+    assert sweep_command.main([str(a) for a in args]) == 0
     assert not (run_dir / "trials").exists()  # prepared: nothing trained yet
 
 
@@ -106,8 +106,7 @@ def test_three_attached_workers_finish_the_grid_each_point_once(grid, tracking):
 def test_report_and_ui_read_the_server_backed_sweep(grid, tracking, capsys):
     """`report --run-dir` of a sweep whose study and runs live on servers reads them there; `ui` of it names
     the tracking server, which serves the runs itself."""
-    from recursive_lightning.sweep import report
-    from recursive_lightning.tracking import ui
+    from recursive_lightning.commands import report, ui
 
     (grid["run_dir"] / "report.md").unlink()
     assert report.main(["--run-dir", str(grid["run_dir"])]) == 0
@@ -256,8 +255,8 @@ def test_a_stopped_worker_puts_its_trial_back_for_the_next(pg, tmp_path, data_ca
 
 
 def test_bad_storage_or_tracking_urls_get_one_sentence_before_any_work(pg, tracking, tmp_path, data_cache):
+    from recursive_lightning.commands import sweep as sweep_command
     from recursive_lightning.errors import ConfigError
-    from recursive_lightning.sweep import runner
 
     spec = pg_sweep(tmp_path, data_cache, "pg-bad", variants=("mesh",), seeds=(0,))
     closed = servers.free_port()
@@ -274,7 +273,7 @@ def test_bad_storage_or_tracking_urls_get_one_sentence_before_any_work(pg, track
     for args, named in cases:
         t0 = time.time()
         with pytest.raises(ConfigError) as e:
-            runner.main([str(spec), "--run-dir", str(tmp_path / "run"), *args])
+            sweep_command.main([str(spec), "--run-dir", str(tmp_path / "run"), *args])
         msg = str(e.value)
         assert named in msg and msg.endswith(".") and "\n" not in msg, msg  # one sentence naming it
         assert time.time() - t0 < 30  # not MLflow's minutes of retries
@@ -284,7 +283,7 @@ def test_bad_storage_or_tracking_urls_get_one_sentence_before_any_work(pg, track
     # an attached worker told another tracking server than the study's: its child runs would lose their parent
     prepare(spec, tmp_path / "run", good, tracking)
     with pytest.raises(ConfigError, match="is not the tracking store the study 'pg-bad' logs to"):
-        runner.main(
+        sweep_command.main(
             [str(spec), "--attach", "--storage", good, "--tracking-uri", f"http://localhost:{closed}"]
         )
     assert not (tmp_path / "run" / "trials").exists()

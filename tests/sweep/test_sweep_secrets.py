@@ -296,8 +296,8 @@ def test_a_sweep_on_password_protected_servers_keeps_the_passwords_out_of_output
 
     # `report` reads the masked URLs of sweep.json: the passwords come from the environment, and without them
     # the refusal says where to give them
+    from recursive_lightning.commands import report
     from recursive_lightning.errors import ConfigError
-    from recursive_lightning.sweep import report
 
     monkeypatch.setattr(uris, "_given", set())
     monkeypatch.delenv(STORAGE_ENV, raising=False)

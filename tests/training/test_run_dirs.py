@@ -63,7 +63,7 @@ def test_resume_of_a_finished_run_keeps_its_result(finished, tmp_path, result_lo
 
 
 def test_resume_with_a_larger_max_steps_extends_a_finished_run(finished, tmp_path, capsys):
-    from recursive_lightning.training.run import main
+    from recursive_lightning.commands.train import main
 
     run_dir = _copy(finished[0], tmp_path / "run")
     assert main(["--run-dir", str(run_dir), "--resume", "--max-steps", "16"]) == 0
@@ -202,6 +202,7 @@ def test_eval_checks_where_results_go_before_computing(finished, tmp_path, text_
 
 
 def test_probe_checks_where_results_go_before_probing(finished, tmp_path, monkeypatch):
+    from recursive_lightning.commands import probe as probe_command
     from recursive_lightning.probes import run as probe_run
 
     run_dir = _copy(finished[0], tmp_path / "run")
@@ -212,12 +213,12 @@ def test_probe_checks_where_results_go_before_probing(finished, tmp_path, monkey
 
     monkeypatch.setattr(probe_run, "capture", no_capture)
     with pytest.raises(UserError, match="read-only.*--out"):
-        probe_run.main([str(run_dir), "--samples", "2", "--no-progress"])
+        probe_command.main([str(run_dir), "--samples", "2", "--no-progress"])
     with pytest.raises(UserError, match="MLflow store"):
-        probe_run.main([str(run_dir), "--samples", "2", "--no-progress", "--out", str(tmp_path / "o")])
+        probe_command.main([str(run_dir), "--samples", "2", "--no-progress", "--out", str(tmp_path / "o")])
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is a file"):
-        probe_run.main([str(run_dir), "--no-mlflow", "--out", str(tmp_path / "file")])
+        probe_command.main([str(run_dir), "--no-mlflow", "--out", str(tmp_path / "file")])
 
 
 # ------------------------------------------------------------------------------------ item 7
@@ -298,7 +299,7 @@ def test_bare_command_says_it_runs_the_default_sweep(monkeypatch, capsys):
     stub = types.ModuleType("stub_sweep")
     stub.main = lambda argv: ran.append(argv) or 0
     monkeypatch.setitem(__import__("sys").modules, "stub_sweep", stub)
-    monkeypatch.setitem(cli.COMMANDS, "sweep", ("stub_sweep", "main"))
+    monkeypatch.setitem(cli.COMMANDS, "sweep", "stub_sweep")
     assert cli.main([]) == 0 and ran == [[]]
     assert "running `sweep`" in capsys.readouterr().err
     assert cli.main(["--help"]) == 0
@@ -354,7 +355,7 @@ class CtrlC(L.Callback):  # the user presses Ctrl-C right after step 3: what Pyt
         if trainer.global_step == 3:
             raise KeyboardInterrupt
 
-import recursive_lightning.training.run as run
+import recursive_lightning.commands.train as run
 fit = run.train
 run.train = lambda *a, **k: fit(*a, **{**k, "callbacks": [CtrlC()]})
 sys.exit(main(["train", "--config", sys.argv[1], "--run-dir", sys.argv[2]]))

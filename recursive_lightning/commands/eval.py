@@ -8,7 +8,7 @@ prints.
     python -m recursive_lightning eval runs/looped-mesh --ppl wiki=wiki.txt --tasks none --loops 8 --exit-kl 5e-4,1e-3
 
 CHECKPOINT is a ``.ckpt`` file or a run directory (its newest good checkpoint); what is evaluated and where the
-results go: evaluation/run.py. Without ``--tasks`` the tasks are ``DEFAULT_TASKS`` (evaluation/downstream.py); a
+results go: evaluation/run.py (``evaluate_checkpoint``, with the ``EvalOptions`` these arguments make). Without ``--tasks`` the tasks are ``DEFAULT_TASKS`` (evaluation/downstream.py); a
 default task whose data cannot be had (a Hub dataset not cached on an offline machine) is skipped, and one line
 says which and why; a task named explicitly that cannot be had is an error.
 """
@@ -43,32 +43,7 @@ def print_report(result: dict[str, Any]) -> None:
         else (L, "-", "-", "-", f"skipped: {r['skipped']}")
         for L, r in ctx.items()
     ]
-    shots = list(result["headline"])
-    tasks = sorted(
-        {t for k in shots for t in result["headline"][k]},
-        key=lambda t: (t not in PAPER_METRIC, list(PAPER_METRIC).index(t) if t in PAPER_METRIC else 0, t),
-    )
-    rows_task = []
-    for t in tasks:
-        cells = []
-        metric = ""
-        for k in shots:
-            h = result["headline"][k].get(t)
-            cells.append(
-                fmt.accuracy(h["value"])
-                if h and not any(x in h["metric"] for x in NOT_ACCURACY)
-                else (f"{h['value']:.3f}" if h else "-")
-            )
-            metric = h["metric"] if h else metric
-        rows_task.append((t, metric, *cells))
-    if shots:
-        rows_task.append(
-            (
-                "average",
-                "",
-                *[fmt.accuracy(result["avg"][k]) if result["avg"][k] is not None else "-" for k in shots],
-            )
-        )
+    shots, rows_task = _task_rows(result)
     rows_depth, header_depth = _depth_rows(result)
     rows_exit, header_exit, title_exit = _exit_rows(result)
     title = f"{result['run_name']} @ step {result['global_step']} ({Path(result['checkpoint']).name})"
@@ -113,6 +88,38 @@ def print_report(result: dict[str, Any]) -> None:
         print(f"results: {result['json_path']}")
         for plot in _plots(result):
             print(f"plot: {plot}")
+
+
+def _task_rows(result: dict[str, Any]) -> tuple[list[str], list[tuple[str, ...]]]:
+    """The downstream table: the few-shot counts, and one row per task (the papers' tasks first) with its metric
+    and its value at each count, then the average."""
+    shots = list(result["headline"])
+    tasks = sorted(
+        {t for k in shots for t in result["headline"][k]},
+        key=lambda t: (t not in PAPER_METRIC, list(PAPER_METRIC).index(t) if t in PAPER_METRIC else 0, t),
+    )
+    rows_task = []
+    for t in tasks:
+        cells = []
+        metric = ""
+        for k in shots:
+            h = result["headline"][k].get(t)
+            cells.append(
+                fmt.accuracy(h["value"])
+                if h and not any(x in h["metric"] for x in NOT_ACCURACY)
+                else (f"{h['value']:.3f}" if h else "-")
+            )
+            metric = h["metric"] if h else metric
+        rows_task.append((t, metric, *cells))
+    if shots:
+        rows_task.append(
+            (
+                "average",
+                "",
+                *[fmt.accuracy(result["avg"][k]) if result["avg"][k] is not None else "-" for k in shots],
+            )
+        )
+    return shots, rows_task
 
 
 def _plots(result: dict[str, Any]) -> list[str]:
@@ -219,6 +226,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--shots", default="0,5", help="few-shot counts, comma-separated (default 0,5)")
     p.add_argument("--limit", default=None, help="at most N examples per task (a fraction if below 1)")
+    _add_context_options(p)
+    _add_depth_options(p)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass (default 16)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--out", default=None, help="folder of the JSON result (default <run_dir>/eval)")
+    p.add_argument(
+        "--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///<run_dir>/mlflow.db)"
+    )
+    p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    p.add_argument(
+        "--include-path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="folder of local task YAMLs; repeatable",
+    )
+    return p
+
+
+def _add_context_options(p: argparse.ArgumentParser) -> None:
+    """Perplexity by context length and the sliding window."""
     p.add_argument(
         "--context-lengths",
         default=None,
@@ -255,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="window / context in tokens (default: the model's max_seq_len)",
     )
+
+
+def _add_depth_options(p: argparse.ArgumentParser) -> None:
+    """Test-time depth and adaptive exit."""
     p.add_argument(
         "--loops",
         default=None,
@@ -279,21 +311,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=EXIT_MAX_TOKENS,
         help=f"tokens of each --ppl set scored with --exit-kl (default {EXIT_MAX_TOKENS}; token by token: slow)",
     )
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass (default 16)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
-    p.add_argument("--out", default=None, help="folder of the JSON result (default <run_dir>/eval)")
-    p.add_argument(
-        "--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///<run_dir>/mlflow.db)"
-    )
-    p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
-    p.add_argument(
-        "--include-path",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="folder of local task YAMLs; repeatable",
-    )
-    return p
 
 
 def options_from_args(args: argparse.Namespace) -> EvalOptions:
