@@ -3,6 +3,7 @@
     python benchmarks/bench_host_overhead.py                 # cpu-tiny, 1 x 64 tokens, 1 thread, CPU time
     python benchmarks/bench_host_overhead.py --optimizer     # the step with a fused AdamW step
     python benchmarks/bench_host_overhead.py --by-op         # where the calls go, per ATen operator
+    python benchmarks/bench_host_overhead.py --mela          # mela-400m vs transformerpp-400m at 4K, by part
 
 On a GPU a small model's step (and SpiralFormer's coarse passes at any size) is bound by the host launching
 kernels, not by the kernels (docs/benchmarks.md, "GPU speed": the GPU idles a quarter of SpiralFormer-B's step at 160M).
@@ -12,6 +13,12 @@ operators such as ``linear`` -> ``addmm`` count at each level, as each is a disp
 calls that reach no further operator ("leaf" calls: about one kernel launch each on a GPU; some are CPU-only
 details, such as the bias copy inside the CPU ``addmm``), and the step's CPU time. Reported for LoopedFormer
 and SpiralFormer-B with MeSH and with the base topology (SpiralFormer Table 1's pair), and vanilla.
+
+``--mela``: one fwd+bwd (batch 1, 4,096 tokens) of mela-400m's structure against transformerpp-400m's, every
+width set to 64 (one head; the calls depend on the layers, cycles, chunks and memory heads, not on the widths),
+and where Mela's calls go: the decoder (Mela with the HMM bypassed), the HMM's attention, fusions and norms
+(Mela without its neural memory, less the decoder), the neural memory, and the memory of the H-1 cycles
+without gradients (Mela at H = 1 less the full model). The goal: Mela's leaf calls at most 2x Transformer++'s.
 """
 
 from __future__ import annotations
@@ -100,6 +107,116 @@ def op_calls(fn, by_op: bool = False) -> tuple[int, int] | tuple[int, int, dict[
     return calls, leaves, per_op
 
 
+MELA_AT_64 = {
+    "d_model": 64,
+    "hmm_d_model": 64,
+    "n_heads": 1,
+    "n_kv_heads": 1,
+    "hmm_heads": 1,
+    "vocab_size": 512,
+}
+MELA_PARTS = {  # name: (preset overrides, HMM bypassed)
+    "Mela": ({}, False),
+    "Mela, HMM bypassed (decoder)": ({}, True),
+    "Mela without neural memory": ({"neural_memory": False}, False),
+    "Mela at H = 1 (no cycles without gradients)": ({"h_cycles": 1}, False),
+    "Mela at H = 1 without neural memory": ({"h_cycles": 1, "neural_memory": False}, False),
+    "Mela, memory update without Newton-Schulz": ({"memory_update": "forgetting"}, False),
+}
+
+
+def mela_calls(
+    mela: str, transformerpp: str, seq: int, by_op: bool = False, parts: bool = True
+) -> dict[str, tuple]:
+    """``op_calls`` of one fwd+bwd of each model of :data:`MELA_PARTS` (``parts``; else Mela alone) and of
+    Transformer++, at width 64."""
+    from bench_mela import decoder_alone  # optional
+
+    from recursive_lightning.model.build import build_model  # heavy
+
+    def step(name: str, overrides: dict, bypass: bool):
+        torch.manual_seed(0)
+        model = build_model(preset(name, **MELA_AT_64, **overrides))
+        model = decoder_alone(model) if bypass else model
+        idx = torch.randint(0, 512, (1, seq + 1))
+
+        def run() -> None:
+            model.loss(idx[:, :-1], idx[:, 1:]).backward()
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    overrides = {k: v for k, v in MELA_AT_64.items() if k not in ("hmm_d_model", "hmm_heads")}
+    out = {"Transformer++": op_calls(_transformerpp(transformerpp, overrides, seq), by_op=by_op)}
+    for part, (extra, bypass) in list(MELA_PARTS.items())[: None if parts else 1]:
+        out[part] = op_calls(step(mela, extra, bypass), by_op=by_op)
+    return out
+
+
+def _transformerpp(name: str, overrides: dict, seq: int):
+    torch.manual_seed(0)
+    model = RecursiveLM(preset(name, **overrides))
+    idx = torch.randint(0, 512, (1, seq + 1))
+
+    def run() -> None:
+        model.loss(idx[:, :-1], idx[:, 1:]).backward()
+        model.zero_grad(set_to_none=True)
+
+    return run
+
+
+def report_mela(args) -> bool:
+    """Prints the counts, Mela's parts and the PASS/MISS line of the 2x goal; True when it holds."""
+    c = mela_calls(args.mela, args.transformerpp, args.seq_len, by_op=args.by_op, parts=not args.totals)
+    leaves = {k: v[1] for k, v in c.items()}
+    print(
+        f"{args.mela} vs {args.transformerpp} at width 64, 1 x {args.seq_len} tokens, fwd+bwd, "
+        f"torch {torch.__version__}\n"
+    )
+    print("| model | ATen calls (no views) | leaf calls (~kernels) |\n| --- | ---: | ---: |")
+    for k, v in c.items():
+        print(f"| {k} | {v[0]:,} | {v[1]:,} |")
+    if not args.totals:
+        _print_parts(args, c, leaves)
+    ratio = leaves["Mela"] / leaves["Transformer++"]
+    ok = ratio <= 2.0
+    print(
+        f"\n{'PASS' if ok else 'MISS'} host calls Mela / Transformer++ {ratio:.2f} <= 2.0 "
+        f"({leaves['Mela']:,} vs {leaves['Transformer++']:,} leaf ATen calls per fwd+bwd)"
+    )
+    if args.by_op:
+        ops = sorted(c["Mela"][2], key=lambda op: -c["Mela"][2][op])
+        print("\n| operator | Mela | Transformer++ |\n| --- | ---: | ---: |")
+        for op in ops:
+            print(f"| {op} | {c['Mela'][2][op]} | {c['Transformer++'][2].get(op, 0)} |")
+    return ok
+
+
+def _print_parts(args, c: dict[str, tuple], leaves: dict[str, int]) -> None:
+    full, dec = leaves["Mela"], leaves["Mela, HMM bypassed (decoder)"]
+    no_mem, h1 = leaves["Mela without neural memory"], leaves["Mela at H = 1 (no cycles without gradients)"]
+    h1_no_mem, no_ns = (
+        leaves["Mela at H = 1 without neural memory"],
+        leaves["Mela, memory update without Newton-Schulz"],
+    )
+    cfg = preset(args.mela)
+    # the H-1 cycles without gradients run H-1 times the forward of the last cycle's applications
+    grad_cycle, no_grad = h1 - h1_no_mem, (full - no_mem) - (h1 - h1_no_mem)
+    fwd = no_grad / (cfg.h_cycles - 1)
+    print("\n| Mela's leaf calls by part | calls | share |\n| --- | ---: | ---: |")
+    parts = {
+        "decoder": dec,
+        "HMM attention, fusions, norms": no_mem - dec,
+        "neural memory": full - no_mem,
+        "  its H-1 cycles without gradients (forward)": no_grad,
+        "  its last cycle's forward": round(fwd),
+        "  its last cycle's backward": round(grad_cycle - fwd),
+        "  Newton-Schulz-5 and its step floor (fwd+bwd, all cycles)": full - no_ns,
+    }
+    for k, v in parts.items():
+        print(f"| {k} | {v:,} | {v / full:.3f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="cpu-tiny")
@@ -108,8 +225,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--optimizer", action="store_true", help="include a fused AdamW step")
     p.add_argument("--by-op", action="store_true", help="also list the calls per ATen operator")
+    p.add_argument(
+        "--mela", nargs="?", const="mela-400m", default=None, help="Mela against Transformer++, by part"
+    )
+    p.add_argument("--transformerpp", default="transformerpp-400m")
+    p.add_argument("--totals", action="store_true", help="--mela: Mela and Transformer++ only, no parts")
     args = p.parse_args(argv)
     set_threads(1)
+    if args.mela:
+        args.seq_len = 4096 if args.seq_len == 64 else args.seq_len
+        report_mela(args)
+        return 0
     fns = {
         k: step_fn(layout, topo, args.preset, args.batch, args.seq_len, args.optimizer)
         for k, (layout, topo) in MODELS.items()

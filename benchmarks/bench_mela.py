@@ -118,10 +118,10 @@ def part_loop(args) -> None:
     mem = NeuralMemory(d, heads, depth=2, expansion=2, chunk_size=C, update="newton_schulz")
     x = torch.randn(b, C * chunks, d)
     with torch.no_grad():
-        proj = mem.qkv(x), mem.theta(x)
-    # the loop alone: the projections are inputs (their matmuls are plain already)
-    mem.qkv = _Given(proj[0])
-    mem.theta = _Given(proj[1])  # eta / alpha act on chunk means: their tiny linear maps stay
+        proj = mem.qkv(x)
+    # the loop alone: the q, k, v projection is an input (its matmul is plain already); the gates' linear map
+    # (d -> 3 x heads, one matmul) stays
+    mem.qkv = _Given(proj)
     mem.out = torch.nn.Identity()
 
     def run() -> None:

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks and timings on a lent GPU, as one prepared script (the device tool runs it in the repository root):
 #   bash benchmarks/gpu_session.sh [steps]      steps: a comma list of env,eager,numerics,mela,mela-graphs,
-#                                               mela-compiled,cpu-numerics,tests,compile (default: env,eager,mela,
-#                                               mela-graphs,cpu-numerics,tests: what fits one 10-minute call)
+#                                               mela-compiled,mela-calls,cpu-numerics,tests,compile (default:
+#                                               env,eager,mela,mela-graphs,mela-calls,cpu-numerics,tests)
 # The lent machine has torch, lightning and torchmetrics but not this package's other dependencies: where
 # .whl/ holds their Python 3.12 wheels (benchmarks/gpu_wheels.sh downloads them), they are installed into
 # /tmp/site first.
 # Each step has its own time limit and log ($OUT/<step>.log, or ./gpu-logs/ without $OUT), so a step that fails
 # or runs long leaves the others' figures.
 set -u
-STEPS=${1:-env,eager,mela,mela-graphs,cpu-numerics,tests}
+STEPS=${1:-env,eager,mela,mela-graphs,mela-calls,cpu-numerics,tests}
 LOGS=${OUT:-gpu-logs}
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 LITDATA_DISABLE_VERSION_CHECK=1
@@ -46,6 +46,10 @@ has mela-graphs && step mela-graphs "${MELA_GRAPHS_LIMIT:-90}" python3 benchmark
 has mela-compiled && TORCH_LOGS="${MELA_TORCH_LOGS:-recompiles}" step mela-compiled "${MELA_COMPILE_LIMIT:-240}" \
   python3 benchmarks/bench_gpu_mela.py \
   --part train --compile glue --reps 6
+# the host-work proxy on this machine's CPU: leaf ATen calls of one fwd+bwd of mela-400m's structure at 4K against
+# transformerpp-400m's (PASS/MISS: at most 2x); counts, not timings, so it runs beside nothing else on the GPU
+has mela-calls && step mela-calls "${MELA_CALLS_LIMIT:-150}" env CUDA_VISIBLE_DEVICES= \
+  python3 benchmarks/bench_host_overhead.py --mela --totals
 # the Mela numerics tests on this machine's CPU (another vendor than the development machine's), 1 and 2 threads
 has cpu-numerics && step cpu-numerics "${CPU_NUMERICS_LIMIT:-80}" bash -c 'lscpu | grep -m1 "Model name";
   for t in 1 2; do OMP_NUM_THREADS=$t CUDA_VISIBLE_DEVICES= python3 -m pytest -q -p no:cacheprovider \

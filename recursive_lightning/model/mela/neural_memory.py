@@ -278,25 +278,41 @@ class NeuralMemory(nn.Module):
         if n % C:
             raise ValueError(f"neural memory input of {n} patches is not a multiple of chunk_size {C}")
         state = state or self.initial_state(b)
-        q, k, v = rearrange(
-            self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads
-        ).contiguous()
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)  # [reading], as in Titans
-        theta = rearrange(self.max_lr * torch.sigmoid(self.theta(x)), "b n h -> b h n")
-        pooled = x.view(b, n // C, C, -1).mean(2)  # one eta_t, alpha_t per chunk
-        eta = rearrange(torch.sigmoid(self.eta(pooled)), "b c h -> b h c") if self.eta is not None else None
-        alpha = (
-            rearrange(torch.sigmoid(self.alpha(pooled)), "b c h -> b h c") if self.alpha is not None else None
-        )
+        qkv = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        qk, v = qkv.split(
+            [2, 1]
+        )  # split and unbind: each backward is one cat / stack, a slice's pads with zeros
+        q, k = F.normalize(qk, dim=-1).unbind(0)  # [reading], as in Titans; q and k in one pass
+        theta, eta, alpha = self._gates(x)
         # the inner loop in float32 even under autocast [reading]: Newton-Schulz lifts an update's near-null
         # directions towards singular value 1, so bf16 rounding there (~4e-3) would be written into the memory
         # as O(1) updates (docs/models.md: Numerics); the projections above stay in the autocast dtype
-        q, k, v, theta = (upcast(t) for t in (q, k, v, theta))
+        q, k, v, theta = (upcast(t) for t in (q, k, v.squeeze(0), theta))
         eta, alpha = (None if t is None else upcast(t) for t in (eta, alpha))
         with no_autocast(x):
             ys, state = self._store_and_retrieve(q, k, v, theta, eta, alpha, state)
-        y = rearrange(torch.cat(ys, dim=2), "b h n d -> b n (h d)").to(x.dtype)
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
+        y = rearrange(y, "b h n d -> b n (h d)").to(x.dtype)
         return self.out(y), state
+
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """theta (b, h, n), per position; eta and alpha (b, h, n / C), per chunk, or None: the three linear maps
+        as one (their weights concatenated), eta's and alpha's taken at the chunk's mean of the mapped positions,
+        which equals the map of the chunk's mean input (the maps are affine)."""
+        b, n, _ = x.shape
+        maps = [m for m in (self.theta, self.eta, self.alpha) if m is not None]
+        if len(maps) == 1:
+            g = F.linear(x, self.theta.weight, self.theta.bias)
+        else:
+            g = F.linear(x, torch.cat([m.weight for m in maps]), torch.cat([m.bias for m in maps]))
+        h = self.heads
+        per_position, per_chunk = g.split([h, g.shape[-1] - h], dim=-1)
+        theta = rearrange(self.max_lr * torch.sigmoid(per_position), "b n h -> b h n")
+        if len(maps) == 1:
+            return theta, None, None
+        rates = torch.sigmoid(per_chunk.view(b, n // self.chunk_size, self.chunk_size, -1).mean(2))
+        rates = rearrange(rates, "b c (k h) -> k b h c", h=h)
+        return theta, rates[0], rates[1] if self.alpha is not None else None
 
     def _store_and_retrieve(
         self, q, k, v, theta, eta, alpha, state: MemoryState
