@@ -22,7 +22,7 @@ from recursive_lightning.errors import ArgumentParser, Terminated, UserError
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.sampled_loops import check_train_loops, format_training, parse_text
 from recursive_lightning.uris import mask_url
-from recursive_lightning.validation import check_device
+from recursive_lightning.validation import check_device, check_max_new_tokens
 
 MAX_DESCRIBE_SEQ = 2**24  # `describe --seq-len`: 16M tokens (attention counted at L x L)
 
@@ -153,8 +153,7 @@ def _generate(argv: list[str]) -> int:
         "differ by less than KL nats (e.g. 5e-4); prints the mean loop steps used",
     )
     args = p.parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, not {args.max_new_tokens}.")
+    check_max_new_tokens(args.max_new_tokens)
     if args.exit_kl is not None and args.no_cache:
         raise UserError(
             "--exit-kl decodes with the cache (exited tokens share their keys/values); drop --no-cache."
@@ -330,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated as e:  # SIGTERM (pre-emption): resumable, and not a finished run
         print(str(e), file=sys.stderr)
         return e.EXIT_CODE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # its sentence, where the command gave one (train: how to resume)
+        print(str(e) or "interrupted", file=sys.stderr)
+        return getattr(e, "EXIT_CODE", 130)  # 143: SIGTERM, turned into a stop like Ctrl-C (sweep)
     except SystemExit as e:  # after Terminated, which is one
         if e.code == 0 and {"-h", "--help"} & set(rest):  # the command's own help: the global option too
             print(GLOBAL_OPTIONS)

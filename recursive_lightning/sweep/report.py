@@ -26,7 +26,7 @@ from typing import Any
 from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
 from recursive_lightning.errors import ArgumentParser, ConfigError
-from recursive_lightning.files import atomic_write_figure, atomic_write_text
+from recursive_lightning.files import absent, atomic_write_figure, atomic_write_text
 from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep import context_lengths, cost, curves, ranking, tables
 from recursive_lightning.sweep.parent import close_parent
@@ -347,6 +347,9 @@ def _axis_sections(
 def _sweep_record(run_dir: Path) -> dict[str, Any]:
     """The ``sweep.json`` of a sweep directory (one sentence for a directory that is not one)."""
     info_file = SweepDir(run_dir).info
+    if not Path(run_dir).is_dir():
+        what = "is a file, not a sweep directory" if Path(run_dir).is_file() else absent(run_dir)
+        raise ConfigError(f"--run-dir '{run_dir}' {what}; pass the --run-dir of a sweep.")
     if not info_file.exists():
         raise ConfigError(
             f"'{run_dir}' is not a sweep directory (no {SweepDir.INFO}); pass the --run-dir of a sweep."

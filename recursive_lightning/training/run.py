@@ -30,7 +30,7 @@ from recursive_lightning.files import default_cache_dir, writable_dir_problem
 from recursive_lightning.run_dir import RunDir
 from recursive_lightning.tracking.runs import ui_command
 from recursive_lightning.training.host import TRAIN_BYTES_PER_PARAM, check_fits_in_memory, keep_freed_memory
-from recursive_lightning.training.options import TrainOptions
+from recursive_lightning.training.options import TrainOptions, check_resume_flags
 from recursive_lightning.training.result import TrainResult
 from recursive_lightning.training.run_lock import first_rank, run_dir_lock
 from recursive_lightning.uris import TRACKING_ENV, remember, reveal
@@ -97,6 +97,7 @@ def _train(cfg: RunConfig, run_dir: Path, options: TrainOptions) -> TrainResult:
     # ---- the run directory and the checkpoint it resumes from
     run_dir_state.prepare_run_dir(cfg, run_dir, options.resume)
     resume_from = run_dir_state.resume_checkpoint(cfg, run_dir, options.resume, options.ckpt_path)
+    mlflow_run.check_run_owner(run_dir, options)  # a copy still sharing its MLflow run: before any write
     run_dir_state.keep_config(cfg, run_dir)
     source = _uptraining_source(cfg, run_dir, resume_from)
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
@@ -365,6 +366,7 @@ def main(argv: list[str]) -> int:
         help="MLflow param of a new run (sweep axes)",
     )
     args, rest = p.parse_known_args(argv)
+    check_resume_flags(args.resume, args.ckpt_path, args.init_from)
     config = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)
     overrides = list(rest)
     for flag, key in (
@@ -393,7 +395,7 @@ def main(argv: list[str]) -> int:
             f"--resume: run directory '{run_dir}' does not exist; start the run without --resume first."
         )
     if args.resume and RunDir(run_dir).config.exists() and not args.config:
-        cfg = load_run_config(RunDir(run_dir).config, overrides)
+        cfg = load_run_config(RunDir(run_dir).config, overrides, kept_by=run_dir)
     elif args.resume and not args.config and RunDir(run_dir).holds_run():
         # the default config would resume another model (a size mismatch deep in the checkpoint's loading)
         raise ConfigError(
