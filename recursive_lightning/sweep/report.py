@@ -370,6 +370,12 @@ def _header(spec: Any, done: int, failed: int, unfinished: int, ppl_metric: str)
         + VIEWER_HINT,
         "",
     ]
+    if failed and not done:  # no metric below: because no trial finished, not because one went unrecorded
+        lines += [
+            f"**Every trial failed** ({failed} of {failed}), so no metric was recorded: each one's error is "
+            "listed under *Failed trials* below, and its files are in its folder under `trials/`.",
+            "",
+        ]
     if unfinished:  # never present a sweep that is still running as a finished one
         lines += [
             f"**The sweep is not finished**: {unfinished} trial(s) are still waiting or running; this report is "
