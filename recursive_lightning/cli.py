@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated as e:  # SIGTERM (pre-emption): resumable, and not a finished run
         print(str(e), file=sys.stderr)
         return e.EXIT_CODE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # its sentence, where the command gave one (train: how to resume)
+        print(str(e) or "interrupted", file=sys.stderr)
+        return getattr(e, "EXIT_CODE", 130)  # 143: SIGTERM, turned into a stop like Ctrl-C (sweep)
     except SystemExit as e:  # after Terminated, which is one
         if e.code == 0 and {"-h", "--help"} & set(rest):  # the command's own help: the global option too
             print(GLOBAL_OPTIONS)

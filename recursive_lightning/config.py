@@ -22,7 +22,7 @@ from recursive_lightning.files import absent
 from recursive_lightning.interop.init import parse_strategy
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.sampled_loops import check_train_loops
-from recursive_lightning.strict_yaml import StrictYAMLError, parse_yaml, scalar_ambiguity
+from recursive_lightning.strict_yaml import StrictYAMLError, parse_yaml, scalar_ambiguity, syntax_problem
 
 # train.train_only part -> parameter-name prefixes of RecursiveLM (model/recursive/model.py; training/partial.py)
 PARTS: dict[str, tuple[str, ...]] = {
@@ -257,6 +257,11 @@ class RunConfig:
                 f"data.val_fraction must lie strictly between 0 and 1 (the share of documents held out for "
                 f"validation), not {d.val_fraction}; e.g. 0.05."
             )
+        if d.path is not None and not str(d.path).strip():
+            raise ConfigError(
+                "data.path is empty; pass a text file, folder, glob or hf:<dataset>, or leave it out for the "
+                "embedded corpus."
+            )
         if d.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len {d.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}; raise model.max_seq_len or lower data.seq_len."
@@ -414,14 +419,17 @@ def load_yaml(
     """A YAML mapping from ``path``; every problem is one sentence naming the file (``what``: the kind of
     file, ``example`` and ``fields`` what the fix names)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{what} '{path}' is a directory; pass a YAML file such as {example}.")
     if not path.is_file():
         raise ConfigError(f"{what} '{path}' {absent(path)}; pass a YAML file such as {example}.")
     try:
-        data = parse_yaml(path.read_text(encoding="utf-8"), f"{what} '{path}'")
+        text = path.read_text(encoding="utf-8")
+        data = parse_yaml(text, f"{what} '{path}'")
     except StrictYAMLError as e:  # a duplicate key or an ambiguous scalar: the message is the sentence
         raise ConfigError(str(e)) from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{what} '{path}' is not valid YAML ({str(e).splitlines()[0]}).") from None
+        raise ConfigError(f"{what} '{path}' {syntax_problem(e, text)}.") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{what} '{path}' is not text (not UTF-8); pass a YAML file.") from None
     except OSError as e:
@@ -481,8 +489,20 @@ def apply_overrides(
     return data
 
 
-def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    data = load_yaml(path) if path else {}
+def load_run_config(
+    path: str | Path | None, overrides: list[str] | None = None, kept_by: str | Path | None = None
+) -> RunConfig:
+    """The run config in ``path`` (None: the defaults) with the command line's ``overrides``; ``kept_by``: the
+    run directory whose own ``config.yaml`` ``path`` is (a resume), which a problem's sentence names too."""
+    try:
+        data = load_yaml(path) if path else {}
+    except ConfigError as e:
+        if kept_by is None:
+            raise
+        raise ConfigError(
+            f"{str(e).rstrip('.')}; it is the config the run in '{kept_by}' was started with: repair it, or "
+            "pass the config the run was started with as --config."
+        ) from None
     data = apply_overrides(data, overrides or [])
     if "model" in data and isinstance(data["model"], dict):
         data["model"] = check_model_types(data["model"])

@@ -94,6 +94,20 @@ def parse_yaml(text: str, source: str) -> Any:
         loader.dispose()
 
 
+def syntax_problem(error: yaml.YAMLError, text: str) -> str:
+    """What is wrong at the place a YAML parse ``error`` points to, as the end of a sentence naming the file:
+    its line, and for a tab among the indentation that YAML indents with spaces."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    what = str(getattr(error, "problem", None) or str(error).splitlines()[0])
+    if mark is None:
+        return f"is not valid YAML ({what}); fix its syntax"
+    line = mark.line + 1
+    lines = text.splitlines()
+    if "\t" in what or (0 < line <= len(lines) and "\t" in lines[line - 1][: mark.column + 1]):
+        return f"has a tab on line {line}; YAML indents with spaces, so replace the tab with spaces"
+    return f"is not valid YAML on line {line} ({what}); fix the syntax there"
+
+
 def scalar_ambiguity(text: str) -> str | None:
     """For one value typed on the command line (``--model.buffer 010``): how YAML 1.1 would misread it and
     the fix, or None when it reads as written (or is no plain scalar)."""

@@ -16,6 +16,10 @@ from pathlib import Path
 from recursive_lightning.errors import Terminated, UserError
 from recursive_lightning.run_dir import RunDir
 
+# ``generate``: one forward pass per token (over a window that slides past the model's context); a count past
+# this runs for hours on a CPU and its text is never read
+MAX_NEW_TOKENS = 100_000
+
 
 @contextlib.contextmanager
 def undo_on_refusal(
@@ -62,4 +66,13 @@ def check_device(name: str) -> None:
         raise UserError(
             f"--device '{name}': this machine has {torch.cuda.device_count()} CUDA device(s); use cuda:0 to "
             f"cuda:{torch.cuda.device_count() - 1}."
+        )
+
+
+def check_max_new_tokens(n: int) -> None:
+    """``generate --max-new-tokens``: a whole count in [1, ``MAX_NEW_TOKENS``], or one sentence naming the bound."""
+    if not 1 <= n <= MAX_NEW_TOKENS:
+        raise UserError(
+            f"--max-new-tokens must lie in [1, {MAX_NEW_TOKENS}] (one forward pass each), not {n}; generate "
+            "longer texts in several calls, each continuing the last."
         )

@@ -88,6 +88,13 @@ def make_inputs(folder: Path, root: Path) -> None:
         "sw-plot.yaml": base + "report: {plot: pie}\n",
         "sw-loops.yaml": base + "evaluate: {ppl: {t: text.txt}, loops: [1, 100000]}\n",
     }
+    # a text of one document: no train/validation split; a sweep naming it in its overrides, or in one grid point
+    (folder / "one-doc.txt").write_text("one single document and nothing else\n")
+    one_doc = f"{{data.path: {folder / 'one-doc.txt'}}}"
+    sweeps["sw-data.yaml"] = base.replace(
+        "overrides: {", f"overrides: {{data.path: {folder / 'one-doc.txt'}, ", 1
+    )
+    sweeps["sw-data-grid.yaml"] = base.replace("{a: {model.topology: base}}", f"{{a: {{}}, b: {one_doc}}}")
     for name, text in sweeps.items():
         (folder / name).write_text(text)
 
@@ -725,4 +732,66 @@ CASES: list[tuple[str, list[str], str]] = [
     ("generate-device-cuda", ["generate", "{run}", "--device", "cuda:7"], "cuda:7"),
     # ---- the command itself
     ("unknown-command", ["trian"], "unknown command"),
+    # ---- a folder where a file is expected, a path that does not exist, a sweep directory for a run's
+    (
+        "train-config-dir",
+        ["train", "--config", "{in}/emptydir"],
+        "config file '{in}/emptydir' is a directory",
+    ),
+    ("sweep-file-dir", ["sweep", "{in}/emptydir"], "sweep file '{in}/emptydir' is a directory; pass a YAML"),
+    (
+        "report-missing-dir",
+        ["report", "--run-dir", "{out}/nothing"],
+        "--run-dir '{out}/nothing' does not exist",
+    ),
+    (
+        "generate-sweep-dir",
+        ["generate", "{broken}/sweep"],
+        "'{broken}/sweep' is a sweep directory; pass one of its trial run directories",
+    ),
+    # ---- YAML with a tab among its indentation: the file, the line, the fix
+    (
+        "describe-config-tab-line",
+        ["describe", "--config", "{in}/tabs.yaml"],
+        "config file '{in}/tabs.yaml' has a tab on line 2; YAML indents with spaces, so replace the tab",
+    ),
+    # ---- options that do not fit together, or past what the model can do
+    (
+        "eval-ctx-ppl-not-a-set",
+        ["eval", "{run}", "--ppl", "t={in}/text.txt", "--tasks", "none", "--context-lengths", "32"]
+        + ["--ctx-ppl", "zz"],
+        "--ctx-ppl 'zz' is not one of the --ppl sets (t); name one of them.",
+    ),
+    (
+        "train-resume-init-from",
+        ["train", "--resume", "--run-dir", "{run}", "--init-from", "{run}"],
+        "--resume and --init-from exclude each other",
+    ),
+    (
+        "train-ckpt-path-without-resume",
+        ["train", "--run-dir", "{out}/r", "--ckpt-path", "{run}/checkpoints/last.ckpt"],
+        "names the checkpoint a --resume continues from; add --resume",
+    ),
+    ("train-data-empty", ["train", "--data", "", "--run-dir", "{out}/r"], "data.path is empty"),
+    (
+        "eval-max-length-above-context",
+        ["eval", "{run}", "--ppl", "t={in}/text.txt", "--tasks", "none", "--max-length", "100000"],
+        "--max-length 100000 is above the model's context of 128 tokens (model.max_seq_len); pass at most 128",
+    ),
+    (
+        "generate-tokens-huge",
+        ["generate", "{run}", "--max-new-tokens", "100000000"],
+        "--max-new-tokens must lie in [1, 100000]",
+    ),
+    # ---- a sweep whose data every trial would fail on: refused before the first trial
+    (
+        "sweep-data-unsplittable",
+        ["sweep", "{in}/sw-data.yaml", "--run-dir", "{out}/s"],
+        "data.path: the data {in}/one-doc.txt cannot be split into train and validation",
+    ),
+    (
+        "sweep-data-unsplittable-grid-point",
+        ["sweep", "{in}/sw-data-grid.yaml", "--run-dir", "{out}/s"],
+        "sweep 's' at variant=b, train.seed=0: data.path: the data {in}/one-doc.txt cannot be split",
+    ),
 ]

@@ -10,7 +10,7 @@ import time
 
 from recursive_lightning.config import check_seed
 from recursive_lightning.errors import ArgumentParser, UserError
-from recursive_lightning.validation import check_device
+from recursive_lightning.validation import check_device, check_max_new_tokens
 
 
 def _parser() -> ArgumentParser:
@@ -47,8 +47,7 @@ def _parser() -> ArgumentParser:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, not {args.max_new_tokens}.")
+    check_max_new_tokens(args.max_new_tokens)
     if args.exit_kl is not None and args.no_cache:
         raise UserError(
             "--exit-kl decodes with the cache (exited tokens share their keys/values); drop --no-cache."

@@ -17,7 +17,7 @@ from recursive_lightning.errors import ArgumentParser, ConfigError, Terminated, 
 from recursive_lightning.files import writable_dir_problem
 from recursive_lightning.run_dir import RunDir
 from recursive_lightning.tracking.runs import ui_command
-from recursive_lightning.training.options import TrainOptions
+from recursive_lightning.training.options import TrainOptions, check_resume_flags
 from recursive_lightning.training.result import TrainResult
 from recursive_lightning.training.run import train
 from recursive_lightning.training.run_lock import first_rank, run_dir_lock
@@ -151,7 +151,7 @@ def _run_config(args: argparse.Namespace, rest: list[str]) -> tuple[RunConfig, P
             f"--resume: run directory '{run_dir}' does not exist; start the run without --resume first."
         )
     if args.resume and RunDir(run_dir).config.exists() and not args.config:
-        cfg = load_run_config(RunDir(run_dir).config, overrides)
+        cfg = load_run_config(RunDir(run_dir).config, overrides, kept_by=run_dir)
     elif args.resume and not args.config and RunDir(run_dir).holds_run():
         # the default config would resume another model (a size mismatch deep in the checkpoint's loading)
         raise ConfigError(
@@ -163,6 +163,7 @@ def _run_config(args: argparse.Namespace, rest: list[str]) -> tuple[RunConfig, P
 
 def main(argv: list[str]) -> int:
     args, rest = _parser().parse_known_args(argv)
+    check_resume_flags(args.resume, args.ckpt_path, args.init_from)
     cfg, run_dir = _run_config(args, rest)
     tags, params = _pairs("--tag", args.tag), _pairs("--param", args.param)
     # the tracking URI defaults to the environment's (how a sweep worker hands it to its `train` process, off the

@@ -18,11 +18,19 @@ from recursive_lightning.data.shards import (
     ShardInfo,
     ensure_token_shards,
     is_complete,
+    split_documents,
 )
-from recursive_lightning.data.sources import DataError, DataSource, load_documents, resolve_source
+from recursive_lightning.data.sources import (
+    DataError,
+    DataSource,
+    iter_documents,
+    load_documents,
+    resolve_source,
+)
 from recursive_lightning.data.tokenizer import load_tokenizer
 
 HF_MAX_DOCUMENTS = 100_000  # documents streamed from a ``hf:`` spec
+CHECK_DOCUMENTS = 10_000  # a corpus with more documents than this always splits (``check_data``)
 
 
 def prebuilt_dir(data: str | None) -> Path | None:
@@ -82,3 +90,26 @@ def build_corpus(
             f"The data {source.spec} cannot be split into train and validation ({err}); add more documents."
         ) from None
     return tokenizer, shards
+
+
+def check_data(data: str | None, val_fraction: float = DEFAULT_VAL_FRACTION) -> None:
+    """Refuse, writing nothing, a local ``data`` spec that training would refuse when it prepares the data: a
+    path that names no text, no text at all, or text that cannot be split into train and validation documents
+    (read up to ``CHECK_DOCUMENTS`` documents; the embedded corpus, a finished shard folder and a ``hf:``
+    dataset, read from the network, are taken as they are)."""
+    if data is None or str(data).startswith("hf:") or prebuilt_dir(data) is not None:
+        return
+    source = resolve_source(data)
+    documents = []
+    for document in iter_documents(source):
+        documents.append(document)
+        if len(documents) > CHECK_DOCUMENTS:
+            return
+    if not documents:
+        load_documents(source)  # its one sentence: no text at all
+    try:
+        split_documents(documents, val_fraction)
+    except ValueError as err:
+        raise DataError(
+            f"The data {source.spec} cannot be split into train and validation ({err}); add more documents."
+        ) from None

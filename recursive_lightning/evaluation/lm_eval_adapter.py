@@ -129,7 +129,13 @@ class RecursiveLightningLM(TemplateLM):
                 f"the checkpoint's tokenizer has no {EOS_TOKEN} token, which scoring uses as end-of-text."
             )
         self._eot = int(eot)
-        self._max_length = int(max_length or self.model.cfg.max_seq_len)
+        context = int(self.model.cfg.max_seq_len)
+        if max_length is not None and int(max_length) > context:  # attention's memory grows as its square
+            raise UserError(
+                f"--max-length {max_length} is above the model's context of {context} tokens (model.max_seq_len); "
+                f"pass at most {context}, or measure longer contexts with --context-lengths."
+            )
+        self._max_length = int(max_length or context)
         self.stride = int(stride) if stride else None
         plan_windows(2, 1, self._max_length, self.stride)  # validates the stride
         self.max_gen_toks = int(max_gen_toks)

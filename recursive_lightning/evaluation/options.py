@@ -87,6 +87,11 @@ class EvalOptions:
         self.h_cycles = check_depths(self.h_cycles, "--h-cycles")
         self.exit_kl = check_thresholds(self.exit_kl, "--exit-kl")
         self.shots = [int(s) for s in self.shots]
+        sets = parse_sets(self.ppl_sets)
+        if self.context_lengths and self.ctx_set is not None and sets and self.ctx_set not in sets:
+            raise UserError(
+                f"--ctx-ppl '{self.ctx_set}' is not one of the --ppl sets ({', '.join(sets)}); name one of them."
+            )
         if any(s < 0 for s in self.shots):
             raise UserError(f"shots must be >= 0, not {self.shots}.")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning.data.sources import DataError
 from recursive_lightning.errors import ConfigError, UserError
 from recursive_lightning.evaluation.downstream import check_tasks, expand_tasks, task_manager
 from recursive_lightning.evaluation.run import metric_name
@@ -121,3 +122,20 @@ def check_late_fields(spec: Any, here: Path, where: str) -> None:
     unknown = sorted(set(spec.report or {}) - {"plot", "baseline"})
     if unknown:
         raise ConfigError(f"{where}: report.{unknown[0]} is not a report field; use plot, baseline.")
+
+
+def check_grid_data(spec: Any) -> None:
+    """The data of every grid point (``data.path``, split into train and validation as training splits it),
+    checked before the first trial: a path that every trial and every retry would fail on is one sentence."""
+    from recursive_lightning.data.prepare import check_data  # heavy
+
+    seen = set()
+    for point in spec.points():
+        d = spec.trial_config(point).data
+        if (d.path, d.val_fraction) in seen:
+            continue
+        seen.add((d.path, d.val_fraction))
+        try:
+            check_data(d.path, d.val_fraction)
+        except DataError as e:
+            raise ConfigError(f"{spec.at(point)}: data.path: {str(e)[:1].lower()}{str(e)[1:]}") from None

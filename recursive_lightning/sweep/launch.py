@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import shutil
 import signal
@@ -14,7 +15,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 from recursive_lightning import faults
 from recursive_lightning.files import atomic_write_text
@@ -35,9 +38,41 @@ DIE_WITH_PARENT_EXEC = (
 
 
 class Stop(KeyboardInterrupt):
-    """SIGTERM to the sweep command: stop like Ctrl-C, exit 143."""
+    """SIGTERM to the sweep command: stop like Ctrl-C, exit 143. Its sentence is the one said when it stops the
+    command before any trial (its checks, its study, its data); later the sweep says how it stopped itself."""
+
+    EXIT_CODE = 143
+
+    def __str__(self) -> str:
+        return "sweep: stopped by SIGTERM while starting, before any trial; run the same command again."
 
 
+def sigterm_stops(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` (a sweep command, called from the main thread) with SIGTERM raising :class:`Stop` from its first
+    instant, the handler before it put back at its end."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> T:
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def worker_stops_quietly() -> Iterator[None]:
+    """A worker stopped by Ctrl-C or SIGTERM exits 130 / 143 without a word: the sweep command that started
+    it, in the same terminal, says once how the sweep stopped."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        raise SystemExit(getattr(e, "EXIT_CODE", 130)) from None
+
+
+T = TypeVar("T")
 stop_requested = threading.Event()  # SIGTERM seen by this process, whoever's handler acted on it
 
 

@@ -139,6 +139,12 @@ def against_runner_up(
 def summary_line(report: dict[str, Any]) -> str:
     """The sweep's CLI summary of a ``write_report`` result: the best row and its numbers."""
     row, _ = best(report["ranking"])
+    failed = report.get("failed") or []
+    if row is None and failed and not report.get("rows"):  # no metric anywhere because no trial finished
+        return (
+            f"none: every trial failed ({len(failed)} of {len(failed)}); their errors are listed under "
+            f'"Failed trials" in {report["path"]}, and each trial\'s files are in its folder under trials/'
+        )
     line = summary(report["ranking"], report["ranked"], report.get("baseline"), report.get("paired"))
     return f"`{row.name}` — {line}" if row else line
 

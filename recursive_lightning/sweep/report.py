@@ -27,7 +27,7 @@ from typing import Any
 from recursive_lightning import faults
 from recursive_lightning import formatting as fmt
 from recursive_lightning.errors import ConfigError
-from recursive_lightning.files import atomic_write_figure, atomic_write_text
+from recursive_lightning.files import absent, atomic_write_figure, atomic_write_text
 from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep import context_lengths, cost, curves, ranking, tables
 from recursive_lightning.sweep.parent import close_parent
@@ -348,6 +348,9 @@ def _axis_sections(
 def _sweep_record(run_dir: Path) -> dict[str, Any]:
     """The ``sweep.json`` of a sweep directory (one sentence for a directory that is not one)."""
     info_file = SweepDir(run_dir).info
+    if not Path(run_dir).is_dir():
+        what = "is a file, not a sweep directory" if Path(run_dir).is_file() else absent(run_dir)
+        raise ConfigError(f"--run-dir '{run_dir}' {what}; pass the --run-dir of a sweep.")
     if not info_file.exists():
         raise ConfigError(
             f"'{run_dir}' is not a sweep directory (no {SweepDir.INFO}); pass the --run-dir of a sweep."
@@ -368,6 +371,12 @@ def _header(spec: Any, done: int, failed: int, unfinished: int, ppl_metric: str)
         + VIEWER_HINT,
         "",
     ]
+    if failed and not done:  # no metric below: because no trial finished, not because one went unrecorded
+        lines += [
+            f"**Every trial failed** ({failed} of {failed}), so no metric was recorded: each one's error is "
+            "listed under *Failed trials* below, and its files are in its folder under `trials/`.",
+            "",
+        ]
     if unfinished:  # never present a sweep that is still running as a finished one
         lines += [
             f"**The sweep is not finished**: {unfinished} trial(s) are still waiting or running; this report is "

@@ -17,6 +17,7 @@ finished (a worker crashed, or trials are running elsewhere); the command exits 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -35,10 +36,18 @@ from recursive_lightning.data.tokenizer import INIT_TOKENIZER
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import writable_dir_problem
 from recursive_lightning.run_dir import SweepDir
-from recursive_lightning.sweep.checks import check_late_fields
+from recursive_lightning.sweep.checks import check_grid_data, check_late_fields
 from recursive_lightning.sweep.claims import POLL_S, requeue_dead_local
 from recursive_lightning.sweep.devices import device_pool, devices_needed
-from recursive_lightning.sweep.launch import PARENT_ENV, Stop, die_with_parent, on_sigterm, spawn_workers
+from recursive_lightning.sweep.launch import (
+    PARENT_ENV,
+    Stop,
+    die_with_parent,
+    on_sigterm,
+    sigterm_stops,
+    spawn_workers,
+    worker_stops_quietly,
+)
 from recursive_lightning.sweep.parent import close_parent, open_parent
 from recursive_lightning.sweep.ranking import summary_line
 from recursive_lightning.sweep.report import write_report
@@ -224,6 +233,7 @@ class SweepOutcome:
     unfinished: list[str] = field(default_factory=list)
 
 
+@sigterm_stops
 def run_sweep(
     path: str | os.PathLike | None = None,
     run_dir: str | os.PathLike | None = None,
@@ -237,6 +247,12 @@ def run_sweep(
     o = dataclasses.replace(options or SweepOptions(), **fields)
     if run_dir is not None:
         o.run_dir = run_dir
+    with worker_stops_quietly() if o.worker else contextlib.nullcontext():
+        return _run_sweep(path, o)
+
+
+def _run_sweep(path: str | os.PathLike | None, o: SweepOptions) -> SweepOutcome:
+    """``run_sweep`` with its options gathered in ``o``."""
     # the store URLs default to the environment's (how a sweep hands them to its workers, off their command
     # lines); one given as the package shows it (its password masked) takes its password from there (uris.reveal)
     o.storage = reveal(remember(o.storage or os.environ.get(STORAGE_ENV)))
@@ -245,6 +261,7 @@ def run_sweep(
     _quiet_progress_bars(o)
     sweep_file = Path(path if path is not None else DEFAULT_SWEEP)
     spec = _checked_spec(sweep_file, o)
+    faults.point("sweep_checked")  # tests: a stop while the sweep starts, before it writes anything
     run_dir, storage, tracking = _locations(spec, o)
     workers = o.workers if o.workers is not None else spec.workers
     if workers < 1:
@@ -295,6 +312,7 @@ def _checked_spec(sweep_file: Path, o: SweepOptions) -> SweepSpec:
     study an attached worker joins, the devices and what this machine can train."""
     spec = load_sweep(sweep_file)
     check_late_fields(spec, sweep_file.parent, str(sweep_file))  # read after training: checked now
+    check_grid_data(spec)  # a data.path every trial would fail on
     if o.workers is not None and o.workers < 1:  # before the run directory is made
         raise ConfigError(f"--workers must be >= 1, not {o.workers}.")
     if o.attach and o.storage:
@@ -380,11 +398,16 @@ def _run_and_report(
         # the parent ends as its grid stands (FINISHED once every point finished, whatever stopped this command);
         # an attached worker stopping with points unfinished (pre-empted) leaves it to the workers still running
         close_parent(spec, storage, tracking, interrupted=not o.attach)
-        print(
-            f"[sweep {spec.name}] stopped; re-run the same command to resume it", file=sys.stderr, flush=True
+        how = (
+            "stopped by SIGTERM"
+            if isinstance(e, Stop)
+            else "interrupted"
+            if isinstance(e, KeyboardInterrupt)
+            else "stopped"
         )
-        if isinstance(e, Stop):
-            raise SystemExit(143) from None
+        print(f"[sweep {spec.name}] {how}; re-run the same command to resume it", file=sys.stderr, flush=True)
+        if isinstance(e, KeyboardInterrupt):  # said once, here: not again by the command (nor by a trial)
+            raise SystemExit(getattr(e, "EXIT_CODE", 130)) from None
         raise
 
 

@@ -28,7 +28,7 @@ from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import UserError
 from recursive_lightning.files import absent, no_space_is_one_sentence
 from recursive_lightning.model.build import build_model
-from recursive_lightning.run_dir import RunDir, checkpoints_newest_first
+from recursive_lightning.run_dir import RunDir, SweepDir, checkpoints_newest_first
 
 HF_WEIGHTS = (
     "model.safetensors",
@@ -177,6 +177,15 @@ def latest_good(ckpt_dir: str | os.PathLike) -> Path | None:
     return None
 
 
+def _no_checkpoint(path: Path) -> str:
+    """The sentence for a folder with no readable checkpoint: a sweep directory names one of its trials."""
+    if SweepDir.is_sweep(path):
+        trials = sorted(p for p in SweepDir(path).trials.glob("*") if latest_good(RunDir(p).checkpoints))
+        example = f", e.g. '{trials[0]}'" if trials else " (none has a checkpoint yet)"
+        return f"'{path}' is a sweep directory; pass one of its trial run directories{example}."
+    return f"no readable checkpoint under '{path}'; train first or pass a .ckpt file."
+
+
 @dataclass
 class Loaded:
     model: torch.nn.Module  # RecursiveLM or MelaLM
@@ -204,7 +213,7 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
                 + "; pass a run directory or .ckpt file of this package (train --init-from reads such a folder)."
             )
         if found is None:
-            raise CheckpointError(f"no readable checkpoint under '{path}'; train first or pass a .ckpt file.")
+            raise CheckpointError(_no_checkpoint(path))
         newest = (candidates(RunDir(path).checkpoints) or candidates(path))[0]
         if newest != found:  # say so: the results will be an older step's
             print(

@@ -68,6 +68,7 @@ def open_run(
     if id_file.exists():
         run_id = id_file.read_text().strip()
         _check_run_exists(tracking_uri, run_id, run_dir)
+        _claim_run(tracking_uri, run_id, run_dir)
         client(tracking_uri).update_run(run_id, status="RUNNING")  # a resumed (or extended) run runs again
         if closer is not None:
             closer.opened(tracking_uri, run_id)
@@ -142,6 +143,41 @@ def _check_run_exists(tracking_uri: str, run_id: str, run_dir: Path) -> None:
             f"the MLflow run {run_id} of '{run_dir}' is not in {mask_url(tracking_uri)}; pass the store it was "
             "logged to with --tracking-uri, or train into a new --run-dir."
         ) from None
+
+
+def check_run_owner(run_dir: Path, options: TrainOptions) -> None:
+    """Before a resume writes anything: the MLflow run ``run_dir`` records is not another live directory's
+    (``_claim_run``)."""
+    run_id = RunDir(run_dir).recorded_run_id()
+    if run_id is None:
+        return
+    given = bool(options.tracking_uri)
+    tracking_uri = absolute_uri(options.tracking_uri) if given else default_tracking_uri(run_dir)
+    check_tracking_store(tracking_uri, "--tracking-uri" if given else f"of '{run_dir}'")
+    _check_run_exists(tracking_uri, run_id, run_dir)
+    _claim_run(tracking_uri, run_id, run_dir, retag=False)
+
+
+def _claim_run(tracking_uri: str, run_id: str, run_dir: Path, retag: bool = True) -> None:
+    """A run directory copied or moved to ``run_dir`` keeps its MLflow run: its ``run_dir`` tag is set to the new
+    path, so that the tag leads to the checkpoints that continue it. Refused while the directory the tag names
+    still exists and logs to this same run in this same store: two directories would then write one run's
+    history (a copy that has its own SQLite store holds its own copy of the run, and takes it over)."""
+    old = client(tracking_uri).get_run(run_id).data.tags.get("run_dir")
+    if not old or Path(old) == run_dir:
+        return
+    other = RunDir(old)
+    if (
+        other.path.is_dir()
+        and other.recorded_run_id() == run_id
+        and default_tracking_uri(old) == tracking_uri
+    ):
+        raise ConfigError(
+            f"--resume: the MLflow run {run_id} in {mask_url(tracking_uri)} is the run of '{old}', which still "
+            f"exists and logs to it; resume '{old}' instead, or move (not copy) it to '{run_dir}'."
+        )
+    if retag:
+        set_tags(tracking_uri, run_id, {"run_dir": str(run_dir)})
 
 
 def _tag_changed_params(tracking_uri: str, run_id: str, cfg: RunConfig) -> None:

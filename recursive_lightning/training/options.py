@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from recursive_lightning.errors import UserError
+
 
 @dataclass
 class TrainOptions:
@@ -23,3 +25,19 @@ class TrainOptions:
     tags: dict[str, str] | None = None
     callbacks: list | None = None
     params: dict[str, Any] | None = None
+
+
+def check_resume_flags(resume: bool, ckpt_path: str | None, init_from: str | None) -> None:
+    """``train``'s flags that say where the weights come from, in one sentence when they do not fit together:
+    ``--resume`` continues the run in ``--run-dir`` (from ``--ckpt-path`` if given: the checkpoint it continues
+    from), ``--init-from`` starts a new run from a pretrained model's weights."""
+    if resume and init_from is not None:
+        raise UserError(
+            "--resume and --init-from exclude each other: --resume continues the run in --run-dir (its config "
+            "already names what it was initialised from), --init-from starts a new run; pass one of them."
+        )
+    if ckpt_path is not None and not resume:
+        raise UserError(
+            f"--ckpt-path '{ckpt_path}' names the checkpoint a --resume continues from; add --resume to continue "
+            "the run in --run-dir from it, or pass --init-from to start a new run from its weights."
+        )

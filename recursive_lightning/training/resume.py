@@ -13,7 +13,7 @@ from recursive_lightning.config import RunConfig, load_yaml
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_text, writable_dir_problem
 from recursive_lightning.run_dir import RunDir, has_periodic_checkpoints
-from recursive_lightning.training.checkpoint import CheckpointError, latest_good, read_checkpoint
+from recursive_lightning.training.checkpoint import CheckpointError, candidates, latest_good, read_checkpoint
 from recursive_lightning.training.parallel import resolve_precision
 
 # fields a resume may change: how far and where the run trains, not what it trains
@@ -70,16 +70,35 @@ def resume_checkpoint(cfg: RunConfig, run_dir: Path, resume: bool, ckpt_path: st
     ckpt_dir, last = RunDir(run_dir).checkpoints, RunDir(run_dir).last_checkpoint
     if last.exists() or has_periodic_checkpoints(ckpt_dir):
         good = latest_good(ckpt_dir)
+        if good is None:  # every checkpoint damaged: none to resume from, and step 0 would relog the run
+            newest = candidates(ckpt_dir)[0]
+            raise CheckpointError(
+                f"--resume: every checkpoint in '{ckpt_dir}' is damaged or truncated (the newest, '{newest}', "
+                "cannot be read); restore one from a backup, or start the run again with a new --run-dir."
+            )
         if last.exists() and good != last:
             read_checkpoint(last)  # raises one sentence naming the damaged file and the good one
         check_max_steps(cfg, good)
-        return str(good) if good else None  # latest_good already checked it reads
+        return str(good)  # latest_good already checked it reads
+    check_not_restarted(run_dir)
     print(
         f"train --resume: '{run_dir}' holds no checkpoint yet; training from step 0.",
         file=sys.stderr,
         flush=True,
     )
     return None
+
+
+def check_not_restarted(run_dir: Path) -> None:
+    """A run that saved a checkpoint once (its ``checkpoints/`` folder made, or its result written) and logs to
+    an MLflow run cannot start again at step 0 in that run: its metric history would hold every step twice."""
+    rd = RunDir(run_dir)
+    if rd.recorded_run_id() and (rd.checkpoints.is_dir() or rd.result.is_file()):
+        raise ConfigError(
+            f"--resume: the checkpoints of the run in '{run_dir}' are gone, so it would train again from step 0 "
+            f"into the MLflow run that already holds its steps; restore a checkpoint into '{rd.checkpoints}', or "
+            "start the run afresh with a new --run-dir."
+        )
 
 
 def check_max_steps(cfg: RunConfig, resume_from: str | Path | None) -> None:

@@ -91,6 +91,7 @@ def _train(cfg: RunConfig, run_dir: Path, options: TrainOptions) -> TrainResult:
     # ---- the run directory and the checkpoint it resumes from
     run_dir_state.prepare_run_dir(cfg, run_dir, options.resume)
     resume_from = run_dir_state.resume_checkpoint(cfg, run_dir, options.resume, options.ckpt_path)
+    mlflow_run.check_run_owner(run_dir, options)  # a copy still sharing its MLflow run: before any write
     run_dir_state.keep_config(cfg, run_dir)
     source = _uptraining_source(cfg, run_dir, resume_from)
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)

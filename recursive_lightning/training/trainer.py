@@ -8,6 +8,7 @@ validate_only=True)`` validates a checkpoint on one device, with no logger, chec
 from __future__ import annotations
 
 import logging
+import shlex
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +37,12 @@ _NOISE = (
     r"Your `IterableDataset` has `__len__` defined",
     # a resume writes into its own checkpoint folder (a new run into one with checkpoints is refused before)
     r"Checkpoint directory .* exists and is not empty",
+    # a resumed run directory that was moved or copied: the best checkpoint is found by its path in the run
+    # directory (trainer.best_checkpoint), not by the folder Lightning recorded
+    r"The dirpath has changed from",
 )
+# Lightning's "[rank: 0] Received SIGTERM" info line: the command says in one sentence how it stopped
+_SIGNAL_LOGGER = "lightning.pytorch.trainer.connectors.signal_connector"
 
 
 def quiet_lightning() -> None:
@@ -45,6 +51,7 @@ def quiet_lightning() -> None:
         warnings.filterwarnings("ignore", message=message)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger(_SIGNAL_LOGGER).setLevel(logging.WARNING)  # its warnings (a failed requeue) still show
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -155,20 +162,26 @@ def fit(
         if trainer.global_step % cfg.train.val_every != 0 or not val_metrics(trainer):
             trainer.validate(module, datamodule=dm, verbose=False)
     except SIGTERMException:  # Lightning stops at the next step (or validation batch) and raises SystemExit()
-        saved = RunDir(run_dir).has_checkpoint_files()
-        where = (
-            f"the run is resumable from its last checkpoint: --run-dir {run_dir} --resume."
-            if saved
-            else f"no checkpoint was written yet (train.checkpoint_every {cfg.train.checkpoint_every}): a "
-            "--resume starts from step 0."
-        )
+        where = _how_to_resume(cfg, run_dir)
         raise Terminated(f"train: stopped by SIGTERM at step {trainer.global_step}; {where}") from None
     except SystemExit as e:
         # Lightning turns Ctrl-C inside fit into sys.exit(1) after its own shutdown (trainer/call.py): report it
-        # as the interrupt it was (exit 130, run KILLED), not as a failure
+        # as the interrupt it was (exit 130, run KILLED), not as a failure, with the command that continues it
         if trainer.interrupted and e.code == 1 and not isinstance(e, SIGTERMException):
-            raise KeyboardInterrupt from None
+            where = _how_to_resume(cfg, run_dir)
+            raise KeyboardInterrupt(f"train: interrupted at step {trainer.global_step}; {where}") from None
         raise
+
+
+def _how_to_resume(cfg: RunConfig, run_dir: Path) -> str:
+    """The end of the sentence of a run stopped inside fit: the exact command that continues it."""
+    command = f"python -m recursive_lightning train --resume --run-dir {shlex.quote(str(run_dir))}"
+    if RunDir(run_dir).has_checkpoint_files():
+        return f"the run is resumable from its last checkpoint: {command}"
+    return (
+        f"no checkpoint was written yet (train.checkpoint_every {cfg.train.checkpoint_every}): a --resume "
+        f"starts from step 0: {command}"
+    )
 
 
 def val_metrics(trainer: L.Trainer) -> dict[str, float]:

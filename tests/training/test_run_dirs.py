@@ -543,6 +543,11 @@ def test_sigterm_before_the_first_checkpoint_says_no_checkpoint_exists(tmp_path,
     assert code == 143, out
     assert not list((run_dir / "checkpoints").glob("*.ckpt")), out
     assert (
-        "no checkpoint was written yet (train.checkpoint_every 4): a --resume starts from step 0." in out
+        out.strip()
+        .splitlines()[-1]
+        .endswith(
+            "no checkpoint was written yet (train.checkpoint_every 4): a --resume starts from step 0: python -m "
+            f"recursive_lightning train --resume --run-dir {run_dir}"
+        )
     ), out
     assert "resumable from its last checkpoint" not in out, out

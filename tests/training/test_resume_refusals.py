@@ -1,0 +1,72 @@
+"""`train --resume` of a run directory that cannot continue its MLflow run as it stands: every checkpoint
+deleted (training again from step 0 would log each step twice into the same run), every checkpoint damaged, its
+config.yaml damaged. Each is one sentence naming the directory or file and the fix (exit 2), and neither the
+directory nor the MLflow run changes (its status, its metric history)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+from conftest import command_output, run_of
+
+
+def _state(run: Path) -> tuple[dict, str, int]:
+    """Every file of ``run`` (content hash), its MLflow run's status and the number of points of its loss."""
+    from mlflow.tracking import MlflowClient
+
+    from recursive_lightning.tracking.runs import default_tracking_uri
+
+    files = {
+        str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(run.rglob("*"))
+    }
+    r = run_of(run)
+    points = len(MlflowClient(default_tracking_uri(run)).get_metric_history(r.info.run_id, "train/loss"))
+    return files, r.info.status, points
+
+
+def _refused(run: Path) -> str:
+    before = _state(run)
+    rc, out = command_output("train", "--resume", "--run-dir", run, timeout=600)
+    assert rc == 2, out
+    assert "Traceback" not in out, out
+    assert _state(run) == before  # nothing written: no checkpoint, no config, no MLflow point or status
+    assert before[1] == "FINISHED"
+    (line,) = [x for x in out.splitlines() if x.startswith("error:")]
+    return line
+
+
+def test_resume_after_every_checkpoint_was_deleted_is_refused(trained_run, tmp_path):
+    run = shutil.copytree(trained_run, tmp_path / "run")
+    for ckpt in (run / "checkpoints").glob("*.ckpt"):
+        ckpt.unlink()
+    assert _refused(run) == (
+        f"error: --resume: the checkpoints of the run in '{run}' are gone, so it would train again from step 0 "
+        f"into the MLflow run that already holds its steps; restore a checkpoint into '{run / 'checkpoints'}', "
+        "or start the run afresh with a new --run-dir."
+    )
+
+
+def test_resume_with_every_checkpoint_damaged_names_the_file_and_the_fix(trained_run, tmp_path):
+    run = shutil.copytree(trained_run, tmp_path / "run")
+    for ckpt in (run / "checkpoints").glob("*.ckpt"):
+        ckpt.write_bytes(ckpt.read_bytes()[:1000])  # a disk that filled: each cut short
+    assert _refused(run) == (
+        f"error: --resume: every checkpoint in '{run / 'checkpoints'}' is damaged or truncated (the newest, "
+        f"'{run / 'checkpoints' / 'last.ckpt'}', cannot be read); restore one from a backup, or start the run "
+        "again with a new --run-dir."
+    )
+
+
+def test_resume_with_a_damaged_config_names_the_line_and_the_fix(trained_run, tmp_path):
+    run = shutil.copytree(trained_run, tmp_path / "run")
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("  layout:", "\tlayout:", 1))
+    line = next(i for i, x in enumerate(config.read_text().splitlines(), 1) if "\t" in x)
+    said = _refused(run)
+    assert said.startswith(
+        f"error: config file '{config}' has a tab on line {line}; YAML indents with spaces, so replace the tab "
+        f"with spaces; it is the config the run in '{run}' was started with: repair it, or pass the config"
+    ), said
