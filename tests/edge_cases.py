@@ -772,7 +772,7 @@ CASES: list[tuple[str, list[str], str]] = [
         ["train", "--run-dir", "{out}/r", "--ckpt-path", "{run}/checkpoints/last.ckpt"],
         "names the checkpoint a --resume continues from; add --resume",
     ),
-    ("train-data-empty", ["train", "--data", "", "--run-dir", "{out}/r"], "data.path is empty"),
+    ("train-data-empty-string", ["train", "--data", "", "--run-dir", "{out}/r"], "data.path is empty"),
     (
         "eval-max-length-above-context",
         ["eval", "{run}", "--ppl", "t={in}/text.txt", "--tasks", "none", "--max-length", "100000"],
