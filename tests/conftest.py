@@ -301,3 +301,17 @@ def assert_eval_refused(
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert not out.exists() and not db.exists()
+
+
+def read_only(monkeypatch, *dirs: Path) -> None:
+    """Make ``dirs`` read-only for the package's write check (chmod does not stop root, who runs CI here)."""
+    from recursive_lightning import files
+
+    real = files._can_write
+    roots = [d.resolve() for d in dirs]
+
+    def can_write(d: Path) -> bool:
+        d = Path(d).resolve()
+        return not any(d == r or r in d.parents for r in roots) and real(d)
+
+    monkeypatch.setattr(files, "_can_write", can_write)

@@ -455,7 +455,7 @@ def test_sweep_and_report_refuse_directories_they_cannot_write(
 ):
     """A --run-dir that is a file or read-only (shared storage, a copy), and `report` on a read-only sweep
     directory: one sentence before any work; `report --out DIR --no-mlflow` writes elsewhere."""
-    from test_run_dirs import _read_only
+    from conftest import read_only
 
     from recursive_lightning.cli import main
     from recursive_lightning.commands import report
@@ -468,7 +468,7 @@ def test_sweep_and_report_refuse_directories_they_cannot_write(
     copy = tmp_path / "copy"
     shutil.copytree(two_worker_sweep, copy)
     before = sorted(p.name for p in copy.iterdir())
-    _read_only(monkeypatch, copy)
+    read_only(monkeypatch, copy)
     assert main(["sweep", str(spec), "--run-dir", str(copy)]) == 2
     assert "read-only" in capsys.readouterr().err
     with pytest.raises(UserError, match="read-only.*--out"):

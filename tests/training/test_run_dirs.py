@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_of, tiny_config
+from conftest import read_only, run_of, tiny_config
 from mlflow.tracking import MlflowClient
 
-from recursive_lightning import cli, files
+from recursive_lightning import cli
 from recursive_lightning.config import RunConfig, load_run_config
 from recursive_lightning.errors import ConfigError, Terminated, UserError
 from recursive_lightning.tracking import runs
@@ -159,25 +159,13 @@ def test_artifact_roots_follow_a_moved_store(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ item 6
-def _read_only(monkeypatch, *dirs: Path) -> None:
-    """Make ``dirs`` read-only for the write check (chmod does not stop root, who runs CI here)."""
-    real = files._can_write
-    roots = [d.resolve() for d in dirs]
-
-    def can_write(d: Path) -> bool:
-        d = Path(d).resolve()
-        return not any(d == r or r in d.parents for r in roots) and real(d)
-
-    monkeypatch.setattr(files, "_can_write", can_write)
-
-
 def test_eval_checks_where_results_go_before_computing(finished, tmp_path, text_file, monkeypatch):
     from recursive_lightning.evaluation import perplexity as ppl_mod
     from recursive_lightning.evaluation.options import EvalOptions
     from recursive_lightning.evaluation.run import evaluate_checkpoint
 
     run_dir = _copy(finished[0], tmp_path / "run")
-    _read_only(monkeypatch, run_dir)
+    read_only(monkeypatch, run_dir)
     calls = []
     real = ppl_mod.perplexity
     monkeypatch.setattr(ppl_mod, "perplexity", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -206,7 +194,7 @@ def test_probe_checks_where_results_go_before_probing(finished, tmp_path, monkey
     from recursive_lightning.probes import run as probe_run
 
     run_dir = _copy(finished[0], tmp_path / "run")
-    _read_only(monkeypatch, run_dir)
+    read_only(monkeypatch, run_dir)
 
     def no_capture(*a, **k):
         raise AssertionError("probed before checking the outputs")
@@ -264,7 +252,7 @@ def test_train_refuses_a_run_dir_it_cannot_use(tmp_path, tiny_run, monkeypatch):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a file"):
         train(cfg, tmp_path / "file")
-    _read_only(monkeypatch, tmp_path / "ro")
+    read_only(monkeypatch, tmp_path / "ro")
     (tmp_path / "ro").mkdir()
     with pytest.raises(ConfigError, match="read-only"):
         train(cfg, tmp_path / "ro" / "run")
