@@ -15,7 +15,8 @@ have is shown as missing (—), never filled in.
 
 Written as ``report.md``, ``report.html`` (the same report with its figures inlined: MLflow's artifact viewer
 renders markdown tables but not markdown images, and shows HTML in a frame where relative image paths do not
-resolve) and PNGs into the sweep's run directory, and logged to the parent MLflow run under ``report/``.
+resolve) and PNGs into the sweep's run directory, and logged to the parent MLflow run under ``report/``. A sweep
+writes it at its end under a lock (``report_at_end``: one writer at a time) and prints it.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ from recursive_lightning.files import atomic_write_figure, atomic_write_text
 from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep import context_lengths, cost, curves, ranking, results, statistics, tables
 from recursive_lightning.sweep.parent import close_parent
-from recursive_lightning.sweep.ranking import log_ranking
+from recursive_lightning.sweep.ranking import log_ranking, summary_line
 from recursive_lightning.sweep.report_html import markdown_to_html
 from recursive_lightning.sweep.results import axis_table, collect, load_trials
 from recursive_lightning.sweep.rows import build_rows, tokens_per_step
-from recursive_lightning.sweep.servers import check_database
-from recursive_lightning.sweep.spec import SEED_AXIS, load_sweep, row_names
+from recursive_lightning.sweep.servers import check_database, database_lock
+from recursive_lightning.sweep.spec import SEED_AXIS, SweepSpec, load_sweep, row_names
 from recursive_lightning.sweep.statistics import paired_differences
+from recursive_lightning.sweep.study import file_lock
 from recursive_lightning.tracking.runs import absolute_uri, check_outputs, log_artifact, log_batch
 from recursive_lightning.uris import mask_url, reveal
 
@@ -496,3 +498,14 @@ def write_report(
         "failed": failed,
         "unfinished": unfinished,
     }
+
+
+def report_at_end(spec: SweepSpec, run_dir: Path, storage: str, tracking: str) -> dict[str, Any]:
+    """Write the report (one writer at a time: workers on several machines may end together and the report's
+    files have fixed names) and print it with its path and the best row."""
+    with file_lock(SweepDir(run_dir).report_lock), database_lock(storage, f"{spec.name}/report"):
+        report = write_report(run_dir, spec=spec, storage_url=storage, tracking_uri=tracking)
+    print(report["markdown"])
+    print(f"\nreport: {report['path']}")
+    print(f"best: {summary_line(report)}")
+    return report
