@@ -121,7 +121,7 @@ def main() -> None:
     if args.worker:
         as_worker(args)
         return
-    from recursive_lightning.sweep import runner, servers
+    from recursive_lightning.sweep import prepare, servers
     from recursive_lightning.sweep.parent import close_parent
     from recursive_lightning.sweep.report import write_report
     from recursive_lightning.sweep.spec import load_sweep
@@ -143,7 +143,7 @@ def main() -> None:
         storage = pg.create_database("optuna")
         with servers.LocalMlflowServer(pg.create_database("mlflow"), tmp / "artifacts", workers=2) as server:
             spec = load_sweep(spec_file)
-            runner.prepare_study(spec, tmp / "run", storage, server.uri)
+            prepare.prepare_study(spec, tmp / "run", storage, server.uri)
             env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
             # the runner tells its live workers on this machine by "recursive_lightning" in their command line
             cmd = [sys.executable, __file__, "--worker=recursive_lightning", "--sweep", str(spec_file)]

@@ -8,7 +8,9 @@ from typing import Any
 
 from recursive_lightning.evaluation.options import EvalOptions
 from recursive_lightning.evaluation.run import evaluate_checkpoint
-from recursive_lightning.sweep.runner import SweepOptions, SweepOutcome, run_sweep
+from recursive_lightning.sweep.options import SweepOptions
+from recursive_lightning.sweep.outcome import SweepOutcome
+from recursive_lightning.sweep.runner import run_sweep
 
 __all__ = ["EvalOptions", "SweepOptions", "SweepOutcome", "evaluate", "run_sweep"]
 

@@ -316,8 +316,8 @@ def test_a_sweeps_coordinator_prepares_the_data_without_lightning(tmp_path, data
 
     spec = write_sweep(tmp_path / "sweep.yaml", data_cache, "coordinator", {"model.topology": ["mesh"]})
     imported = lightning_modules_after(
-        "from recursive_lightning.sweep import runner; from recursive_lightning.sweep.spec import load_sweep; "
-        f"runner.quiet_libraries(trains=False); runner.prepare_data(load_sweep({str(spec)!r}))",
+        "from recursive_lightning.sweep import prepare, runner; from recursive_lightning.sweep.spec import load_sweep; "
+        f"runner.quiet_libraries(trains=False); prepare.prepare_data(load_sweep({str(spec)!r}))",
         env=ENV,
     )
     assert imported == "[]", imported[:500]

@@ -1,7 +1,7 @@
 """The tokenizer and token shards of a data spec, built once into the cache (or found there), without Lightning.
 
 ``TextDataModule`` (``data/datamodule.py``) loads its batches from these; a sweep's coordinating process builds
-them before its workers start (``sweep/runner.py``: tokenising once rather than racing in every worker), and it
+them before its workers start (``sweep/prepare.py``: tokenising once rather than racing in every worker), and it
 does not import Lightning for it."""
 
 from __future__ import annotations

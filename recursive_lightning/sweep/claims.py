@@ -1,6 +1,7 @@
 """Which worker runs which trial: a worker claims a waiting trial (WAITING -> RUNNING, recording its host and
 pid), sends heartbeats while it trains, puts back the trials of dead workers on this machine and takes over
-those whose remote worker stopped sending heartbeats."""
+those whose remote worker stopped sending heartbeats; a sweep command waits for the trials other live processes
+on this machine run (``wait_for_local_trials``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recursive_lightning.sweep.study import claim_lock
+from recursive_lightning.sweep.spec import SweepSpec
+from recursive_lightning.sweep.study import claim_lock, open_storage
 
 POLL_S = 2.0  # how often a worker looks again at running trials (of other workers, here or elsewhere)
 
@@ -169,3 +171,35 @@ def take_over_stale(study, storage, storage_url: str) -> int | None:
             )
             announced = True
         time.sleep(min(float(storage.heartbeat_interval), POLL_S))
+
+
+def wait_for_local_trials(spec: SweepSpec, storage_url: str) -> bool:
+    """Wait while trials of the study are run by other live processes on this machine (an earlier sweep
+    command's workers, a concurrent sweep command). Returns True when trials are waiting again (one of those
+    processes died and its trial went back to WAITING, or a retry was enqueued): run a worker again."""
+    import optuna  # heavy
+    from optuna.trial import TrialState  # heavy
+
+    storage = open_storage(storage_url, spec.max_retries)
+    host, announced = socket.gethostname(), False
+    while True:
+        study = optuna.load_study(study_name=spec.name, storage=storage)
+        requeue_dead_local(study, storage, storage_url)
+        if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return True
+        live = [
+            t
+            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if t.system_attrs.get("host") == host and int(t.system_attrs.get("pid", -1)) != os.getpid()
+        ]
+        if not live:
+            return False
+        if not announced:
+            pids = sorted({int(t.system_attrs["pid"]) for t in live})
+            print(
+                f"[sweep {spec.name}] waiting for {len(live)} trial(s) that process(es) "
+                f"{', '.join(map(str, pids))} on this machine are running",
+                flush=True,
+            )
+            announced = True
+        time.sleep(POLL_S)

@@ -2,7 +2,7 @@
 ``evaluate: context_lengths``), mean over its seeds, as a table and one figure; with a baseline row, each row's
 paired difference to it at every length and the change of that difference from the shortest to the longest
 length (the long-context direction of Mela Fig. 4: a gap that widens as the context grows beyond the training
-length), with the same t-intervals as the report's paired table (``tables.paired_difference``).
+length), with the same t-intervals as the report's paired table (``statistics.paired_difference``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 from recursive_lightning import formatting as fmt
 from recursive_lightning.config import DataConfig
 from recursive_lightning.sweep import tables
-from recursive_lightning.sweep.tables import Row
+from recursive_lightning.sweep.rows import Row
+from recursive_lightning.sweep.statistics import paired_difference
 
 CTX_PREFIX = "eval/ppl_ctx/"
 
@@ -63,9 +64,9 @@ def paired_lines(rows: Sequence[Row], baseline: str, lengths: list[int]) -> list
     for r in rows:
         if r is base:
             continue
-        diffs = [tables.paired_difference(r, base, f"{CTX_PREFIX}{L}") for L in lengths]
+        diffs = [paired_difference(r, base, f"{CTX_PREFIX}{L}") for L in lengths]
         if hi > lo:
-            diffs.append(tables.paired_difference(r, base, growth(lo, hi)))
+            diffs.append(paired_difference(r, base, growth(lo, hi)))
         n = max((d["n"] for d in diffs if d), default=0)
         lines.append(
             "| " + " | ".join([r.name, str(n), *(tables.fmt_difference(d, "ppl") for d in diffs)]) + " |"

@@ -16,7 +16,8 @@ from typing import Any
 from recursive_lightning import formatting as fmt
 from recursive_lightning.files import atomic_write_figure
 from recursive_lightning.sweep import tables
-from recursive_lightning.sweep.tables import Row, mean_std, trial_value
+from recursive_lightning.sweep.rows import Row, trial_value
+from recursive_lightning.sweep.statistics import mean_std
 from recursive_lightning.tracking.view import RUN_TOKENS_PER_SEC
 
 BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 forwards

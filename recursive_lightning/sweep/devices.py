@@ -6,6 +6,9 @@ empty without a GPU. A trial that asks for ``d`` devices (``train.devices``; ``a
 which the kernel releases when the holding worker dies, so workers of one sweep on one machine never share a
 device. Its ``train`` process sees only them (its ``CUDA_VISIBLE_DEVICES``), and its MLflow child run records
 them as the tag ``devices`` (``cpu`` without a pool).
+
+Before any training a sweep refuses a grid point that asks for more devices than the pool has
+(``check_devices``) or that this machine's kind cannot train (``check_machine``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning.errors import ConfigError
 from recursive_lightning.run_dir import SweepDir
+from recursive_lightning.sweep.spec import SweepSpec
 
 CPU = "cpu"  # the `devices` tag of a trial that ran without a device pool
 
@@ -100,3 +105,29 @@ def hold_devices(run_dir: Path, pool: list[str], n: int, on_wait=None) -> Iterat
     finally:
         for _, f in held:
             f.close()
+
+
+def check_devices(spec: SweepSpec, pool: list[str]) -> None:
+    """Refuse, before any training, a grid point that asks for more devices than this machine's pool has."""
+    if not pool:
+        return
+    for point in spec.points():
+        need = devices_needed(spec.trial_config(point), pool)
+        if need > len(pool):
+            raise ConfigError(
+                f"{spec.at(point)}: train.devices asks for {need} "
+                f"devices but this machine's device pool ({','.join(pool)}, from CUDA_VISIBLE_DEVICES or the "
+                f"GPUs torch sees) has {len(pool)}; lower train.devices or run it where more GPUs are visible."
+            )
+
+
+def check_machine(spec: SweepSpec) -> None:
+    """Refuse, before any training, a grid point this machine's kind cannot train (``parallel.check_supported``:
+    e.g. ``train.cuda_graphs`` without CUDA), naming the point, instead of failing every trial of it."""
+    from recursive_lightning.training.parallel import check_supported  # heavy
+
+    for point in spec.points():
+        try:
+            check_supported(spec.trial_config(point).train)
+        except ConfigError as e:
+            raise ConfigError(f"{spec.at(point)}: {e}") from None

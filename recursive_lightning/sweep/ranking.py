@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recursive_lightning import formatting as fmt
+from recursive_lightning.sweep.rows import Row, trial_value
 from recursive_lightning.sweep.spec import SEED_AXIS
-from recursive_lightning.sweep.tables import CONFIDENCE, Row, mean_std, paired_difference, trial_value
+from recursive_lightning.sweep.statistics import CONFIDENCE, excludes_zero, mean_std, paired_difference
 from recursive_lightning.tracking import view
 from recursive_lightning.tracking.runs import client, log_batch
 
@@ -73,13 +74,13 @@ def summary(
 
 
 def verdict(d: Mapping[str, Any] | None, other: str) -> str:
-    """Whether a paired difference (``tables.paired_difference``: best row − ``other``) tells the rows apart:
+    """Whether a paired difference (``statistics.paired_difference``: best row − ``other``) tells the rows apart:
     distinguishable only where its t-interval excludes zero; one common seed: no interval exists."""
     if d is None:
         return f"no seed in common with {other}: no paired difference"
     if d["lo"] is None:
         return f"one seed in common with {other} ({d['mean']:+.4g}): no interval exists"
-    real = d["hi"] < 0 or d["lo"] > 0
+    real = excludes_zero(d)
     return (
         f"{'distinguishable' if real else 'not distinguishable'} from {other} (paired "
         f"{d['mean']:+.4g} [{d['lo']:+.4g}, {d['hi']:+.4g}], {CONFIDENCE:.0%} t-interval over {d['n']} seeds)"
@@ -119,7 +120,7 @@ def against_runner_up(
     paired: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> str:
     """ "; not distinguishable from the runner-up `anchor` (paired -5.25 [-55.7, +45.2] ...)": the best row minus
-    the second over the seeds both finished, with the report's paired t-interval (``tables.paired_difference``;
+    the second over the seeds both finished, with the report's paired t-interval (``statistics.paired_difference``;
     the report's own where the runner-up is its ``baseline``); distinguishable only where the interval
     excludes zero. With one common seed no interval exists, and the line says so; nothing when there is no
     runner-up."""

@@ -15,7 +15,8 @@ have is shown as missing (—), never filled in.
 
 Written as ``report.md``, ``report.html`` (the same report with its figures inlined: MLflow's artifact viewer
 renders markdown tables but not markdown images, and shows HTML in a frame where relative image paths do not
-resolve) and PNGs into the sweep's run directory, and logged to the parent MLflow run under ``report/``.
+resolve) and PNGs into the sweep's run directory, and logged to the parent MLflow run under ``report/``. A sweep
+writes it at its end under a lock (``report_at_end``: one writer at a time) and prints it.
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ from recursive_lightning import formatting as fmt
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import absent, atomic_write_figure, atomic_write_text
 from recursive_lightning.run_dir import SweepDir
-from recursive_lightning.sweep import context_lengths, cost, curves, ranking, tables
+from recursive_lightning.sweep import context_lengths, cost, curves, ranking, results, statistics, tables
 from recursive_lightning.sweep.parent import close_parent
-from recursive_lightning.sweep.ranking import log_ranking
+from recursive_lightning.sweep.ranking import log_ranking, summary_line
 from recursive_lightning.sweep.report_html import markdown_to_html
-from recursive_lightning.sweep.results import axis_table, collect, load_trials, paired_differences
-from recursive_lightning.sweep.servers import check_database
-from recursive_lightning.sweep.spec import SEED_AXIS, load_sweep, row_names
+from recursive_lightning.sweep.results import axis_table, collect, load_trials
+from recursive_lightning.sweep.rows import build_rows, tokens_per_step
+from recursive_lightning.sweep.servers import check_database, database_lock
+from recursive_lightning.sweep.spec import SEED_AXIS, SweepSpec, load_sweep, row_names
+from recursive_lightning.sweep.statistics import paired_differences
+from recursive_lightning.sweep.study import file_lock
 from recursive_lightning.tracking.runs import absolute_uri, check_outputs, log_artifact, log_batch
 from recursive_lightning.uris import mask_url, reveal
 
@@ -104,7 +108,7 @@ def _results_sections(
     """The papers' tables (results, downstream accuracy, paired differences to the baseline) and the
     learning-curve figure. Returns (markdown lines, figures, structured data for callers and tests)."""
     trials, problems = load_trials(run_dir, trials, spec, tracking_uri)
-    rows = tables.build_rows(trials, axes, row_names(spec.axes) if spec.search is None else ())
+    rows = build_rows(trials, axes, row_names(spec.axes) if spec.search is None else ())
     main_cols, heads, shots = tables.columns(trials, ranked)
     ranks = ranking.rank(rows, ranked)
     best = ranking.best(ranks)[0].name if ranking.best(ranks)[0] is not None else None
@@ -190,18 +194,18 @@ def _column_notes(trials: list[dict]) -> list[str]:
         "- perplexities: `val/<set>/ppl` from training's final validation, `eval/ppl/<name>` from the sweep's "
         "`evaluate:`; accuracies in %.",
     ]
-    damaged = [t["number"] for t in trials if t["metrics_source"] == tables.DAMAGED]
+    damaged = [t["number"] for t in trials if t["metrics_source"] == results.DAMAGED]
     if damaged:  # a record that is there but cannot be read (cut short, edited): the study's copy stands in
         lines.append(
-            f"- trial(s) {', '.join(map(str, damaged))}: `{tables.SWEEP_RESULT}` is damaged (not a JSON object): "
+            f"- trial(s) {', '.join(map(str, damaged))}: `{results.SWEEP_RESULT}` is damaged (not a JSON object): "
             "their metrics are the Optuna study's copy."
         )
     elsewhere = [
-        t["number"] for t in trials if t["metrics_source"] not in (tables.SWEEP_RESULT, tables.DAMAGED)
+        t["number"] for t in trials if t["metrics_source"] not in (results.SWEEP_RESULT, results.DAMAGED)
     ]
     if elsewhere:  # trained where this directory cannot see (another machine): say whose numbers these are
         lines.append(
-            f"- trial(s) {', '.join(map(str, elsewhere))} have no `{tables.SWEEP_RESULT}` in this directory "
+            f"- trial(s) {', '.join(map(str, elsewhere))} have no `{results.SWEEP_RESULT}` in this directory "
             "(trained on another machine?): their metrics are the Optuna study's copy, their wall-clock, "
             "parameters and FLOPs what this directory and the sweep file give."
         )
@@ -246,10 +250,10 @@ def _paired_section(
     lines = [f"## Paired difference to `{baseline}`", ""]
     if base is None:
         return [*lines, f"The baseline row `{baseline}` has no finished trial yet: no differences.", ""], {}
-    level = round(100 * tables.CONFIDENCE)
+    level = round(100 * statistics.CONFIDENCE)
     lines += [
         f"Row − `{baseline}` on the same seed, mean over the seed pairs [{level} % Student-t interval: "
-        f"mean ± t({(1 + tables.CONFIDENCE) / 2:.3f}, n−1) · sd/√n over the n pairs]; lower perplexity and "
+        f"mean ± t({(1 + statistics.CONFIDENCE) / 2:.3f}, n−1) · sd/√n over the n pairs]; lower perplexity and "
         "higher accuracy (points) are better; each cell says whether its interval excludes 0 (**bold**: "
         "the rows are distinguishable) or includes it. An interval needs two pairs.",
         "",
@@ -272,7 +276,7 @@ def _curves_section(
         r.name: [
             {
                 "history": t["history"],
-                "tokens_per_step": tables.tokens_per_step(t) or 0.0,
+                "tokens_per_step": tokens_per_step(t) or 0.0,
                 "steps": t.get("steps"),
                 "flops_per_token": cost.training_flops_per_token(t),
             }
@@ -503,3 +507,14 @@ def write_report(
         "failed": failed,
         "unfinished": unfinished,
     }
+
+
+def report_at_end(spec: SweepSpec, run_dir: Path, storage: str, tracking: str) -> dict[str, Any]:
+    """Write the report (one writer at a time: workers on several machines may end together and the report's
+    files have fixed names) and print it with its path and the best row."""
+    with file_lock(SweepDir(run_dir).report_lock), database_lock(storage, f"{spec.name}/report"):
+        report = write_report(run_dir, spec=spec, storage_url=storage, tracking_uri=tracking)
+    print(report["markdown"])
+    print(f"\nreport: {report['path']}")
+    print(f"best: {summary_line(report)}")
+    return report

@@ -225,7 +225,7 @@ def test_learning_curves_and_html_report_are_logged_to_the_parent_run(tiny_repor
     # the curves' x axis: the last validation of a trial is its final one, after all its training tokens
     from recursive_lightning.sweep.cost import training_flops, training_flops_per_token
     from recursive_lightning.sweep.curves import against_flops, against_tokens, metric_history
-    from recursive_lightning.sweep.tables import load_trial
+    from recursive_lightning.sweep.results import load_trial
 
     for rec, res, trial_dir in _trials(run_dir).values():
         hist = metric_history(f"sqlite:///{run_dir / 'mlflow.db'}", rec["mlflow_run_id"])
@@ -254,7 +254,7 @@ def test_training_flops_of_a_sampled_loop_row_are_its_expected_flops(data_cache)
     ``train.loops`` the expected training FLOPs per token over the distribution × tokens, as the run's describe."""
     from recursive_lightning.config import RunConfig
     from recursive_lightning.sweep.cost import training_flops
-    from recursive_lightning.sweep.tables import _describe
+    from recursive_lightning.sweep.results import _describe
     from recursive_lightning.training.loop_flops import expected_training_flops
 
     fixed = RunConfig.from_dict(tiny_config(data_cache, layout="1+1R2+1", topology="anchor"))
@@ -292,10 +292,10 @@ def test_a_report_run_again_adds_no_metric_points(tiny_report_sweep, tmp_path, c
 
 
 def test_the_best_line_says_whether_the_best_row_is_distinguishable_from_the_runner_up():
-    """One definition of the paired interval (tables.paired_difference) behind the sweep's `best:` line and the
+    """One definition of the paired interval (statistics.paired_difference) behind the sweep's `best:` line and the
     parent's description: excluded zero -> distinguishable, otherwise not, one seed -> no interval."""
     from recursive_lightning.sweep.ranking import rank, summary
-    from recursive_lightning.sweep.tables import Row
+    from recursive_lightning.sweep.rows import Row
 
     def row(name, values):
         trials = [
@@ -322,7 +322,7 @@ def test_the_best_line_says_whether_the_best_row_is_distinguishable_from_the_run
 
 
 def _rows(*spec):
-    from recursive_lightning.sweep.tables import Row
+    from recursive_lightning.sweep.rows import Row
 
     return [
         Row(
@@ -339,7 +339,7 @@ def test_the_winner_is_weighed_against_the_baseline_with_the_report_s_own_paired
     computation: a planted paired value shows up verbatim. A runner-up that is the baseline is named once;
     a best row that is the baseline says so; one seed: no interval exists."""
     from recursive_lightning.sweep.ranking import rank, significance, summary
-    from recursive_lightning.sweep.tables import paired_difference
+    from recursive_lightning.sweep.statistics import paired_difference
 
     rows = _rows(
         ("mesh", [(0, 10.0), (1, 11.0), (2, 12.0)]),
@@ -548,7 +548,7 @@ def test_a_sweep_with_a_resumed_trial_states_one_set_of_numbers(tmp_path, data_c
     from recursive_lightning.sweep.cost import training_flops
     from recursive_lightning.sweep.ranking import significance, summary_line
     from recursive_lightning.sweep.report import write_report
-    from recursive_lightning.sweep.tables import trial_value
+    from recursive_lightning.sweep.rows import trial_value
 
     rows = {"base": {"model.topology": "base"}, "mesh": {"model.topology": "mesh"}}
     spec = sweep_file(tmp_path, data_cache, rows, seeds=(0, 1), steps=6)

@@ -365,7 +365,7 @@ def test_an_edited_sweep_file_is_refused_in_the_same_run_dir(tmp_path, data_cach
     """Re-running an edited sweep file into the same --run-dir would report the old trials as the new file's
     results: it is refused in one sentence naming the changed field, and the directory's sweep.yaml is kept.
     Adding grid points (another seed) to the same file is fine."""
-    from recursive_lightning.sweep import runner
+    from recursive_lightning.sweep import prepare
     from recursive_lightning.sweep.spec import load_sweep, point_key
     from recursive_lightning.sweep.study import default_storage
 
@@ -391,14 +391,14 @@ def test_an_edited_sweep_file_is_refused_in_the_same_run_dir(tmp_path, data_cach
     raw["pruning"] = {"enabled": True, "warmup_steps": 2}  # pruning decides which trials end early
     spec.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match="pruning changed"):
-        runner.prepare_study(
+        prepare.prepare_study(
             load_sweep(spec), run_dir, default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}"
         )
     del raw["pruning"]  # back to the file that was run, plus one more seed
     raw["seeds"] = [0, 1]
     spec.write_text(yaml.safe_dump(raw))
     storage, tracking = default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}"
-    study, _ = runner.prepare_study(load_sweep(spec), run_dir, storage, tracking)
+    study, _ = prepare.prepare_study(load_sweep(spec), run_dir, storage, tracking)
     waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
     assert [t.user_attrs["point_key"] for t in waiting] == [point_key({"variant": "mesh", "train.seed": 1})]
 
@@ -406,7 +406,7 @@ def test_an_edited_sweep_file_is_refused_in_the_same_run_dir(tmp_path, data_cach
 _PREPARER = """
 import sys, time
 from pathlib import Path
-from recursive_lightning.sweep.runner import prepare_study
+from recursive_lightning.sweep.prepare import prepare_study
 from recursive_lightning.sweep.study import default_storage
 from recursive_lightning.sweep.spec import load_sweep
 spec, run_dir, start = load_sweep(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
@@ -592,17 +592,17 @@ def test_a_rerun_waits_for_trials_still_running_here(tmp_path, data_cache):
 def test_a_trial_claimed_by_a_process_killed_before_it_named_itself_is_resumed(tmp_path, data_cache):
     """A worker killed between claiming a trial (WAITING -> RUNNING) and recording its pid left the trial
     RUNNING forever: no heartbeat, no pid to check, so no re-run ever finished the sweep."""
-    from recursive_lightning.sweep import runner
+    from recursive_lightning.sweep import prepare
     from recursive_lightning.sweep.spec import load_sweep
     from recursive_lightning.sweep.study import default_storage
 
     spec = load_sweep(sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}}, steps=4))
     run_dir = tmp_path / "run"
     storage, tracking = default_storage(run_dir), f"sqlite:///{run_dir / 'mlflow.db'}"
-    study, _ = runner.prepare_study(spec, run_dir, storage, tracking)
+    study, _ = prepare.prepare_study(spec, run_dir, storage, tracking)
     (trial,) = study.get_trials()
     study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.RUNNING)
-    study, _ = runner.prepare_study(spec, run_dir, storage, tracking)  # what a re-run does first
+    study, _ = prepare.prepare_study(spec, run_dir, storage, tracking)  # what a re-run does first
     assert [t.state for t in study.get_trials()] == [optuna.trial.TrialState.WAITING]
 
 

@@ -92,7 +92,7 @@ def test_paired_context_table_names_each_length_and_the_widening_gap():
     """Row − baseline at each context length over seed pairs, and the change of that gap from the shortest to
     the longest length, each with its t-interval and whether it excludes 0 (Mela Fig. 4's direction)."""
     from recursive_lightning.sweep.context_lengths import paired_lines
-    from recursive_lightning.sweep.tables import Row
+    from recursive_lightning.sweep.rows import Row
 
     def trial(seed, ppl):
         return {"params": {"train.seed": seed}, "metrics": {f"eval/ppl_ctx/{L}": v for L, v in ppl.items()}}

@@ -292,7 +292,7 @@ def test_bad_storage_or_tracking_urls_get_one_sentence_before_any_work(pg, track
 _PREPARER = """
 import sys, time
 from pathlib import Path
-from recursive_lightning.sweep.runner import prepare_study
+from recursive_lightning.sweep.prepare import prepare_study
 from recursive_lightning.sweep.spec import load_sweep
 spec, run_dir, storage, tracking, start = load_sweep(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:5], float(sys.argv[5])
 while time.time() < start:

@@ -350,7 +350,7 @@ def test_the_best_trial_belongs_to_the_best_row():
     """Row a has the single lowest trial (1.0) but the higher mean (3.0); row b (2.0, 2.5) is best: its trial
     2.0 is the best trial, ranked first, and a's 1.0 third (the old `best_trial` named a's 1.0)."""
     from recursive_lightning.sweep.ranking import best, rank
-    from recursive_lightning.sweep.tables import Row
+    from recursive_lightning.sweep.rows import Row
 
     def trial(key, seed, v):
         return {"key": key, "params": {"variant": key[0], "train.seed": seed}, "metrics": {"m": v}}
