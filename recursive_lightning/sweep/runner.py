@@ -42,6 +42,7 @@ from recursive_lightning.sweep.devices import device_pool, devices_needed
 from recursive_lightning.sweep.launch import (
     PARENT_ENV,
     Stop,
+    check_workers,
     die_with_parent,
     on_sigterm,
     sigterm_stops,
@@ -315,6 +316,8 @@ def _checked_spec(sweep_file: Path, o: SweepOptions) -> SweepSpec:
     check_grid_data(spec)  # a data.path every trial would fail on
     if o.workers is not None and o.workers < 1:  # before the run directory is made
         raise ConfigError(f"--workers must be >= 1, not {o.workers}.")
+    if not o.worker and not o.prepare:  # the processes this command would start here
+        check_workers(o.workers if o.workers is not None else spec.workers)
     if o.attach and o.storage:
         check_study_file_exists(spec, o.storage)  # opening a missing SQLite file would create it
     if o.max_trials is not None and o.max_trials < 1:
