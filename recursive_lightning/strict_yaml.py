@@ -2,7 +2,7 @@
 otherwise than a reader of the file expects, are refused in one sentence naming the key, the file and the line.
 
 PyYAML keeps the last of two equal keys (a second ``model:`` section silently replaces the first) and resolves
-``010`` as the octal 8, ``1:30`` as the base-60 number 90 and ``yes``/``no``/``on``/``off`` as booleans; YAML 1.2
+``010`` as the octal 8, ``1:30`` as the base-60 number 90 and ``yes``/``no``/``on``/``off`` as booleans, ``1_000`` as 1000; YAML 1.2
 reads none of these so. Quoted scalars are text and pass (``'010'``, ``"on"``), as ``yaml.safe_dump`` writes them.
 """
 
@@ -36,6 +36,10 @@ def _ambiguity(node: yaml.ScalarNode) -> str | None:
         value = int(text.replace("_", ""), 8)
         decimal = int(text.replace("_", ""), 10)
         return f"reads as the octal number {value}; write {decimal} without the leading zero, or quote it for text"
+    if node.tag in (_INT, _FLOAT) and "_" in text and ":" not in text:
+        return (
+            f"reads as the number {text.replace('_', '')} (YAML 1.2 reads text); write the digits without '_'"
+        )
     if node.tag in (_INT, _FLOAT) and ":" in text:
         return "reads as a base-60 number (1:30 is 90); write the number itself, or quote it for text"
     return None

@@ -57,6 +57,7 @@ def make_inputs(folder: Path, root: Path) -> None:
     (folder / "base60.yaml").write_text("name: x\n" + mesh + "train: {max_steps: 1:30}\n")
     (folder / "norway.yaml").write_text("name: no\n" + mesh)
     (folder / "switch.yaml").write_text("name: x\n" + mesh + "train:\n  progress: off\n")
+    (folder / "underscore.yaml").write_text("name: x\n" + mesh + "data: {seq_len: 1_6}\n")
     base = SWEEP_BASE.format(root=root)
     sweeps = {
         "sw-task.yaml": base + "evaluate: {tasks: [embedded_lastwrd], shots: [0]}\n",
@@ -782,6 +783,48 @@ CASES: list[tuple[str, list[str], str]] = [
         "generate-tokens-huge",
         ["generate", "{run}", "--max-new-tokens", "100000000"],
         "--max-new-tokens must lie in [1, 100000]",
+    ),
+    # ---- numbers a library would crash on or read otherwise, worker counts above the machine, stores and
+    # checkpoints that are not what their names say
+    (
+        "eval-limit-nan",
+        ["eval", "{run}", "--tasks", "embedded_lastword", "--limit", "nan"],
+        "--limit must be a whole number of examples >= 1 or a fraction between 0 and 1, not nan",
+    ),
+    (
+        "eval-limit-inf",
+        ["eval", "{run}", "--tasks", "embedded_lastword", "--limit", "inf"],
+        "--limit must be a whole number of examples >= 1 or a fraction between 0 and 1, not inf",
+    ),
+    (
+        "eval-limit-not-whole",
+        ["eval", "{run}", "--tasks", "embedded_lastword", "--limit", "1.5"],
+        "not 1.5",
+    ),
+    (
+        "yaml-underscore-number",
+        ["train", "--config", "{in}/underscore.yaml", "--run-dir", "{out}/r"],
+        "data.seq_len: 1_6 in config file '{in}/underscore.yaml', line 3, reads as the number 16",
+    ),
+    (
+        "sweep-workers-above-cores",
+        ["sweep", "{in}/sw-ok.yaml", "--workers", "1000", "--run-dir", "{out}/s"],
+        "--workers 1000 (or the sweep file's workers:) is more than the",
+    ),
+    (
+        "train-resume-last-ckpt-folder",
+        ["train", "--resume", "--run-dir", "{broken}/ckpt-folder", "--max-steps", "20"],
+        "last.ckpt' is a folder but no sharded checkpoint (no .metadata inside); the previous good checkpoint",
+    ),
+    (
+        "eval-store-gone",
+        ["eval", "{broken}/store-gone", "--tasks", "none", "--ppl", "t={in}/text.txt"],
+        "gone/store.db' that '{broken}/store-gone/mlflow_tracking_uri' names does not exist",
+    ),
+    (
+        "train-resume-store-gone",
+        ["train", "--resume", "--run-dir", "{broken}/store-gone", "--max-steps", "20"],
+        "names does not exist; put it back, or pass the store the run was logged to with --tracking-uri",
     ),
     # ---- a sweep whose data every trial would fail on: refused before the first trial
     (

@@ -83,6 +83,14 @@ def broken(trained_run, hf_model_dirs, tmp_path_factory) -> Path:
     db = root / "truncated-db" / "mlflow.db"
     db.write_bytes(db.read_bytes()[: db.stat().st_size // 2])
     (root / "no-config" / "config.yaml").unlink()
+    for name in ("ckpt-folder", "store-gone"):
+        shutil.copytree(trained_run, root / name)
+    (
+        root / "ckpt-folder" / "checkpoints" / "last.ckpt"
+    ).unlink()  # a folder in its place: no sharded checkpoint
+    (root / "ckpt-folder" / "checkpoints" / "last.ckpt").mkdir()
+    # the store its mlflow_tracking_uri names is gone (opening it would create it, and a new run in it)
+    (root / "store-gone" / "mlflow_tracking_uri").write_text(f"sqlite:///{root / 'gone' / 'store.db'}")
     sweep = root / "sweep"
     sweep.mkdir()
     (sweep / "optuna.db").write_bytes(b"SQLite format 3\x00" + bytes(range(256)) * 8)

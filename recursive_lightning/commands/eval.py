@@ -16,6 +16,7 @@ says which and why; a task named explicitly that cannot be had is an error.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Iterable
@@ -193,9 +194,11 @@ def _limit(text: str | None) -> int | float | None:
         raise UserError(
             f"--limit must be a number of examples (or a fraction below 1), not '{text}'."
         ) from None
-    if v <= 0:
-        raise UserError(f"--limit must be positive, not {text}.")
-    return int(v) if v >= 1 and v.is_integer() else v
+    if not math.isfinite(v) or v <= 0 or (v >= 1 and not v.is_integer()):
+        raise UserError(
+            f"--limit must be a whole number of examples >= 1 or a fraction between 0 and 1, not {text}."
+        )
+    return int(v) if v >= 1 else v
 
 
 def _split_tasks(values: Iterable[str] | None) -> list[str] | None:

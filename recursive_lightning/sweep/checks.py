@@ -3,6 +3,7 @@ before the first training step so that a typo costs seconds, not a trained trial
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,15 @@ def check_evaluate_block(evaluate: dict, here: Path, where: str) -> None:
             f"{where}: evaluate.shots must be a list of few-shot counts >= 0, e.g. [0, 5], not {shots!r}."
         )
     limit = evaluate.get("limit")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int | float) or limit <= 0):
+    if limit is not None and (
+        isinstance(limit, bool)
+        or not isinstance(limit, int | float)
+        or not math.isfinite(limit)
+        or limit <= 0
+        or (limit >= 1 and limit != int(limit))
+    ):
         raise ConfigError(
-            f"{where}: evaluate.limit must be a positive number of examples (or a fraction below 1), not {limit!r}."
+            f"{where}: evaluate.limit must be a positive number of examples (a whole number, or a fraction below 1), not {limit!r}."
         )
     for key in ("ctx_block", "ctx_max_tokens"):
         if evaluate.get(key) is not None and not _positive_int(evaluate[key]):

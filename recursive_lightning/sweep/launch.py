@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from recursive_lightning import faults
+from recursive_lightning import faults, threads
+from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_text
 from recursive_lightning.processes import parent_death_signal
 from recursive_lightning.run_dir import RunDir
@@ -97,6 +98,20 @@ def die_with_parent(parent_pid: int) -> None:
         threading.Thread(target=watch, daemon=True).start()
     if os.getppid() != parent_pid:  # it died before the signal was armed
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def check_workers(workers: int, devices: int = 0) -> None:
+    """Refuse, before anything is written, more worker processes than this machine's cores or GPUs
+    (``devices``), whichever is more: each worker trains with at least one thread or holds one GPU, and hundreds
+    started at once only thrash the machine."""
+    bound = max(threads.cores(), devices)
+    if workers > bound:
+        gpus = f" and {devices} GPU(s)" if devices else ""
+        raise ConfigError(
+            f"--workers {workers} (or the sweep file's workers:) is more than the {threads.cores()} CPU core(s)"
+            f"{gpus} this process may use; pass --workers {bound} or fewer (workers on other machines join with "
+            "--attach)."
+        )
 
 
 def spawn_workers(n: int, sweep_file: Path, run_dir: Path, storage: str, tracking: str) -> int:

@@ -14,6 +14,7 @@ from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep.checks import check_grid_data, check_late_fields
 from recursive_lightning.sweep.claims import requeue_dead_local
 from recursive_lightning.sweep.devices import check_devices, check_machine, device_pool
+from recursive_lightning.sweep.launch import check_workers
 from recursive_lightning.sweep.options import SweepOptions
 from recursive_lightning.sweep.parent import open_parent
 from recursive_lightning.sweep.servers import check_stores, database_lock, recorded_study
@@ -42,6 +43,8 @@ def checked_spec(sweep_file: Path, o: SweepOptions) -> SweepSpec:
     check_grid_data(spec)  # a data.path every trial would fail on
     if o.workers is not None and o.workers < 1:  # before the run directory is made
         raise ConfigError(f"--workers must be >= 1, not {o.workers}.")
+    if not o.worker and not o.prepare:  # the processes this command would start here
+        check_workers(o.workers if o.workers is not None else spec.workers, len(device_pool()))
     if o.attach and o.storage:
         check_study_file_exists(spec, o.storage)  # opening a missing SQLite file would create it
     if o.max_trials is not None and o.max_trials < 1:

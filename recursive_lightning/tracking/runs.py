@@ -84,6 +84,11 @@ def default_tracking_uri(run_dir: str | os.PathLike) -> str:
             for d in (run_dir, *(a for a in run_dir.parents if SweepDir.is_sweep(a))):
                 if (d / name).is_file():
                     return f"sqlite:///{d / name}{parts[1]}"
+            if RunDir(run_dir).recorded_run_id():  # opening it would make an empty store and a new run there
+                raise UserError(
+                    f"the MLflow store '{parts[0]}' that '{recorded}' names does not exist; put it back, or "
+                    "pass the store the run was logged to with --tracking-uri."
+                )
         return reveal(uri)
     return f"sqlite:///{RunDir(run_dir).mlflow_db}"
 

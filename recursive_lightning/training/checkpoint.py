@@ -107,6 +107,17 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     """Load with ``weights_only=True``; a damaged file raises one sentence that names the file and the
     previous good checkpoint beside it."""
     path = Path(path)
+    if path.is_dir() and not (path / ".metadata").is_file():  # no sharded checkpoint: an empty folder, say
+        others = [p for p in candidates(path.parent) if p != path and _loads(p)]
+        hint = (
+            f"; the previous good checkpoint is '{others[0]}' (resume with --ckpt-path {others[0]})"
+            if others
+            else ""
+        )
+        raise CheckpointError(
+            f"checkpoint '{path}' is a folder but no sharded checkpoint (no .metadata inside){hint}; move it "
+            "aside, or pass a .ckpt file."
+        )
     if path.is_dir():  # a sharded (distributed) checkpoint directory
         return _read_distributed(path)
     if not path.is_file():
@@ -170,11 +181,18 @@ def _read_distributed(path: Path) -> dict[str, Any]:
 
 
 def latest_good(ckpt_dir: str | os.PathLike) -> Path | None:
-    """The newest checkpoint that loads; damaged ones are skipped."""
+    """The newest checkpoint that loads; damaged ones are skipped (a folder without the ``.metadata`` of a
+    sharded checkpoint too)."""
     for p in candidates(ckpt_dir):
-        if p.is_dir() or _readable(p):
+        if _loads(p):
             return p
     return None
+
+
+def _loads(p: Path) -> bool:
+    """Whether the checkpoint ``p`` loads: a sharded one's folder holds its ``.metadata``, a file is a whole
+    zip archive."""
+    return (p / ".metadata").is_file() if p.is_dir() else _readable(p)
 
 
 def _no_checkpoint(path: Path) -> str:
