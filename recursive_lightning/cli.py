@@ -4,10 +4,14 @@ the command's module in ``recursive_lightning/commands/`` and runs its ``main``,
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
+import signal
 import sys
+import threading
 
+from recursive_lightning import faults
 from recursive_lightning import threads as thread_policy
 from recursive_lightning.errors import Terminated, UserError
 from recursive_lightning.uris import mask_url
@@ -77,6 +81,15 @@ def _pop_threads(argv: list[str]) -> tuple[list[str], int | None]:
     return out, threads
 
 
+# the commands with a SIGTERM handler of their own (a resumable run, a sweep's parent run and workers, a server)
+HANDLE_SIGTERM = frozenset({"train", "sweep", "ui"})
+
+
+def _stopped_by_sigterm(command: str, signum: int, frame: object) -> None:
+    """SIGTERM (a scheduler's pre-emption) of a command that writes only finished results: one line, exit 143."""
+    raise Terminated(f"{command}: stopped by SIGTERM before it finished; run the same command again.")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # text the terminal cannot encode (a prompt on an ASCII terminal): printed escaped, not a crash
@@ -106,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command '{command}'; choose one of: {', '.join(COMMANDS)}.", file=sys.stderr)
         return 2
     os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
+    previous = signal.getsignal(signal.SIGTERM) or signal.SIG_DFL  # None: a handler set outside Python
+    handle = command not in HANDLE_SIGTERM and threading.current_thread() is threading.main_thread()
     try:
+        if handle:
+            signal.signal(signal.SIGTERM, functools.partial(_stopped_by_sigterm, command))
+        faults.point("command_started")  # tests: a pre-emption while the command starts
         with thread_policy.for_command(threads):
             return int(importlib.import_module(COMMANDS[command]).main(rest) or 0)
     except UserError as e:
@@ -122,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         if e.code == 0 and {"-h", "--help"} & set(rest):  # the command's own help: the global option too
             print(GLOBAL_OPTIONS)
         raise
+    finally:
+        if handle:
+            signal.signal(signal.SIGTERM, previous)  # a caller's own (main() called in-process)
 
 
 if __name__ == "__main__":

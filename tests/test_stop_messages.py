@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import ENV, command_output, run_of, write_sweep
 
@@ -157,3 +158,15 @@ def test_a_copy_that_shares_its_mlflow_run_with_a_live_directory_is_refused(tmp_
     code, out = command_output("train", "--resume", "--run-dir", copy, "--max-steps", 16)
     assert code == 0, out
     assert run_of(copy).data.tags["run_dir"] == str(copy)
+
+
+@pytest.mark.parametrize("command", ["probe", "eval", "generate", "describe", "report"])
+def test_sigterm_while_a_command_starts_is_one_line(command, tmp_path):
+    """The commands without a handler of their own (they write only finished results) say in one line that
+    SIGTERM stopped them, exit 143, where the default action killed them silently."""
+    code, out = _stopped([command, tmp_path / "run"], tmp_path, "command_started:1", signal.SIGTERM)
+    assert code == 143, out
+    assert out.strip().splitlines() == [
+        f"{command}: stopped by SIGTERM before it finished; run the same command again."
+    ], out
+    assert list(tmp_path.iterdir()) == [tmp_path / "at-point"]

@@ -286,6 +286,19 @@ def log_batch(
     )
 
 
+def unlogged_points(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int) -> dict[str, float]:
+    """The ``metrics`` whose history does not already end with this value at this ``step`` (a run resumed
+    with no step left to train reaches the same end again: its final point is not logged twice)."""
+    c = client(tracking_uri)
+    out = {}
+    for key, value in metrics.items():
+        history = c.get_metric_history(run_id, key)
+        last = max(history, key=lambda m: (m.step, m.timestamp)) if history else None
+        if last is None or last.step != step or not _same_value(last.value, float(value)):
+            out[key] = value
+    return out
+
+
 def _same_value(logged: float | None, value: float) -> bool:
     """Whether a metric's logged value is ``value`` (NaN equal to NaN)."""
     return logged is not None and (logged == value or (math.isnan(logged) and math.isnan(value)))

@@ -35,6 +35,7 @@ from recursive_lightning.tracking.runs import (
     set_tags,
     set_terminated,
     to_json,
+    unlogged_points,
 )
 from recursive_lightning.tracking.stores import check_tracking_store
 from recursive_lightning.training.loop_flops import expected_training_flops
@@ -262,7 +263,8 @@ def finish_run(
     """The final validation metrics as ``final/<metric>`` at ``step``, the run's description saying what it
     reached (``tracking.view.train_note``; a description of a sweep's or the researcher's own stays); the run
     FINISHED."""
-    log_metrics(tracking_uri, run_id, {f"final/{k}": v for k, v in metrics.items()}, step=step)
+    final = unlogged_points(tracking_uri, run_id, {f"final/{k}": v for k, v in metrics.items()}, step)
+    log_metrics(tracking_uri, run_id, final, step=step)
     if view.ours_to_replace(client(tracking_uri).get_run(run_id).data.tags.get(view.NOTE_TAG)):
         set_tags(tracking_uri, run_id, {view.NOTE_TAG: view.train_note(metrics, step, tokens, seconds)})
     set_terminated(tracking_uri, run_id, "FINISHED")

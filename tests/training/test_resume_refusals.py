@@ -70,3 +70,23 @@ def test_resume_with_a_damaged_config_names_the_line_and_the_fix(trained_run, tm
         f"error: config file '{config}' has a tab on line {line}; YAML indents with spaces, so replace the tab "
         f"with spaces; it is the config the run in '{run}' was started with: repair it, or pass the config"
     ), said
+
+
+def test_resuming_a_finished_run_with_no_step_left_logs_no_second_final_point(trained_run, tmp_path):
+    """A finished run resumed at its own max_steps reaches the same end again: its ``final/*`` history keeps one
+    point per metric, where each resume appended another at the same step."""
+    from mlflow.tracking import MlflowClient
+
+    from recursive_lightning.tracking.runs import default_tracking_uri
+
+    run = shutil.copytree(trained_run, tmp_path / "run")
+    for _ in range(2):
+        code, out = command_output("train", "--resume", "--run-dir", run, timeout=600)
+        assert code == 0, out
+    r = run_of(run)
+    assert r.info.status == "FINISHED"
+    final = [k for k in r.data.metrics if k.startswith("final/")]
+    assert final, r.data.metrics
+    c = MlflowClient(default_tracking_uri(run))
+    for key in final:
+        assert len(c.get_metric_history(r.info.run_id, key)) == 1, key
