@@ -12,6 +12,7 @@ import torch
 
 from recursive_lightning.errors import ArgumentParser, UserError
 from recursive_lightning.probes.run import DEFAULT_TOKEN_INDEX, ProbeOptions, probe_checkpoint, probe_compare
+from recursive_lightning.validation import check_device
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,13 +77,8 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _device(name: str | None) -> torch.device:
     if name:
-        try:
-            dev = torch.device(name)
-        except RuntimeError:
-            raise UserError(f"--device '{name}' is not a device name such as cpu or cuda.") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise UserError(f"--device {name} was asked for but CUDA is not available here.")
-        return dev
+        check_device(name)
+        return torch.device(name)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,12 +108,7 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     previous good checkpoint beside it."""
     path = Path(path)
     if path.is_dir() and not (path / ".metadata").is_file():  # no sharded checkpoint: an empty folder, say
-        others = [p for p in candidates(path.parent) if p != path and _loads(p)]
-        hint = (
-            f"; the previous good checkpoint is '{others[0]}' (resume with --ckpt-path {others[0]})"
-            if others
-            else ""
-        )
+        hint = _previous_good(path, _loads)
         raise CheckpointError(
             f"checkpoint '{path}' is a folder but no sharded checkpoint (no .metadata inside){hint}; move it "
             "aside, or pass a .ckpt file."
@@ -132,12 +127,7 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, bad pickle, I/O error: all reported the same way
-        others = [p for p in candidates(path.parent) if p != path and _readable(p)]
-        hint = (
-            f"; the previous good checkpoint is '{others[0]}' (resume with --ckpt-path {others[0]})"
-            if others
-            else ""
-        )
+        hint = _previous_good(path, _readable)
         raise CheckpointError(
             f"checkpoint '{path}' is damaged or truncated ({type(e).__name__}){hint}."
         ) from None
@@ -153,6 +143,15 @@ def _zip_header(p: Path) -> bool:
         return head == b"PK\x03\x04" or len(head) < 4  # an empty file: damaged, reported so
     except OSError:
         return True  # unreadable: torch.load reports it as a damaged file
+
+
+def _previous_good(path: Path, usable: Callable[[Path], bool]) -> str:
+    """The end of a damaged checkpoint's sentence: the newest other checkpoint beside it that is ``usable``, and
+    how to resume from it ("" when there is none)."""
+    others = [p for p in candidates(path.parent) if p != path and usable(p)]
+    if not others:
+        return ""
+    return f"; the previous good checkpoint is '{others[0]}' (resume with --ckpt-path {others[0]})"
 
 
 def _readable(p: Path) -> bool:
