@@ -216,6 +216,20 @@ def run_sweep(args, env=None, **kw) -> subprocess.Popen:
     )
 
 
+def live_children(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` and that have not exited (a zombie, not yet waited for, is not
+    counted): read from /proc, so a test waits for a process's end instead of guessing a time."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            out.add(int(stat.parent.name))
+    return out
+
+
 def command_output(command: str, *args, env=None, timeout=900) -> tuple[int, str]:
     """``python -m recursive_lightning COMMAND *args`` run to its end: (exit code, stdout and stderr)."""
     p = subprocess.run(

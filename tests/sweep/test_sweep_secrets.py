@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import ENV, ROOT, run_sweep, write_sweep
+from conftest import ENV, ROOT, live_children, run_sweep, write_sweep
 
 from recursive_lightning import cli, uris
 from recursive_lightning.sweep import launch, servers
@@ -249,9 +249,16 @@ def test_a_sweep_on_password_protected_servers_keeps_the_passwords_out_of_output
         assert f"--storage {mask_url(storage)}" in line and f"--tracking-uri {mask_url(tracking)}" in line, (
             line
         )
-        os.kill(
-            worker, signal.SIGTERM
-        )  # pre-empted: the sweep is not finished (exit 3) and says how to go on
+        # the other worker, with no trial to run, leaves once it has seen this trial's heartbeat advance: until
+        # then it would take over a trial put back to WAITING, and train it into the same pause
+        while live_children(sweep.pid) != {worker}:
+            assert sweep.poll() is None, finish(sweep)[1]
+            try:
+                sweep.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+        # pre-empted: the sweep is not finished (exit 3) and says how to go on
+        os.kill(worker, signal.SIGTERM)
         code, out = finish(sweep)
         assert code == 3 and "not finished" in out and f"--storage {mask_url(storage)}" in out, out
     finally:
