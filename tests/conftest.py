@@ -33,6 +33,7 @@ SLOW_FILES = (
     "sweep/test_sweep_devices.py",  # 85
     "model/test_model.py",  # 71
     "tracking/test_mlflow_view.py",  # 60
+    "training/test_compile_cache.py",  # 54
     "training/test_run_dir_lock.py",  # 45
     "test_docs.py",  # 40
 )

@@ -83,6 +83,8 @@ class RecursiveLMModule(L.LightningModule):
         self._step_tokens = 0
         self._configured = False
         self.graphed_step: GraphedStep | None = None  # train.cuda_graphs (configure_model)
+        self._compile_cache: str | None = None  # inductor's cache directory under train.compile
+        self._graphs_before = (0, 0)  # parallel.compiled_graphs() before the model was compiled
         # this step's train/* values: Lightning hands them to the logger only after the step's checkpoint
         # is written, so a checkpoint carries them and a resumed run logs them if the kill lost them
         self._step_metrics: dict[str, Any] = {}
@@ -97,6 +99,8 @@ class RecursiveLMModule(L.LightningModule):
         if t.activation_checkpointing:
             parallel.apply_activation_checkpointing(self.model)
         if t.compile:
+            self._compile_cache = parallel.persistent_compile_cache()
+            self._graphs_before = parallel.compiled_graphs()
             parallel.compile_model(self.model, t.compile)
         if (
             t.cuda_graphs
@@ -197,8 +201,21 @@ class RecursiveLMModule(L.LightningModule):
             for name, value in extra.items():
                 self.log(name, value, prog_bar=name == "train/tokens_per_sec", on_step=True, on_epoch=False)
             self._step_metrics.update(extra)
+        elif self._t_ref is not None and self._measured_steps == 0:
+            self._first_step(now - self._t_ref)
         self._measured_steps += 1
         self._t_ref = now
+
+    def _first_step(self, seconds: float) -> None:
+        """train/first_step_sec: the wall-clock of each fit's first optimizer step (warm-up: allocations, and
+        under train.compile or train.cuda_graphs the compilation or capture), printed where it is long."""
+        t = self.run_cfg.train
+        self.log("train/first_step_sec", seconds, on_step=True, on_epoch=False)
+        self._step_metrics["train/first_step_sec"] = seconds
+        if t.compile or t.cuda_graphs:
+            made, loaded = parallel.compiled_graphs() if t.compile else (0, 0)
+            graphs = (made - self._graphs_before[0], loaded - self._graphs_before[1])
+            self.print(parallel.first_step_line(seconds, t, graphs, self._compile_cache))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._t_ref is None:

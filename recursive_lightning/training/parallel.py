@@ -1,15 +1,19 @@
 """How a model is parallelised, compiled and checkpointed: kept apart from the model code.
 
 FSDP2 (``fully_shard``) wraps every transformer layer; the shared core's layers are sharded once
-and reused by every loop iteration. Activation checkpointing wraps the same layers.
+and reused by every loop iteration. Activation checkpointing wraps the same layers. A compiled run keeps
+inductor's cache where the next run finds it (:func:`persistent_compile_cache`) and says what its first step
+cost (:func:`first_step_line`).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
+from recursive_lightning import files
 from recursive_lightning.config import COMPILE_SCOPES, TrainConfig
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.model.config import ModelConfig
@@ -128,3 +132,45 @@ def resolve_strategy(cfg: TrainConfig):
     if cfg.strategy == "ddp":
         return "ddp"
     return "auto"
+
+
+def persistent_compile_cache() -> str:
+    """Keep inductor's cache (its compiled graphs and kernels, keyed by the graph, the torch version and the
+    device, so runs of any config share it safely) in the package's cache folder, ``inductor/`` of
+    ``files.default_cache_dir()`` (``~/.cache/recursive_lightning`` by default), rather than torch's default under
+    the temporary directory, which a cluster often gives each job empty: a run that compiles what an earlier
+    run compiled then loads the graphs instead of building them again. A ``TORCHINDUCTOR_CACHE_DIR`` the user
+    set wins (torch itself sets the variable to its default when ``torch._dynamo`` is imported, so that value
+    counts as unset). Returns the directory in use."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # heavy
+
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given and os.path.abspath(given) != os.path.abspath(default_cache_dir()):
+        return given
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(files.default_cache_dir() / "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def compiled_graphs() -> tuple[int, int]:
+    """(graphs inductor has compiled in this process so far, how many of them it loaded from its cache)."""
+    from torch._dynamo.utils import counters  # heavy
+
+    c = counters["inductor"]
+    hits = c["fxgraph_cache_hit"]
+    return hits + c["fxgraph_cache_miss"] + c["fxgraph_cache_bypass"], hits
+
+
+def first_step_line(seconds: float, cfg: TrainConfig, graphs: tuple[int, int], cache: str | None) -> str:
+    """What a compiled or graph-captured run's first optimizer step cost (``graphs``: :func:`compiled_graphs`
+    made during it): the time a researcher waits before training runs at speed."""
+    how = []
+    if cfg.compile:
+        scope = "layers" if cfg.compile is True else cfg.compile
+        made, loaded = graphs
+        where = f" ({cache})" if cache else ""
+        how.append(
+            f"train.compile {scope}: {made} graph(s) compiled, {loaded} of them from inductor's cache{where}"
+        )
+    if cfg.cuda_graphs:
+        how.append("train.cuda_graphs: the step captured")
+    return f"[train] first step ready in {seconds:.1f} s; " + "; ".join(how)
