@@ -5,18 +5,23 @@
     .venv/bin/python benchmarks/bench_mela_numerics.py --ckpt runs/mela         # a trained checkpoint's weights
     .venv/bin/python benchmarks/bench_mela_numerics.py --preset mela-400m-narrow --chunks 2 --batch 1
     python benchmarks/bench_mela_numerics.py --device cuda                      # the GPU's float32 / bf16
+    .venv/bin/python benchmarks/bench_mela_numerics.py --memory-gemms float32,tf32,bf16 --threads 2
 
 For every (memory_carry, memory_step_floor, dtype, threads) one line: the largest |logit - float64 logit| of each
 decoder chunk relative to the largest |float64 logit|, at chunks 1, 2, 4, ... and the last, and the maximum over
 all chunks. The float64 reference always runs on the CPU. ``memory_step_floor: 0`` is Eq. 10's unbounded
 Newton-Schulz step; the default floor bounds it (``model/mela/neural_memory.py``: ``step_floors``). The
 ``forgetting`` row (``--updates``) is a memory without Newton-Schulz, the error the decoder's own rounding gives.
+``--memory-gemms`` rounds the operands of the neural memory's GEMMs (retrieval, surprise, Newton-Schulz) to TF32 or
+bf16 with float32 accumulation, as a GPU's tensor cores would read them: the error of each precision the chunk
+loop could run its GEMMs in, measured on any machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import os
 import sys
 import time
@@ -37,17 +42,89 @@ def model_config(name: str, **kw) -> ModelConfig:
     return preset(name, **kw)
 
 
+def tf32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) rounded to TF32, the 10-bit mantissa a tensor core reads (round to nearest, ties away
+    from zero, as CUDA's ``cvt.rna.tf32.f32``); products of TF32 values are exact in float32."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to bfloat16 (nearest, ties to even) and held in float32."""
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+GEMM_FUNCTIONS = {
+    torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.mm, torch.Tensor.mm
+}  # fmt: skip
+BADDBMM = {torch.baddbmm, torch.Tensor.baddbmm}
+
+
+class RoundedGemms(torch.overrides.TorchFunctionMode):
+    """Every float32 GEMM in the mode reads its operands rounded by ``rounding`` and accumulates in float32:
+    what a GPU's TF32 or bf16 tensor-core GEMM with a float32 result computes, up to the order of the sums.
+    ``baddbmm``'s added term stays float32 (a GEMM's epilogue)."""
+
+    def __init__(self, rounding) -> None:
+        super().__init__()
+        self.rounding = rounding
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        r = self.rounding
+        if func in GEMM_FUNCTIONS and args[0].dtype == torch.float32:
+            args = (r(args[0]), r(args[1]), *args[2:])
+        elif func in BADDBMM and args[1].dtype == torch.float32:
+            args = (args[0], r(args[1]), r(args[2]), *args[3:])
+        return func(*args, **kwargs)
+
+
+MEMORY_GEMMS = {"float32": None, "tf32": tf32, "bf16": bf16}
+
+
+def memory_gemms_in(precision: str) -> None:
+    """The neural memory's chunk loop (retrieval, surprise, Newton-Schulz) with its GEMMs' operands rounded to
+    ``precision`` (``MEMORY_GEMMS``); the rest of the model as it is."""
+    from recursive_lightning.model.mela.neural_memory import NeuralMemory
+
+    plain = getattr(NeuralMemory, "_plain_store_and_retrieve", NeuralMemory._store_and_retrieve)
+    NeuralMemory._plain_store_and_retrieve = plain
+    rounding = MEMORY_GEMMS[precision]
+    if rounding is None:
+        NeuralMemory._store_and_retrieve = plain
+        return
+
+    def rounded(self, *args, **kwargs):
+        with RoundedGemms(rounding):
+            return plain(self, *args, **kwargs)
+
+    NeuralMemory._store_and_retrieve = rounded
+
+
 def gaps(
-    model: torch.nn.Module, idx: torch.Tensor, want: torch.Tensor, dtype: str, device: str
+    model: torch.nn.Module,
+    idx: torch.Tensor,
+    want: torch.Tensor,
+    dtype: str,
+    device: str,
+    memory: str = "float32",
 ) -> torch.Tensor:
-    """Per-chunk max |logit - want| / max |want| of ``model`` in ``dtype`` (float32, or bf16 under autocast)."""
+    """Per-chunk max |logit - want| / max |want| of ``model`` in ``dtype`` (float32, or bf16 under autocast), its
+    memory's GEMMs in ``memory`` precision (:func:`memory_gemms_in`)."""
     per_chunk = model.cfg.tokens_per_chunk
-    with torch.no_grad():
-        if dtype == "bf16":
-            with torch.autocast(device, dtype=torch.bfloat16):
+    memory_gemms_in("float32" if memory == "tf32-cuda" else memory)
+    tf32_before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = memory == "tf32-cuda"
+    try:
+        with torch.no_grad():
+            if dtype == "bf16":
+                with torch.autocast(device, dtype=torch.bfloat16):
+                    got = model(idx.to(device))
+            else:
                 got = model(idx.to(device))
-        else:
-            got = model(idx.to(device))
+    finally:
+        memory_gemms_in("float32")
+        torch.backends.cuda.matmul.allow_tf32 = tf32_before
     err = (got.double().cpu() - want).abs().amax(dim=(0, 2)).view(-1, per_chunk).amax(1)
     return err / want.abs().amax()
 
@@ -65,6 +142,12 @@ def main() -> int:
     )
     p.add_argument("--dtypes", default="float32,bf16")
     p.add_argument("--threads", default="1,2", help="CPU thread counts for the low-precision model")
+    p.add_argument(
+        "--memory-gemms",
+        default="float32",
+        help="the memory's GEMM operands, emulated: float32, tf32, bf16 (comma-separated; float32 accumulation); "
+        "tf32-cuda: the GPU's own TF32 for every float32 GEMM (under bf16 autocast the memory's only)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -102,15 +185,15 @@ def main() -> int:
                 with torch.no_grad():
                     want = copy.deepcopy(model).double()(idx)
                 model.to(args.device)
-                for dtype in args.dtypes.split(","):
+                for dtype, memory in itertools.product(args.dtypes.split(","), args.memory_gemms.split(",")):
                     for n in threads:
                         torch.set_num_threads(n)
-                        err = gaps(model, idx, want, dtype, args.device)
+                        err = gaps(model, idx, want, dtype, args.device, memory)
                         marks = sorted({min(2**i, args.chunks) for i in range(args.chunks.bit_length() + 1)})
                         shown = " ".join(f"{m}:{float(err[m - 1]):.1e}" for m in marks)
                         where = f"{n} thr" if args.device == "cpu" else args.device
                         print(
-                            f"{carry:6s} {update:13s} floor {floor:<4g} {dtype:7s} {where:6s} "
+                            f"{carry:6s} {update:13s} floor {floor:<4g} {dtype:7s} memory {memory:7s} {where:6s} "
                             f"max {float(err.max()):.1e} | chunk {shown}",
                             flush=True,
                         )

@@ -38,8 +38,9 @@ fi
 has eager && step eager "${EAGER_LIMIT:-190}" python3 benchmarks/bench_gpu.py --goals --modes "${EAGER_MODES:-eager,graphs}" \
   --reps 6 --warmup 2
 # Mela's float32 and bf16 logits against the CPU's float64, chunk by chunk (the bounded step, docs/models.md: Numerics)
+# and the memory's GEMMs in float32, the GPU's own TF32 (what train uses under bf16-mixed) and emulated TF32 / bf16
 has numerics && step numerics "${NUMERICS_LIMIT:-90}" python3 benchmarks/bench_mela_numerics.py --device cuda \
-  --chunks 64 --batch 2 --updates newton_schulz,forgetting
+  --chunks 64 --batch 2 --carries cycles --updates newton_schulz,forgetting --memory-gemms float32,tf32-cuda,tf32,bf16
 has mela && step mela "${MELA_LIMIT:-120}" python3 benchmarks/bench_gpu_mela.py --part "${MELA_PART:-train}" --reps 6
 has mela-graphs && step mela-graphs "${MELA_GRAPHS_LIMIT:-90}" python3 benchmarks/bench_gpu_mela.py --part train --graphs --reps 6
 # Mela and Transformer++ with train.compile: glue (the layers, and each neural memory's chunk update)

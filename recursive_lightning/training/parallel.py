@@ -8,7 +8,9 @@ cost (:func:`first_step_line`).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -110,6 +112,26 @@ def resolve_precision(cfg: TrainConfig, accelerator: str, model: ModelConfig | N
         return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "16-mixed"
     wide = model is None or model_width(model) >= BF16_MIN_WIDTH.get(model.arch, 128)
     return "bf16-mixed" if wide and native_bf16() else "32-true"
+
+
+@contextlib.contextmanager
+def tf32_under_mixed_precision(precision: str, device_type: str) -> Iterator[bool]:
+    """Under half-precision autocast on CUDA, the GEMMs left in float32 (Mela's neural memory: its chunk loop
+    runs outside autocast, ``model/mela/neural_memory.py``) run on TF32 tensor cores while the block runs:
+    torch's float32 matmul precision ``high`` instead of its default ``highest``, unless the user chose one,
+    and back at the end. Measured against float64 (``benchmarks/bench_mela_numerics.py --memory-gemms``,
+    docs/models.md: Mela): under bf16 autocast the logits' error is the decoder's own with TF32 memory GEMMs as
+    with float32 ones (3.5e-3 at mela-400m's structure); ``32-true`` keeps full float32. Yields whether it
+    switched."""
+    before = torch.get_float32_matmul_precision()
+    switch = device_type == "cuda" and precision in ("bf16-mixed", "16-mixed") and before == "highest"
+    if switch:
+        torch.set_float32_matmul_precision("high")
+    try:
+        yield switch
+    finally:
+        if switch:
+            torch.set_float32_matmul_precision(before)
 
 
 def native_bf16() -> bool:

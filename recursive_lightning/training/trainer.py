@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -156,11 +157,15 @@ def fit(
 ) -> None:
     """Train from ``ckpt_path`` (None: step 0) to ``train.max_steps``, then validate at the last step unless a
     validation just ran there in this process (a resumed finished run trains no step and validates its last
-    checkpoint again, so its result is never lost). SIGTERM raises ``Terminated``; Ctrl-C KeyboardInterrupt."""
+    checkpoint again, so its result is never lost). Under bf16 / fp16 autocast on CUDA the float32 GEMMs run on
+    TF32 meanwhile (``parallel.tf32_under_mixed_precision``). SIGTERM raises ``Terminated``; Ctrl-C
+    KeyboardInterrupt."""
+    device = "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu"
     try:
-        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=False)
-        if trainer.global_step % cfg.train.val_every != 0 or not val_metrics(trainer):
-            trainer.validate(module, datamodule=dm, verbose=False)
+        with parallel.tf32_under_mixed_precision(str(trainer.precision), device):
+            trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=False)
+            if trainer.global_step % cfg.train.val_every != 0 or not val_metrics(trainer):
+                trainer.validate(module, datamodule=dm, verbose=False)
     except SIGTERMException:  # Lightning stops at the next step (or validation batch) and raises SystemExit()
         where = _how_to_resume(cfg, run_dir)
         raise Terminated(f"train: stopped by SIGTERM at step {trainer.global_step}; {where}") from None

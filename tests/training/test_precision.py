@@ -1,6 +1,7 @@
 """``train.precision: auto`` on the CPU: bf16-mixed only where it trains faster (benchmarks/bench_precision.py)."""
 
 import pytest
+import torch
 
 from recursive_lightning.config import RunConfig, TrainConfig
 from recursive_lightning.model.config import preset
@@ -63,3 +64,57 @@ def test_a_resume_continues_in_the_precision_its_checkpoint_trained_in(monkeypat
     assert resumed_precision(cfg, None) is None
     explicit = RunConfig.from_dict({"model": {"preset": "cpu-tiny"}, "train": {"precision": "32-true"}})
     assert resumed_precision(explicit, str(tmp_path / "recorded.ckpt")) is None
+
+
+@pytest.fixture
+def matmul_precision():
+    """torch's float32 matmul precision, restored after the test."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize(
+    "precision,device,chosen,switched",
+    [
+        ("bf16-mixed", "cuda", "highest", True),
+        ("16-mixed", "cuda", "highest", True),
+        ("32-true", "cuda", "highest", False),  # full float32 asked for
+        ("bf16-mixed", "cpu", "highest", False),
+        ("bf16-mixed", "cuda", "medium", False),  # the user's own choice
+    ],
+)
+def test_tf32_for_the_float32_gemms_only_under_mixed_precision_on_cuda(
+    matmul_precision, precision, device, chosen, switched
+):
+    """Mela's memory GEMMs stay float32 under autocast; on CUDA under bf16 / fp16 autocast they run on TF32
+    (torch's float32 matmul precision ``high``) while training runs, which adds no error the decoder's own
+    rounding does not (docs/models.md: Mela); otherwise, and where the user chose a precision, nothing changes;
+    the precision is the user's again afterwards."""
+    torch.set_float32_matmul_precision(chosen)
+    with parallel.tf32_under_mixed_precision(precision, device) as did:
+        assert did is switched
+        assert torch.get_float32_matmul_precision() == ("high" if switched else chosen)
+    assert torch.get_float32_matmul_precision() == chosen
+
+
+def test_training_on_the_cpu_leaves_float32_gemms_alone(matmul_precision, tmp_path, tiny_run, monkeypatch):
+    """``train`` runs its fit inside ``tf32_under_mixed_precision`` with the trainer's precision and device."""
+    from recursive_lightning.training.run import train
+
+    seen = []
+    real = parallel.tf32_under_mixed_precision
+
+    def spy(precision, device):
+        seen.append((precision, device))
+        return real(precision, device)
+
+    monkeypatch.setattr(parallel, "tf32_under_mixed_precision", spy)
+    cfg = tiny_run()
+    cfg["train"].update(
+        max_steps=1, val_every=1, checkpoint_every=1, accelerator="cpu", precision="bf16-mixed"
+    )
+    train(RunConfig.from_dict(cfg), tmp_path / "run")
+    assert seen == [("bf16-mixed", "cpu")]
+    assert torch.get_float32_matmul_precision() == "highest"

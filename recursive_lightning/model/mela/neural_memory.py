@@ -286,7 +286,8 @@ class NeuralMemory(nn.Module):
         theta, eta, alpha = self._gates(x)
         # the inner loop in float32 even under autocast [reading]: Newton-Schulz lifts an update's near-null
         # directions towards singular value 1, so bf16 rounding there (~4e-3) would be written into the memory
-        # as O(1) updates (docs/models.md: Numerics); the projections above stay in the autocast dtype
+        # as O(1) updates (docs/models.md: Numerics); the projections above stay in the autocast dtype. Its GEMMs
+        # read TF32 operands where train runs under autocast on CUDA (training/parallel.tf32_under_mixed_precision)
         q, k, v, theta = (upcast(t) for t in (q, k, v.squeeze(0), theta))
         eta, alpha = (None if t is None else upcast(t) for t in (eta, alpha))
         with no_autocast(x):
