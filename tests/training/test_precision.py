@@ -89,8 +89,8 @@ def test_tf32_for_the_float32_gemms_only_under_mixed_precision_on_cuda(
     matmul_precision, precision, device, chosen, switched
 ):
     """Mela's memory GEMMs stay float32 under autocast; on CUDA under bf16 / fp16 autocast they run on TF32
-    (torch's float32 matmul precision ``high``) while training runs, which adds no error the decoder's own
-    rounding does not (docs/models.md: Mela); otherwise, and where the user chose a precision, nothing changes;
+    (torch's float32 matmul precision ``high``) while training runs, whose error stays within the spread of the
+    decoder's own rounding (docs/models.md: Mela); otherwise, and where the user chose a precision, nothing changes;
     the precision is the user's again afterwards."""
     torch.set_float32_matmul_precision(chosen)
     with parallel.tf32_under_mixed_precision(precision, device) as did:
