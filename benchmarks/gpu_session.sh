@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and timings on a lent GPU, as one prepared script (the device tool runs it in the repository root):
 #   bash benchmarks/gpu_session.sh [steps]      steps: a comma list of env,eager,numerics,mela,mela-graphs,
-#                                               mela-compiled,mela-calls,cpu-numerics,tests,compile (default:
+#                                               mela-compiled,mela-calls,cpu-numerics,tests,compile,kernels (default:
 #                                               env,eager,mela,mela-graphs,mela-calls,cpu-numerics,tests)
 # The lent machine has torch, lightning and torchmetrics but not this package's other dependencies: where
 # .whl/ holds their Python 3.12 wheels (benchmarks/gpu_wheels.sh downloads them), they are installed into
@@ -58,6 +58,10 @@ has cpu-numerics && step cpu-numerics "${CPU_NUMERICS_LIMIT:-80}" bash -c 'lscpu
   CUDA_VISIBLE_DEVICES= python3 benchmarks/bench_mela_numerics.py --carries cycles --threads 1,2'
 has tests && step tests "${TESTS_LIMIT:-270}" python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 240 tests/test_cuda.py -rfEs \
   ${TESTS_K:+-k "$TESTS_K"}
+# the model's loss, norm, MLP activation and rotary against liger-kernel's fused Triton kernels (its wheel in .whl),
+# at both 400M models' sizes
+has kernels && step kernels "${KERNELS_LIMIT:-120}" bash -c 'python3 benchmarks/bench_gpu_kernels.py;
+  python3 benchmarks/bench_gpu_kernels.py --preset pythia-410m'
 # compiled scopes and CUDA graphs beside eager, where the time is left
 has compile && step compile "${COMPILE_LIMIT:-240}" python3 benchmarks/bench_gpu.py --goals \
   --presets "${COMPILE_PRESETS:-pythia-410m}" --seq-lens "${COMPILE_SEQ:-4096}" \

@@ -20,4 +20,8 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform any -d .whl "${pins[@]}" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+# liger-kernel (pure Python; Triton comes with the machine's torch) for the `kernels` step: not a dependency of the
+# package, so not in requirements.lock
+python3 -m pip download -q --no-deps --only-binary=:all: -d .whl liger-kernel==0.8.5 \
+  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 du -sh .whl
