@@ -163,13 +163,16 @@ def persistent_compile_cache() -> str:
     the temporary directory, which a cluster often gives each job empty: a run that compiles what an earlier
     run compiled then loads the graphs instead of building them again. A ``TORCHINDUCTOR_CACHE_DIR`` the user
     set wins (torch itself sets the variable to its default when ``torch._dynamo`` is imported, so that value
-    counts as unset). Returns the directory in use."""
+    counts as unset), and so does torch's default where the folder cannot be written (a read-only home on a
+    compute node). Returns the directory in use."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # heavy
 
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if given and os.path.abspath(given) != os.path.abspath(default_cache_dir()):
         return given
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(files.default_cache_dir() / "inductor")
+    ours = files.default_cache_dir() / "inductor"
+    writable = files.writable_dir_problem(ours) is None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(ours) if writable else os.path.abspath(default_cache_dir())
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 

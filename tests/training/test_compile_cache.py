@@ -66,6 +66,19 @@ def test_a_cache_directory_the_user_set_wins(tmp_path, monkeypatch):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "theirs")
 
 
+def test_a_cache_folder_that_cannot_be_written_leaves_torchs_default(tmp_path, monkeypatch):
+    """A read-only home (as on some compute nodes) must not stop a compiled run: torch's own default is kept."""
+    from conftest import read_only
+
+    home = tmp_path / "home"
+    home.mkdir()
+    read_only(monkeypatch, home)
+    monkeypatch.setenv("RECURSIVE_LIGHTNING_CACHE", str(home / "rl"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert parallel.persistent_compile_cache() == os.path.abspath(default_cache_dir())
+    assert not (home / "rl").exists()
+
+
 def test_the_first_step_line_names_what_was_compiled_or_captured():
     compiled = parallel.first_step_line(41.25, TrainConfig(compile=True), (6, 4), "/c")
     assert compiled == (
