@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ENV, command_output, run_of, write_sweep
+from conftest import ENV, command_output, run_of, sweep_runs, write_sweep
 
 QUIET = {**ENV, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
 
@@ -109,6 +109,30 @@ def test_sigterm_while_a_sweep_starts_is_one_line_and_writes_nothing(tmp_path, d
         "sweep: stopped by SIGTERM while starting, before any trial; run the same command again."
     ], out
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("point", ["parent_created:1", "parent_opened:1"])
+def test_sigterm_once_the_parent_run_exists_closes_it_killed(tmp_path, data_cache, point):
+    """Stopped while it starts, after its MLflow parent run was made (before or after the study records it):
+    the same one line and exit 143, and the parent run is KILLED, not left RUNNING; the same command then runs
+    the sweep to the end in the one parent run the study records."""
+    spec = write_sweep(tmp_path / "s.yaml", data_cache, "s", {"variant": {"a": {"model.topology": "base"}}})
+    run_dir = tmp_path / "out"
+    code, out = _stopped(["sweep", spec, "--run-dir", run_dir], tmp_path, point, signal.SIGTERM)
+    assert code == 143, out
+    assert out.strip().splitlines()[-1] == (
+        "sweep: stopped by SIGTERM while starting, before any trial; run the same command again."
+    ), out
+    tracking = f"sqlite:///{run_dir / 'mlflow.db'}"
+    _, parents, _ = sweep_runs(tracking, "s")
+    assert [p.info.status for p in parents] == ["KILLED"]
+    code, out = command_output("sweep", spec, "--run-dir", run_dir, env=QUIET)
+    assert code == 0, out
+    _, parents, children = sweep_runs(tracking, "s")
+    assert sorted(p.info.status for p in parents) == (
+        ["FINISHED"] if point == "parent_opened:1" else ["FINISHED", "KILLED"]
+    )
+    assert len(children) == 1 and children[0].info.status == "FINISHED"
 
 
 def test_ctrl_c_of_a_sweep_with_two_workers_says_interrupted_once(tmp_path, data_cache):

@@ -4,9 +4,11 @@ process ends the last trial (or stops the sweep)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
+from recursive_lightning import faults
 from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep.spec import SweepSpec, point_key
 from recursive_lightning.sweep.study import load_study
@@ -30,7 +32,13 @@ def open_parent(spec: SweepSpec, study, run_dir: Path, storage_url: str, trackin
         parent = create_run(
             tracking_uri, exp_id, f"sweep:{spec.name}", tags={"sweep": spec.name, "kind": "sweep"}
         )
-        study.set_user_attr("mlflow_parent_run_id", parent)
+        try:  # until the study records it, a stop would leave a RUNNING run that no re-run knows of
+            faults.point("parent_created")
+            study.set_user_attr("mlflow_parent_run_id", parent)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                set_terminated(tracking_uri, parent, "KILLED")
+            raise
         study.set_user_attr("tracking_uri", mask_url(tracking_uri))  # its password filled in where read
         study.set_user_attr("run_dir", str(run_dir))  # where `sweep --attach` workers put trials by default
         log_params(

@@ -4,9 +4,11 @@ directory and the stores found and checked (``locations``), the study with its g
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
+from recursive_lightning import faults
 from recursive_lightning.data.tokenizer import INIT_TOKENIZER
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import writable_dir_problem
@@ -16,7 +18,7 @@ from recursive_lightning.sweep.claims import requeue_dead_local
 from recursive_lightning.sweep.devices import check_devices, check_machine, device_pool
 from recursive_lightning.sweep.launch import check_workers
 from recursive_lightning.sweep.options import SweepOptions
-from recursive_lightning.sweep.parent import open_parent
+from recursive_lightning.sweep.parent import close_parent, open_parent
 from recursive_lightning.sweep.servers import check_stores, database_lock, recorded_study
 from recursive_lightning.sweep.spec import SweepSpec, load_sweep
 from recursive_lightning.sweep.study import (
@@ -95,7 +97,13 @@ def prepare_study(spec: SweepSpec, run_dir: Path, storage_url: str, tracking_uri
         study, storage = create_study(spec, run_dir, storage_url)
         requeue_dead_local(study, storage, storage_url)
         parent = open_parent(spec, study, run_dir, storage_url, tracking_uri)
-        record_run_dir(spec, run_dir, storage_url, tracking_uri, parent)
+        try:
+            faults.point("parent_opened")  # tests: a stop with the parent run RUNNING, before any trial
+            record_run_dir(spec, run_dir, storage_url, tracking_uri, parent)
+        except BaseException:  # SIGTERM, Ctrl-C, a failure: the parent this command opened is closed
+            with contextlib.suppress(Exception):
+                close_parent(spec, storage_url, tracking_uri, interrupted=True)
+            raise
         return study, parent
 
 

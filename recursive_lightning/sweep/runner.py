@@ -108,14 +108,9 @@ def _run_sweep(path: str | os.PathLike | None, o: SweepOptions) -> SweepOutcome:
         die_with_parent(int(os.environ.get(PARENT_ENV) or os.getppid()))
     outcome = Outcomes(spec, sweep_file, run_dir, storage, tracking, o)
     if not o.attach:
-        prepare_study(spec, run_dir, storage, tracking)
+        prepare_study(spec, run_dir, storage, tracking)  # stopped inside, it closes the parent run it opened
         if o.prepare:
             return _prepared(spec, sweep_file, outcome)
-        trials = len(spec.grid()) if spec.search is None else spec.search["n_trials"]
-        print(
-            f"[sweep {spec.name}] {trials} trials; study in {mask_url(storage)}; tracking {mask_url(tracking)}",
-            flush=True,
-        )
     # SIGTERM (a scheduler, or the command stopping its workers) ends the sweep like Ctrl-C: the parent run is
     # closed KILLED instead of staying RUNNING
     previous = signal.signal(signal.SIGTERM, on_sigterm)
@@ -167,6 +162,12 @@ def _run_and_report(
     SIGTERM, a crash) closes the parent run first."""
     crashed, report = 0, None
     try:
+        if not o.attach:
+            trials = len(spec.grid()) if spec.search is None else spec.search["n_trials"]
+            print(
+                f"[sweep {spec.name}] {trials} trials; study in {mask_url(storage)}; tracking {mask_url(tracking)}",
+                flush=True,
+            )
         if workers > 1:
             prepare_data(spec)  # tokenise once here rather than racing in every worker
         while True:
