@@ -4,12 +4,14 @@ the command's module in ``recursive_lightning/commands/`` and runs its ``main``,
 
 from __future__ import annotations
 
+import _thread
 import functools
 import importlib
 import os
 import signal
 import sys
 import threading
+import time
 
 from recursive_lightning import faults
 from recursive_lightning import threads as thread_policy
@@ -90,6 +92,29 @@ def _stopped_by_sigterm(command: str, signum: int, frame: object) -> None:
     raise Terminated(f"{command}: stopped by SIGTERM before it finished; run the same command again.")
 
 
+def _interrupt_again(previous_hook, unraisable) -> None:
+    """``sys.unraisablehook`` while a command runs. Ctrl-C, or a SIGTERM stop, that lands inside a finalizer (a
+    ``__del__``, a weakref callback such as SQLAlchemy's during garbage collection) cannot propagate from there:
+    Python would print "Exception ignored ... KeyboardInterrupt" with a traceback and drop the interrupt. It is
+    raised again as the signal it came from instead, and reaches the command at the interpreter's next check,
+    which says in its one line how it stopped. Anything else goes to the hook before."""
+    exc = unraisable.exc_type
+    if exc is not None and issubclass(exc, (KeyboardInterrupt, Terminated)):
+        term = issubclass(exc, Terminated) or getattr(exc, "EXIT_CODE", 130) == 143
+        signum = signal.SIGTERM if term else signal.SIGINT
+        if callable(signal.getsignal(signum)):  # a Python handler turns it into the exception again
+            # from another thread, once this hook has returned: set here, the signal would be handled at once,
+            # inside the hook, and be dropped again
+            _thread.start_new_thread(_interrupt_main_soon, (signum,))
+            return
+    previous_hook(unraisable)
+
+
+def _interrupt_main_soon(signum: int) -> None:
+    time.sleep(0.01)  # the main thread leaves the finalizer and the hook in microseconds
+    _thread.interrupt_main(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # text the terminal cannot encode (a prompt on an ASCII terminal): printed escaped, not a crash
@@ -121,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
     previous = signal.getsignal(signal.SIGTERM) or signal.SIG_DFL  # None: a handler set outside Python
     handle = command not in HANDLE_SIGTERM and threading.current_thread() is threading.main_thread()
+    unraisable = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_interrupt_again, unraisable)
     try:
         if handle:
             signal.signal(signal.SIGTERM, functools.partial(_stopped_by_sigterm, command))
@@ -141,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             print(GLOBAL_OPTIONS)
         raise
     finally:
+        sys.unraisablehook = unraisable
         if handle:
             signal.signal(signal.SIGTERM, previous)  # a caller's own (main() called in-process)
 

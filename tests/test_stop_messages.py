@@ -13,11 +13,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import ENV, command_output, run_of, sweep_runs, write_sweep
+
+from recursive_lightning.sweep.launch import Stop, on_sigterm
 
 QUIET = {**ENV, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
 
@@ -194,3 +197,36 @@ def test_sigterm_while_a_command_starts_is_one_line(command, tmp_path):
         f"{command}: stopped by SIGTERM before it finished; run the same command again."
     ], out
     assert list(tmp_path.iterdir()) == [tmp_path / "at-point"]
+
+
+@pytest.mark.parametrize("raised,signum", [(KeyboardInterrupt, signal.SIGINT), (Stop, signal.SIGTERM)])
+def test_an_interrupt_that_lands_in_a_finalizer_reaches_the_command_without_a_traceback(
+    capsys, monkeypatch, raised, signum
+):
+    """Ctrl-C (or a sweep's SIGTERM stop) raised inside a finalizer, as in SQLAlchemy's weakref callbacks during
+    garbage collection, is raised again as its signal by the commands' unraisable hook: the command stops (the
+    exception arrives at the next check) and no "Exception ignored ... Traceback" is printed."""
+    import functools
+
+    from recursive_lightning import cli
+
+    monkeypatch.setattr(
+        sys, "unraisablehook", functools.partial(cli._interrupt_again, sys.__unraisablehook__)
+    )
+    before = signal.getsignal(signum)
+    if signum == signal.SIGTERM:
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    class Finalised:
+        def __del__(self):
+            raise raised()
+
+    try:
+        with pytest.raises(raised):
+            Finalised()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # until the signal is handled (at once, here)
+                pass
+    finally:
+        signal.signal(signum, before)
+    assert "Exception ignored" not in capsys.readouterr().err
