@@ -20,11 +20,13 @@ loop could run its GEMMs in, measured on any machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import itertools
 import os
 import sys
 import time
+from collections.abc import Iterator
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -82,23 +84,28 @@ class RoundedGemms(torch.overrides.TorchFunctionMode):
 MEMORY_GEMMS = {"float32": None, "tf32": tf32, "bf16": bf16}
 
 
-def memory_gemms_in(precision: str) -> None:
-    """The neural memory's chunk loop (retrieval, surprise, Newton-Schulz) with its GEMMs' operands rounded to
-    ``precision`` (``MEMORY_GEMMS``); the rest of the model as it is."""
+@contextlib.contextmanager
+def memory_gemms_in(precision: str) -> Iterator[None]:
+    """While it lasts, the neural memory's chunk loop (retrieval, surprise, Newton-Schulz) with its GEMMs'
+    operands rounded to ``precision`` (``MEMORY_GEMMS``), the rest of the model as it is; ``tf32-cuda``: the GPU's
+    own TF32 for every float32 GEMM instead (torch's flag, off otherwise). What it changes is put back at its end."""
     from recursive_lightning.model.mela.neural_memory import NeuralMemory
 
-    plain = getattr(NeuralMemory, "_plain_store_and_retrieve", NeuralMemory._store_and_retrieve)
-    NeuralMemory._plain_store_and_retrieve = plain
-    rounding = MEMORY_GEMMS[precision]
-    if rounding is None:
+    plain, tf32_before = NeuralMemory._store_and_retrieve, torch.backends.cuda.matmul.allow_tf32
+    rounding = None if precision == "tf32-cuda" else MEMORY_GEMMS[precision]
+    if rounding is not None:
+
+        def rounded(self, *args, **kwargs):
+            with RoundedGemms(rounding):
+                return plain(self, *args, **kwargs)
+
+        NeuralMemory._store_and_retrieve = rounded
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32-cuda"
+    try:
+        yield
+    finally:
         NeuralMemory._store_and_retrieve = plain
-        return
-
-    def rounded(self, *args, **kwargs):
-        with RoundedGemms(rounding):
-            return plain(self, *args, **kwargs)
-
-    NeuralMemory._store_and_retrieve = rounded
+        torch.backends.cuda.matmul.allow_tf32 = tf32_before
 
 
 def gaps(
@@ -112,19 +119,12 @@ def gaps(
     """Per-chunk max |logit - want| / max |want| of ``model`` in ``dtype`` (float32, or bf16 under autocast), its
     memory's GEMMs in ``memory`` precision (:func:`memory_gemms_in`)."""
     per_chunk = model.cfg.tokens_per_chunk
-    memory_gemms_in("float32" if memory == "tf32-cuda" else memory)
-    tf32_before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = memory == "tf32-cuda"
-    try:
-        with torch.no_grad():
-            if dtype == "bf16":
-                with torch.autocast(device, dtype=torch.bfloat16):
-                    got = model(idx.to(device))
-            else:
+    with memory_gemms_in(memory), torch.no_grad():
+        if dtype == "bf16":
+            with torch.autocast(device, dtype=torch.bfloat16):
                 got = model(idx.to(device))
-    finally:
-        memory_gemms_in("float32")
-        torch.backends.cuda.matmul.allow_tf32 = tf32_before
+        else:
+            got = model(idx.to(device))
     err = (got.double().cpu() - want).abs().amax(dim=(0, 2)).view(-1, per_chunk).amax(1)
     return err / want.abs().amax()
 

@@ -100,8 +100,8 @@ def _interrupt_again(previous_hook, unraisable) -> None:
     which says in its one line how it stopped. Anything else goes to the hook before."""
     exc = unraisable.exc_type
     if exc is not None and issubclass(exc, (KeyboardInterrupt, Terminated)):
-        term = issubclass(exc, Terminated) or getattr(exc, "EXIT_CODE", 130) == 143
-        signum = signal.SIGTERM if term else signal.SIGINT
+        # 143: SIGTERM's stops (Terminated, a sweep's Stop); 130: Ctrl-C
+        signum = signal.SIGTERM if getattr(exc, "EXIT_CODE", 130) == 143 else signal.SIGINT
         if callable(signal.getsignal(signum)):  # a Python handler turns it into the exception again
             # from another thread, once this hook has returned: set here, the signal would be handled at once,
             # inside the hook, and be dropped again

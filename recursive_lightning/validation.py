@@ -1,4 +1,4 @@
-"""Refusing before any work: the device check, and undoing a refused command's files.
+"""Refusing before any work: the device and example-limit checks, and undoing a refused command's files.
 
 A bad input is refused in one sentence with exit status 2 and changes nothing on disk:
 :func:`undo_on_refusal` removes what a command created in its output folder before it was refused (or stopped
@@ -9,6 +9,7 @@ late fields (its ``evaluate:`` block) are checked in ``sweep/checks.py``.
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,3 +77,16 @@ def check_max_new_tokens(n: int) -> None:
             f"--max-new-tokens must lie in [1, {MAX_NEW_TOKENS}] (one forward pass each), not {n}; generate "
             "longer texts in several calls, each continuing the last."
         )
+
+
+def is_example_limit(value: object) -> bool:
+    """Whether ``value`` is an lm-eval example limit (``eval --limit``, a sweep's ``evaluate.limit``): a whole
+    number of examples >= 1, or a fraction of each task between 0 and 1; no bool, infinity or NaN."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        return False
+    return value < 1 or value == int(value)

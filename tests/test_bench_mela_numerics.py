@@ -46,23 +46,21 @@ class _AtenGemms(TorchDispatchMode):
 
 def test_the_emulation_reaches_every_gemm_of_the_memory(monkeypatch):
     """Inside the memory's chunk loop, as ``memory_gemms_in`` wraps it, every ATen GEMM (retrieval, surprise,
-    Newton-Schulz's bmm and baddbmm) had both operands through the rounding: two roundings per GEMM."""
-    monkeypatch.setattr(NeuralMemory, "_store_and_retrieve", NeuralMemory._store_and_retrieve)
-    monkeypatch.setattr(
-        NeuralMemory, "_plain_store_and_retrieve", NeuralMemory._store_and_retrieve, raising=False
-    )
+    Newton-Schulz's bmm and baddbmm) had both operands through the rounding: two roundings per GEMM; the loop is
+    its own again afterwards."""
     rounded = []
     monkeypatch.setitem(bench.MEMORY_GEMMS, "counted", lambda t: rounded.append(t.shape) or t)
-    bench.memory_gemms_in("counted")
-    emulated, gemms = NeuralMemory._store_and_retrieve, _AtenGemms()
+    plain, gemms = NeuralMemory._store_and_retrieve, _AtenGemms()
 
     def counted(self, *args, **kwargs):
         with gemms:
-            return emulated(self, *args, **kwargs)
+            return plain(self, *args, **kwargs)
 
     monkeypatch.setattr(NeuralMemory, "_store_and_retrieve", counted)
     torch.manual_seed(0)
     memory = NeuralMemory(32, heads=4, depth=2, expansion=2, chunk_size=8, step_floor=12.0)
-    memory(torch.randn(2, 24, 32))
+    with bench.memory_gemms_in("counted"):
+        memory(torch.randn(2, 24, 32))
     assert gemms.count >= 3 * (3 + 4 + 5 * 3)  # chunks x (retrieval, surprise, Newton-Schulz-5) at least
     assert len(rounded) == 2 * gemms.count
+    assert NeuralMemory._store_and_retrieve is counted

@@ -16,7 +16,6 @@ says which and why; a task named explicitly that cannot be had is an error.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Iterable
@@ -29,6 +28,7 @@ from recursive_lightning.evaluation.downstream import DEFAULT_ALIAS, DEFAULT_TAS
 from recursive_lightning.evaluation.options import EXIT_MAX_TOKENS, EvalOptions, check_context_lengths
 from recursive_lightning.evaluation.run import evaluate_checkpoint
 from recursive_lightning.uris import mask_url
+from recursive_lightning.validation import is_example_limit
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -194,7 +194,7 @@ def _limit(text: str | None) -> int | float | None:
         raise UserError(
             f"--limit must be a number of examples (or a fraction below 1), not '{text}'."
         ) from None
-    if not math.isfinite(v) or v <= 0 or (v >= 1 and not v.is_integer()):
+    if not is_example_limit(v):
         raise UserError(
             f"--limit must be a whole number of examples >= 1 or a fraction between 0 and 1, not {text}."
         )

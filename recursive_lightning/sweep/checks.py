@@ -3,7 +3,6 @@ before the first training step so that a typo costs seconds, not a trained trial
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ from recursive_lightning.data.sources import DataError
 from recursive_lightning.errors import ConfigError, UserError
 from recursive_lightning.evaluation.downstream import check_tasks, expand_tasks, task_manager
 from recursive_lightning.evaluation.run import metric_name
+from recursive_lightning.validation import is_example_limit
 
 
 def _positive_int(v: Any) -> bool:
@@ -34,13 +34,7 @@ def check_evaluate_block(evaluate: dict, here: Path, where: str) -> None:
             f"{where}: evaluate.shots must be a list of few-shot counts >= 0, e.g. [0, 5], not {shots!r}."
         )
     limit = evaluate.get("limit")
-    if limit is not None and (
-        isinstance(limit, bool)
-        or not isinstance(limit, int | float)
-        or not math.isfinite(limit)
-        or limit <= 0
-        or (limit >= 1 and limit != int(limit))
-    ):
+    if limit is not None and not is_example_limit(limit):
         raise ConfigError(
             f"{where}: evaluate.limit must be a positive number of examples (a whole number, or a fraction below 1), not {limit!r}."
         )
