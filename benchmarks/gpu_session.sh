@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and timings on a lent GPU, as one prepared script (the device tool runs it in the repository root):
 #   bash benchmarks/gpu_session.sh [steps]      steps: a comma list of env,eager,numerics,mela,mela-graphs,
-#                                               mela-compiled,mela-calls,cpu-numerics,tests,compile,kernels (default:
+#                                               mela-compiled,mela-graphs-compiled,mela-calls,cpu-numerics,tests,
+#                                               compile,kernels,float8 (default:
 #                                               env,eager,mela,mela-graphs,mela-calls,cpu-numerics,tests)
 # The lent machine has torch, lightning and torchmetrics but not this package's other dependencies: where
 # .whl/ holds their Python 3.12 wheels (benchmarks/gpu_wheels.sh downloads them), they are installed into
@@ -47,6 +48,11 @@ has mela-graphs && step mela-graphs "${MELA_GRAPHS_LIMIT:-90}" python3 benchmark
 has mela-compiled && TORCH_LOGS="${MELA_TORCH_LOGS:-recompiles}" step mela-compiled "${MELA_COMPILE_LIMIT:-240}" \
   python3 benchmarks/bench_gpu_mela.py \
   --part train --compile glue --reps 6
+# both: the compiled regions' fused kernels captured and replayed as one CUDA graph per step (compiled in the
+# capture's warm-up steps), the candidate for Mela's memory loop once neither the host nor unfused element-wise
+# kernels bound it; train refuses train.compile with train.cuda_graphs until this measures a gain
+has mela-graphs-compiled && TORCH_LOGS="${MELA_TORCH_LOGS:-recompiles}" step mela-graphs-compiled \
+  "${MELA_GRAPHS_COMPILE_LIMIT:-240}" python3 benchmarks/bench_gpu_mela.py --part train --graphs --compile glue --reps 6
 # the host-work proxy on this machine's CPU: leaf ATen calls of one fwd+bwd of mela-400m's structure at 4K against
 # transformerpp-400m's (PASS/MISS: at most 2x); counts, not timings, so it runs beside nothing else on the GPU
 has mela-calls && step mela-calls "${MELA_CALLS_LIMIT:-150}" env CUDA_VISIBLE_DEVICES= \
@@ -62,6 +68,8 @@ has tests && step tests "${TESTS_LIMIT:-270}" python3 -m pytest -q -p no:cachepr
 # at both 400M models' sizes
 has kernels && step kernels "${KERNELS_LIMIT:-120}" bash -c 'python3 benchmarks/bench_gpu_kernels.py;
   python3 benchmarks/bench_gpu_kernels.py --preset pythia-410m'
+# torchao's float8 training (its wheel in .whl) against bf16, compiled layers, transformerpp-400m and 410M LoopedFormer
+has float8 && step float8 "${FLOAT8_LIMIT:-240}" python3 benchmarks/bench_float8.py --reps 6
 # compiled scopes and CUDA graphs beside eager, where the time is left
 has compile && step compile "${COMPILE_LIMIT:-240}" python3 benchmarks/bench_gpu.py --goals \
   --presets "${COMPILE_PRESETS:-pythia-410m}" --seq-lens "${COMPILE_SEQ:-4096}" \

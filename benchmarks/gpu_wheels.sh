@@ -24,4 +24,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 # package, so not in requirements.lock
 python3 -m pip download -q --no-deps --only-binary=:all: -d .whl liger-kernel==0.8.5 \
   2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+# torchao (float8 training, its Python path; built for torch >= 2.11) for the `float8` step, likewise not a dependency
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0 \
+  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 du -sh .whl

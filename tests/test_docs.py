@@ -374,3 +374,23 @@ def test_the_pages_tell_no_history():
             for m in HISTORY.finditer(line.replace("gpu_session.sh", "")):
                 found.append(f"{page.relative_to(ROOT)}:{n}: {m.group(0)!r} in {line.strip()[:100]}")
     assert not found, "\n".join(found)
+
+
+def test_every_gpu_session_step_is_listed_in_its_usage_and_in_the_gpu_page():
+    """A lent GPU runs ``gpu_session.sh`` with step names read from its usage line and from docs/gpus.md: a step
+    the script runs but neither names can only be found by reading the script."""
+    script = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    steps = set(re.findall(r"^(?:if )?has ([\w-]+)", script, re.M))
+    usage = " ".join(line.lstrip("# ") for line in script.splitlines()[1:6])
+    listed = set(re.search(r"a comma list of (.*?) \(default", usage).group(1).replace(" ", "").split(","))
+    gpu_page = (DOCS / "gpus.md").read_text()
+    assert steps == listed, f"steps run {sorted(steps)} against the usage line's {sorted(listed)}"
+    assert not [s for s in steps if f"`{s}`" not in gpu_page], (
+        "a gpu_session.sh step docs/gpus.md does not name"
+    )
+
+
+def test_every_benchmark_script_is_in_the_benchmarks_readme():
+    listed = (ROOT / "benchmarks" / "README.md").read_text()
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh"))
+    assert not [s for s in scripts if f"`{s}`" not in listed], "a script benchmarks/README.md does not name"
