@@ -40,7 +40,10 @@ def sqlite_file_problem(
     if head != SQLITE_HEADER:
         return f"'{p}' is not a SQLite database"
     try:
-        con = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+        # read-write, never created (mode=rw): a writer killed inside a transaction leaves a hot journal, which
+        # the next connection rolls back, as SQLite's recovery; a read-only one cannot, and fails with
+        # "attempt to write a readonly database" on a sound store
+        con = sqlite3.connect(f"{p.resolve().as_uri()}?mode=rw", uri=True, timeout=30)
         try:
             check = con.execute("PRAGMA quick_check").fetchone()[0]
             if check != "ok":
@@ -57,6 +60,8 @@ def sqlite_file_problem(
     except sqlite3.OperationalError as e:
         if "locked" in str(e):  # another process writes it: a live store
             return None
+        if getattr(e, "sqlite_errorname", "").startswith("SQLITE_READONLY"):  # a write-protected file or folder
+            return f"'{p}' cannot be written ({e})"
         return f"'{p}' is a damaged SQLite database ({e})"
     except sqlite3.DatabaseError as e:
         return f"'{p}' is a damaged SQLite database ({e})"

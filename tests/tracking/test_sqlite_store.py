@@ -4,11 +4,13 @@ MLflow's own creation leaves, row for row, and falls back to MLflow where the ca
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from recursive_lightning.tracking.runs import client
+from recursive_lightning.tracking.runs import client, tracking_store_problem
 from recursive_lightning.tracking.sqlite_store import create_store, template_path
 
 TIMES = ("creation_time", "last_update_time")
@@ -77,3 +79,37 @@ def test_an_unwritable_cache_leaves_the_store_to_mlflow(tmp_path, monkeypatch):
     assert not create_store(db)
     assert list(db.parent.iterdir()) == []
     assert [e.name for e in client(f"sqlite:///{db}").search_experiments()] == ["Default"]  # MLflow made it
+
+
+# a writer that stops inside a transaction whose changes have reached the database file (a one-page cache spills
+# them), so that its SIGKILL leaves a hot journal: what a command killed while MLflow or Optuna writes leaves
+KILLED_WRITER = """
+import sqlite3, sys, time
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("PRAGMA cache_size=1")
+con.execute("BEGIN")
+con.execute("UPDATE experiments SET name = name || '-unfinished'")
+con.execute(
+    "INSERT INTO experiments (name, lifecycle_stage) WITH RECURSIVE n(i) AS "
+    "(SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 3000) SELECT 'bulk' || i, 'active' FROM n"
+)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_store_whose_writer_was_killed_in_a_transaction_is_rolled_back_and_opens(tmp_path):
+    db = tmp_path / "mlflow.db"
+    client(f"sqlite:///{db}").create_experiment("finished")  # a committed result
+    writer = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, str(db)], stdout=subprocess.PIPE, text=True
+    )
+    assert writer.stdout.readline().strip() == "ready"
+    writer.kill()
+    writer.wait()
+    assert (tmp_path / "mlflow.db-journal").exists()  # the hot journal the check must roll back
+
+    assert tracking_store_problem(f"sqlite:///{db}") is None
+    assert not (tmp_path / "mlflow.db-journal").exists()
+    names = sorted(e.name for e in client(f"sqlite:///{db}").search_experiments())
+    assert names == ["Default", "finished"]  # the unfinished transaction undone, the finished one kept
