@@ -4,6 +4,7 @@
     python benchmarks/bench_host_overhead.py --optimizer     # the step with a fused AdamW step
     python benchmarks/bench_host_overhead.py --by-op         # where the calls go, per ATen operator
     python benchmarks/bench_host_overhead.py --mela          # mela-400m vs transformerpp-400m at 4K, by part
+    python benchmarks/bench_host_overhead.py --mela --compile glue   # the same compiled: kernels per step
 
 On a GPU a small model's step (and SpiralFormer's coarse passes at any size) is bound by the host launching
 kernels, not by the kernels (docs/benchmarks.md, "GPU speed": the GPU idles a quarter of SpiralFormer-B's step at 160M).
@@ -19,6 +20,10 @@ width set to 64 (one head; the calls depend on the layers, cycles, chunks and me
 and where Mela's calls go: the decoder (Mela with the HMM bypassed), the HMM's attention, fusions and norms
 (Mela without its neural memory, less the decoder), the neural memory, and the memory of the H-1 cycles
 without gradients (Mela at H = 1 less the full model). The goal: Mela's leaf calls at most 2x Transformer++'s.
+``--compile SCOPE``: both models under that ``train.compile`` scope, counting what a compiled step launches: the
+kernels inductor generated, the library GEMMs its graphs call, and the ATen calls left outside its graphs. The
+kernels are the CPU backend's, which also fuses loop nests a GPU runs as separate Triton kernels: on a GPU the
+count is about this or higher.
 """
 
 from __future__ import annotations
@@ -77,7 +82,17 @@ def step_fn(layout: str, topology: str, p: str, batch: int, seq: int, optimizer:
 
 
 def _counted(name: str) -> bool:
-    return name.startswith("aten::") and name not in NO_KERNEL
+    """An ATen call that does work, or a kernel inductor generated (``--compile``: named ``graph_N_cpp_fused_*``
+    in the profile once :func:`profile_generated_kernels` is on)."""
+    return (name.startswith("aten::") and name not in NO_KERNEL) or "cpp_fused" in name
+
+
+def profile_generated_kernels() -> None:
+    """Each kernel inductor's CPU backend generates from now on records a profiler event (``graph_N_cpp_fused_*``)
+    when called, so that :func:`op_calls` counts it."""
+    import torch._inductor.config  # heavy
+
+    torch._inductor.config.cpp.enable_kernel_profile = True
 
 
 def _leaf(event) -> bool:
@@ -126,18 +141,31 @@ MELA_PARTS = {  # name: (preset overrides, HMM bypassed)
 
 
 def mela_calls(
-    mela: str, transformerpp: str, seq: int, by_op: bool = False, parts: bool = True
+    mela: str,
+    transformerpp: str,
+    seq: int,
+    by_op: bool = False,
+    parts: bool = True,
+    compile_scope: str | None = None,
 ) -> dict[str, tuple]:
     """``op_calls`` of one fwd+bwd of each model of :data:`MELA_PARTS` (``parts``; else Mela alone) and of
-    Transformer++, at width 64."""
+    Transformer++, at width 64; with ``compile_scope`` (a ``train.compile`` value) every model compiled so,
+    each compiled graph's kernels counted as inductor generated them (one call each) beside the ATen calls
+    left outside the graphs and the library GEMMs the graphs call."""
     from bench_mela import decoder_alone  # optional
 
     from recursive_lightning.model.build import build_model  # heavy
+    from recursive_lightning.training.parallel import compile_model  # heavy
+
+    if compile_scope:
+        profile_generated_kernels()
 
     def step(name: str, overrides: dict, bypass: bool):
         torch.manual_seed(0)
         model = build_model(preset(name, **MELA_AT_64, **overrides))
         model = decoder_alone(model) if bypass else model
+        if compile_scope:
+            compile_model(model, compile_scope)
         idx = torch.randint(0, 512, (1, seq + 1))
 
         def run() -> None:
@@ -147,15 +175,20 @@ def mela_calls(
         return run
 
     overrides = {k: v for k, v in MELA_AT_64.items() if k not in ("hmm_d_model", "hmm_heads")}
-    out = {"Transformer++": op_calls(_transformerpp(transformerpp, overrides, seq), by_op=by_op)}
+    tpp = _transformerpp(transformerpp, overrides, seq, compile_scope)
+    out = {"Transformer++": op_calls(tpp, by_op=by_op)}
     for part, (extra, bypass) in list(MELA_PARTS.items())[: None if parts else 1]:
         out[part] = op_calls(step(mela, extra, bypass), by_op=by_op)
     return out
 
 
-def _transformerpp(name: str, overrides: dict, seq: int):
+def _transformerpp(name: str, overrides: dict, seq: int, compile_scope: str | None = None):
+    from recursive_lightning.training.parallel import compile_model  # heavy
+
     torch.manual_seed(0)
     model = RecursiveLM(preset(name, **overrides))
+    if compile_scope:
+        compile_model(model, compile_scope)
     idx = torch.randint(0, 512, (1, seq + 1))
 
     def run() -> None:
@@ -167,22 +200,28 @@ def _transformerpp(name: str, overrides: dict, seq: int):
 
 def report_mela(args) -> bool:
     """Prints the counts, Mela's parts and the PASS/MISS line of the 2x goal; True when it holds."""
-    c = mela_calls(args.mela, args.transformerpp, args.seq_len, by_op=args.by_op, parts=not args.totals)
+    c = mela_calls(args.mela, args.transformerpp, args.seq_len, args.by_op, not args.totals, args.compile)
     leaves = {k: v[1] for k, v in c.items()}
     print(
         f"{args.mela} vs {args.transformerpp} at width 64, 1 x {args.seq_len} tokens, fwd+bwd, "
-        f"torch {torch.__version__}\n"
+        f"train.compile: {args.compile or 'false'}, torch {torch.__version__}\n"
     )
-    print("| model | ATen calls (no views) | leaf calls (~kernels) |\n| --- | ---: | ---: |")
+    kind = "ATen and generated kernels" if args.compile else "ATen calls (no views)"
+    print(f"| model | {kind} | leaf calls (~kernels) |\n| --- | ---: | ---: |")
     for k, v in c.items():
         print(f"| {k} | {v[0]:,} | {v[1]:,} |")
     if not args.totals:
         _print_parts(args, c, leaves)
     ratio = leaves["Mela"] / leaves["Transformer++"]
     ok = ratio <= 2.0
+    what = (
+        f"kernels per fwd+bwd, train.compile: {args.compile}"
+        if args.compile
+        else "leaf ATen calls per fwd+bwd"
+    )
     print(
         f"\n{'PASS' if ok else 'MISS'} host calls Mela / Transformer++ {ratio:.2f} <= 2.0 "
-        f"({leaves['Mela']:,} vs {leaves['Transformer++']:,} leaf ATen calls per fwd+bwd)"
+        f"({leaves['Mela']:,} vs {leaves['Transformer++']:,} {what})"
     )
     if args.by_op:
         ops = sorted(c["Mela"][2], key=lambda op: -c["Mela"][2][op])
@@ -230,7 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--transformerpp", default="transformerpp-400m")
     p.add_argument("--totals", action="store_true", help="--mela: Mela and Transformer++ only, no parts")
+    p.add_argument(
+        "--compile",
+        choices=["layers", "glue"],
+        help="--mela: both models compiled with this train.compile scope (Mela and Transformer++ only); "
+        "inductor's generated kernels counted with the calls left outside its graphs",
+    )
     args = p.parse_args(argv)
+    if args.compile and not args.mela:
+        p.error("--compile counts the compiled paths of --mela; add --mela")
+    args.totals = args.totals or bool(args.compile)
     set_threads(1)
     if args.mela:
         args.seq_len = 4096 if args.seq_len == 64 else args.seq_len

@@ -17,7 +17,7 @@ from recursive_lightning.model.precision import upcast
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_host_overhead import op_calls  # noqa: E402
+from bench_host_overhead import op_calls, profile_generated_kernels  # noqa: E402
 
 
 def _memory_after_one_chunk(update: str = "newton_schulz") -> tuple[NeuralMemory, torch.Tensor, MemoryState]:
@@ -97,6 +97,26 @@ def test_upcast_returns_float32_and_float64_unchanged():
         t = torch.ones(2, dtype=dtype)
         assert upcast(t) is t
     assert upcast(torch.ones(2, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+def test_a_compiled_regions_generated_kernels_are_counted_as_calls(monkeypatch):
+    """``--compile``: a fused pointwise chain is one call (the kernel inductor generated), where eager mode makes
+    one per operation; the library GEMM a compiled graph calls stays an ATen call."""
+    import torch._inductor.config
+
+    # restored after the test: the setting is part of inductor's cache key for the tests after it
+    monkeypatch.setattr(torch._inductor.config.cpp, "enable_kernel_profile", False)
+    profile_generated_kernels()
+    x, w = torch.randn(64, 64), torch.randn(64, 64)
+
+    def chain(x, w):
+        return ((x @ w).sin() * 2 + 1).cos()
+
+    compiled = torch.compile(chain)
+    eager_calls = op_calls(lambda: chain(x, w))[1]
+    compiled_calls = op_calls(lambda: compiled(x, w))[1]
+    assert eager_calls == 5  # mm, sin, mul, add, cos
+    assert compiled_calls == 2, compiled_calls  # mm, and one fused kernel for the rest
 
 
 @pytest.mark.xfail(strict=True, reason="the goal: Mela's host calls at most 2x Transformer++'s (not met yet)")
