@@ -4,6 +4,7 @@
     python benchmarks/bench_gpu_mela.py --part eval --lengths 4096,8192,16384,32768
     python benchmarks/bench_gpu_mela.py --part train --compile glue   # layers and memory updates compiled
     python benchmarks/bench_gpu_mela.py --part train --graphs         # each step replayed as one CUDA graph
+    python benchmarks/bench_gpu_mela.py --part train --matmul-precision highest   # the memory's GEMMs in FP32
     python benchmarks/bench_gpu_mela.py --smoke                # no GPU needed: the pipeline on the CPU
 
 ``train``: forward+backward (``model.loss`` + ``backward``, bf16 autocast, float32 weights as in bf16-mixed
@@ -12,7 +13,10 @@ and of the Transformer++ of its size, ``--batch`` x ``--seq-len``, taking turns 
 medians. ``--graphs``: each model's forward + backward captured as one CUDA graph and replayed
 (``cuda_graph_step.py``; a model whose capture fails runs eagerly, and says so). The goals: the memory's
 wall-clock share 1 - t(decoder alone) / t(Mela) at most 2x its share of ``describe``'s forward FLOPs; Mela's
-time over Transformer++'s at most 1.0, then at most their FLOP ratio + 0.10.
+time over Transformer++'s at most 1.0, then at most their FLOP ratio + 0.10. ``--matmul-precision``: torch's
+float32 matmul precision, which sets how Mela's memory loop (float32 outside autocast) multiplies: ``high``
+(default) on TF32 tensor cores, as ``train`` runs it under bf16-mixed; ``highest`` in full FP32, as ``eval`` runs
+it and as a user who chose ``highest`` trains. The two runs side by side give TF32's speed-up of Mela's step.
 
 ``eval``: the hidden states ``eval`` scores (``evaluation.perplexity.hidden_states``: a chunk-local model
 streams a long input through its decoding cache one training-length piece at a time), batch 1, inference mode,
@@ -126,7 +130,8 @@ def part_train(args) -> dict[str, bool]:
     tokens = args.batch * args.seq_len
     print(
         f"\n## train: fwd+bwd, bf16 autocast, {args.batch} x {args.seq_len}, {args.reps} reps, medians, "
-        f"train.compile: {args.compile or 'false'}{', CUDA graphs' if args.graphs else ''}\n"
+        f"train.compile: {args.compile or 'false'}{', CUDA graphs' if args.graphs else ''}, float32 matmul "
+        f"precision {torch.get_float32_matmul_precision()}\n"
     )
     print("| model | params | ms fwd+bwd | tokens/s | peak memory (GiB) | first step (s) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
@@ -213,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         "--graphs", action="store_true", help="train: each step captured as one CUDA graph and replayed"
     )
     p.add_argument(
+        "--matmul-precision",
+        choices=("high", "highest"),
+        default="high",
+        help="float32 GEMMs (Mela's memory loop) on TF32 (high, as train under bf16-mixed) or in FP32",
+    )
+    p.add_argument(
         "--smoke", action="store_true", help="run on the CPU (cpu sizes, 1 rep): checks the script"
     )
     args = p.parse_args(argv)
@@ -224,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_gpu_mela.py needs a CUDA GPU (--smoke runs it on the CPU to check the script)")
         return 1
     else:
-        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.set_float32_matmul_precision(args.matmul_precision)
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     goals = {}
     if args.part in ("all", "train"):

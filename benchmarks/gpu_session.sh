@@ -2,7 +2,7 @@
 # The GPU checks and timings on a lent GPU, as one prepared script (the device tool runs it in the repository root):
 #   bash benchmarks/gpu_session.sh [steps]      steps: a comma list of env,eager,numerics,mela,mela-graphs,
 #                                               mela-compiled,mela-graphs-compiled,mela-calls,cpu-numerics,tests,
-#                                               compile,kernels,float8 (default:
+#                                               compile,kernels,float8,mela-fp32 (default:
 #                                               env,eager,mela,mela-graphs,mela-calls,cpu-numerics,tests)
 # The lent machine has torch, lightning and torchmetrics but not this package's other dependencies: where
 # .whl/ holds their Python 3.12 wheels (benchmarks/gpu_wheels.sh downloads them), they are installed into
@@ -44,6 +44,9 @@ has numerics && step numerics "${NUMERICS_LIMIT:-90}" python3 benchmarks/bench_m
   --chunks 64 --batch 2 --carries cycles --updates newton_schulz,forgetting --memory-gemms float32,tf32-cuda,tf32,bf16
 has mela && step mela "${MELA_LIMIT:-120}" python3 benchmarks/bench_gpu_mela.py --part "${MELA_PART:-train}" --reps 6
 has mela-graphs && step mela-graphs "${MELA_GRAPHS_LIMIT:-90}" python3 benchmarks/bench_gpu_mela.py --part train --graphs --reps 6
+# the memory's GEMMs in full FP32 (torch's "highest"), against the `mela` step's TF32: what TF32 saves a Mela step
+has mela-fp32 && step mela-fp32 "${MELA_FP32_LIMIT:-120}" python3 benchmarks/bench_gpu_mela.py --part train \
+  --matmul-precision highest --reps 6
 # Mela and Transformer++ with train.compile: glue (the layers, and each neural memory's chunk update)
 has mela-compiled && TORCH_LOGS="${MELA_TORCH_LOGS:-recompiles}" step mela-compiled "${MELA_COMPILE_LIMIT:-240}" \
   python3 benchmarks/bench_gpu_mela.py \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Download, into .whl/, the Python 3.12 wheels a lent GPU machine lacks for benchmarks/gpu_session.sh: its image
 # has torch, lightning, torchmetrics, numpy, pandas, pyarrow and transformers, but not MLflow, litdata, Optuna and
-# their needs. Versions come from requirements.lock; about 53 MB (the device tool carries 64 MiB with the tree).
+# their needs (and liger-kernel and torchao for the kernels and float8 steps). Versions come from requirements.lock;
+# about 57 MB (the device tool carries 64 MiB with the tree).
 #   bash benchmarks/gpu_wheels.sh       then: run "bash benchmarks/gpu_session.sh" with carry [".whl"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
