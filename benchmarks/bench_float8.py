@@ -22,6 +22,7 @@ package: the lent machine gets its wheel from ``.whl`` (``gpu_wheels.sh``).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -62,8 +63,6 @@ def layer_linears(model: torch.nn.Module):
 
 def float8_copy(model: torch.nn.Module, recipe: str) -> tuple[torch.nn.Module, int]:
     """A float8 copy of ``model`` (same weights) and the number of Linears converted."""
-    import copy
-
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # optional
     from torchao.float8.float8_linear import Float8Linear  # optional
 
