@@ -99,7 +99,7 @@ def part_train(args) -> dict[str, bool]:
 
     for m in models.values():
         m.to(DEVICE).train()
-        if args.compile:  # a train.compile scope: glue compiles the layers and each memory's chunk update
+        if args.compile:  # a train.compile scope: glue compiles the layers and each memory's regions
             compile_model(m, args.compile)
     fns = {k: step(m, k) for k, m in models.items()}
     peak_gib, first_s = {}, {}

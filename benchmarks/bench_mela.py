@@ -280,7 +280,7 @@ def main() -> int:
     p.add_argument(
         "--compiled-memory",
         action="store_true",
-        help="train: also Mela with each memory's chunk update compiled (MelaLM.compile_glue)",
+        help="train: also Mela with each memory's projections and chunk update compiled (MelaLM.compile_glue)",
     )
     args = p.parse_args()
     if args.threads:

@@ -292,8 +292,8 @@ def test_mela_bf16_training_step_and_causality_on_gpu():
 
 
 def test_mela_compiled_memory_update_on_gpu_equals_eager():
-    """train.compile: glue's memory region (each neural memory's chunk update, Triton kernels on CUDA) keeps
-    eager mode's loss and gradients, in float64 as on the CPU (tests/model/test_mela.py)."""
+    """train.compile: glue's memory regions (each neural memory's projections and chunk update, Triton kernels on
+    CUDA) keep eager mode's loss and gradients, in float64 as on the CPU (tests/model/test_mela.py)."""
     eager = _mela().cuda().double()
     compiled = _mela().cuda().double()
     compiled.compile_glue()

@@ -60,7 +60,8 @@ def sqlite_file_problem(
     except sqlite3.OperationalError as e:
         if "locked" in str(e):  # another process writes it: a live store
             return None
-        if getattr(e, "sqlite_errorname", "").startswith("SQLITE_READONLY"):  # a write-protected file or folder
+        readonly = getattr(e, "sqlite_errorname", "").startswith("SQLITE_READONLY")
+        if readonly:  # a write-protected file or folder
             return f"'{p}' cannot be written ({e})"
         return f"'{p}' is a damaged SQLite database ({e})"
     except sqlite3.DatabaseError as e:

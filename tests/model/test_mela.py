@@ -827,9 +827,9 @@ def test_compile_glue_stays_within_five_graphs_of_the_memory_update():
 
 
 def test_compiled_memory_update_equals_eager_in_float64():
-    """``train.compile: glue`` compiles each neural memory's chunk update (``update_memory``, one graph for
-    every chunk): the loss and every gradient equal eager mode's in float64, over two batches; W_1 and W_2
-    are orthogonalised in one batched Newton-Schulz loop in both."""
+    """``train.compile: glue`` compiles each neural memory's projections (``project``) and chunk update
+    (``update_memory``, one graph for every chunk): the loss and every gradient equal eager mode's in float64,
+    over two batches; W_1 and W_2 are orthogonalised in one batched Newton-Schulz loop in both."""
     torch.manual_seed(5)
     eager = build_model(tiny()).double()
     compiled = copy.deepcopy(eager)

@@ -41,6 +41,7 @@ decoding runs, so cached decoding reproduces the full forward's memory rows exac
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +88,14 @@ class GatedAttention(nn.Module):
         return rearrange(self.proj(y), "(b c) n d -> b (c n) d", b=b)
 
 
+def normed(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``: a memory block's RMSNorm as a region ``MemoryBlock.compile_glue`` compiles (one user-level
+    frame: dynamo does not compile a bare ``torch.nn`` module, whose code it skips). In eager mode an RMSNorm is a
+    kernel per operation wherever torch's fused kernel is refused: on CUDA under autocast (a bf16 input with a
+    float32 weight) and on the CPU."""
+    return norm(x)
+
+
 class MemoryBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -110,14 +119,22 @@ class MemoryBlock(nn.Module):
             if cfg.neural_memory
             else None
         )
+        self.normed: Callable = normed  # compiled by compile_glue
+
+    def compile_glue(self, **options) -> None:
+        """``train.compile: glue``: the block's norms as compiled regions, and its neural memory's
+        (``NeuralMemory.compile_glue``); the attention is a unit of ``train.compile: layers``."""
+        self.normed = torch.compile(normed, **options)
+        if self.memory is not None:
+            self.memory.compile_glue(**options)
 
     def forward(
         self, x: torch.Tensor, state: MemoryState | None = None
     ) -> tuple[torch.Tensor, MemoryState | None]:
         if self.attn is not None:
-            x = x + self.attn(self.norm1(x))
+            x = x + self.attn(self.normed(self.norm1, x))
         if self.memory is not None:
-            y, state = self.memory(self.norm2(x), state)
+            y, state = self.memory(self.normed(self.norm2, x), state)
             x = x + y
         return x, state
 

@@ -97,11 +97,16 @@ class MelaLM(Generates, nn.Module):
                 module.reset_parameters()
 
     def compile_glue(self, **options) -> None:
-        """``torch.compile`` each neural memory's chunk update as a region of its own (``train.compile:
-        glue``, which also compiles each layer; ``training/parallel.compile_model``)."""
-        for module in self.hmm.modules():
-            if isinstance(module, NeuralMemory):
-                module.compile_glue(**options)
+        """``torch.compile`` the HMM's work between its compiled attention units as regions of their own
+        (``train.compile: glue``, which also compiles each layer; ``training/parallel.compile_model``): each
+        neural memory's projections and chunk update, and each memory block's norms (in eager mode a kernel per
+        operation wherever the fused RMSNorm kernel is refused: on CUDA under autocast, whose input is bf16 and
+        weight float32, and on the CPU). The L- and H-modules' input fusions and the dual-memory fusions stay
+        eager, a few kernels each per application: compiled, the input fusions' graphs (one per grad mode, input
+        count and gradient pattern) passed the recompile limit that ``tests/model/test_mela.py`` holds."""
+        for module in (self.hmm.l_module, self.hmm.h_module):
+            for block in module.blocks:
+                block.compile_glue(**options)
 
     def compile_units(self) -> list[nn.Module]:
         """What ``train.compile: layers`` compiles one by one: the decoder layers and each memory block's gated

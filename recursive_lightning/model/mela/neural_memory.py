@@ -259,7 +259,7 @@ class NeuralMemory(nn.Module):
             nn.Parameter(torch.empty(heads, i, o)) for i, o in zip(dims[:-1], dims[1:])
         )
         self.record: list[dict[str, torch.Tensor]] | None = None  # probes: per-chunk update statistics
-        self.glue: Callable | None = None  # update_memory compiled by compile_glue (train.compile: glue)
+        self.glue: tuple[Callable, Callable] | None = None  # project, update_memory compiled (compile_glue)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -278,6 +278,17 @@ class NeuralMemory(nn.Module):
         if n % C:
             raise ValueError(f"neural memory input of {n} patches is not a multiple of chunk_size {C}")
         state = state or self.initial_state(b)
+        q, k, v, theta, eta, alpha = (self.project if self.glue is None else self.glue[0])(x)
+        with no_autocast(x):
+            ys, state = self._store_and_retrieve(q, k, v, theta, eta, alpha, state)
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
+        y = rearrange(y, "b h n d -> b n (h d)").to(x.dtype)
+        return self.out(y), state
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The chunk loop's inputs from x (b, n, d): q, k, v (b, h, n, d) (Eqs. 7, 9), theta (b, h, n) and the
+        chunks' eta, alpha (b, h, n / C) or None, in float32; the region ``compile_glue`` compiles beside the
+        chunk update (the projections, normalisation and gates fused around their GEMMs)."""
         qkv = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
         qk, v = qkv.split(
             [2, 1]
@@ -290,11 +301,7 @@ class NeuralMemory(nn.Module):
         # read TF32 operands where train runs under autocast on CUDA (training/parallel.tf32_under_mixed_precision)
         q, k, v, theta = (upcast(t) for t in (q, k, v.squeeze(0), theta))
         eta, alpha = (None if t is None else upcast(t) for t in (eta, alpha))
-        with no_autocast(x):
-            ys, state = self._store_and_retrieve(q, k, v, theta, eta, alpha, state)
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
-        y = rearrange(y, "b h n d -> b n (h d)").to(x.dtype)
-        return self.out(y), state
+        return q, k, v, theta, eta, alpha
 
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """theta (b, h, n), per position; eta and alpha (b, h, n / C), per chunk, or None: the three linear maps
@@ -358,7 +365,7 @@ class NeuralMemory(nn.Module):
         """The test-time update of chunk ``t`` (k, v (b, h, C, d), theta (b, h, C); the chunk's eta_t, alpha_t
         (b, h, 1, 1) or None): its surprise against M_{t-1} (Eq. 8) into S_t (Eq. 11) and M_t (Eq. 10)."""
         if self.record is None:
-            update = self.glue or self.update_memory
+            update = self.update_memory if self.glue is None else self.glue[1]
             return MemoryState(*update(k, v, theta, eta_t, alpha_t, state.weights, state.momentum))
         grads, steps, momentum = self._steps(k, v, theta, eta_t, state.weights, state.momentum)
         self._record(t, grads, steps, theta, eta_t, alpha_t)
@@ -392,10 +399,11 @@ class NeuralMemory(nn.Module):
         return grads, steps, momentum
 
     def compile_glue(self, **options) -> None:
-        """``torch.compile`` one chunk's memory update (:meth:`update_memory`) as a region of its own
-        (``train.compile: glue``): the surprise, momentum, Newton-Schulz and decay of a chunk fused, where
-        eager mode launches a kernel per operation (``docs/benchmarks.md``: Mela)."""
-        self.glue = torch.compile(self.update_memory, **options)
+        """``torch.compile`` the memory's input projections and gates (:meth:`project`) and one chunk's update
+        (:meth:`update_memory`) as regions of their own (``train.compile: glue``): the surprise, momentum,
+        Newton-Schulz and decay of a chunk fused, and the normalisation, gates and casts around the projections'
+        GEMMs, where eager mode launches a kernel per operation (``docs/benchmarks.md``: Mela)."""
+        self.glue = (torch.compile(self.project, **options), torch.compile(self.update_memory, **options))
 
     def _record(self, t, grads, steps, theta, eta_t, alpha_t) -> None:
         for i, (grad, step) in enumerate(zip(grads, steps)):
