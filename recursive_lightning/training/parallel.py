@@ -54,8 +54,9 @@ def compile_model(model: torch.nn.Module, scope: bool | str = "layers") -> None:
     and resolution; composes with FSDP2's per-layer wrapping); a model's ``compile_units`` where it names
     other units (Mela: the decoder layers and each memory block's attention, not the block's chunk loop). ``glue``: the layers as with ``layers``, and the
     work between them as regions of their own (each step's S_down, S_up with the shift, and MeSH's routers,
-    write and read: ``RecursiveLM.compile_glue``; Mela: each neural memory's projections and chunk update,
-    ``MelaLM.compile_glue``), so the glue is fused without compiling the unrolled loop as one graph.
+    write and read: ``RecursiveLM.compile_glue``; Mela: each memory block's norms and its neural memory's
+    projections and chunk update, ``MelaLM.compile_glue``), so the glue is fused without compiling the unrolled
+    loop as one graph.
     ``model``: the whole forward, so that the work between the layers (MeSH routers and buffer reads, S_down /
     S_up, the shift, embeddings and head) is fused too; the loop over steps is unrolled into one graph (on an
     H100, 160M SpiralFormer-B: 1.38x eager's tokens/s, layers 1.01x; see benchmarks/bench_gpu.py)."""
