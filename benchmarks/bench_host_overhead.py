@@ -106,13 +106,25 @@ def _leaf(event) -> bool:
     return True
 
 
-def op_calls(fn, by_op: bool = False) -> tuple[int, int] | tuple[int, int, dict[str, int]]:
+def _outside_compiled(event) -> bool:
+    """Whether ``event`` ran in eager mode: under no compiled region's forward or backward."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if "Compiled" in parent.name:  # "Torch-Compiled Region", "CompiledFunction[Backward]", its graphs
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def op_calls(
+    fn, by_op: bool = False, eager_only: bool = False
+) -> tuple[int, int] | tuple[int, int, dict[str, int]]:
     """(ATen calls that do work, leaf calls among them) of one call of ``fn`` after a warm-up call; with
-    ``by_op``, also the calls per operator."""
+    ``by_op``, also the calls per operator; with ``eager_only``, only the calls outside compiled regions."""
     fn()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    events = [e for e in prof.events() if _counted(e.name)]
+    events = [e for e in prof.events() if _counted(e.name) and (not eager_only or _outside_compiled(e))]
     calls, leaves = len(events), sum(_leaf(e) for e in events)
     if not by_op:
         return calls, leaves
@@ -177,8 +189,14 @@ def mela_calls(
     overrides = {k: v for k, v in MELA_AT_64.items() if k not in ("hmm_d_model", "hmm_heads")}
     tpp = _transformerpp(transformerpp, overrides, seq, compile_scope)
     out = {"Transformer++": op_calls(tpp, by_op=by_op)}
-    for part, (extra, bypass) in list(MELA_PARTS.items())[: None if parts else 1]:
-        out[part] = op_calls(step(mela, extra, bypass), by_op=by_op)
+    fns = {
+        part: step(mela, extra, bypass)
+        for part, (extra, bypass) in list(MELA_PARTS.items())[: None if parts else 1]
+    }
+    for part, fn in fns.items():
+        out[part] = op_calls(fn, by_op=by_op)
+    if compile_scope:  # where Mela's calls still run eagerly, around its compiled regions
+        out["Mela, the calls outside compiled regions"] = op_calls(fns["Mela"], eager_only=True)
     return out
 
 

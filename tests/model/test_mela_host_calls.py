@@ -117,6 +117,9 @@ def test_a_compiled_regions_generated_kernels_are_counted_as_calls(monkeypatch):
     compiled_calls = op_calls(lambda: compiled(x, w))[1]
     assert eager_calls == 5  # mm, sin, mul, add, cos
     assert compiled_calls == 2, compiled_calls  # mm, and one fused kernel for the rest
+    # eager_only: the calls around the compiled regions (all of eager mode's, none of the compiled graph's)
+    assert op_calls(lambda: chain(x, w), eager_only=True)[1] == 5
+    assert op_calls(lambda: compiled(x, w), eager_only=True)[1] == 0
 
 
 @pytest.mark.xfail(strict=True, reason="the goal: Mela's host calls at most 2x Transformer++'s (not met yet)")
