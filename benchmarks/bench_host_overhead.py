@@ -43,6 +43,7 @@ from bench_mesh_overhead import interleaved, set_threads  # noqa: E402
 
 from recursive_lightning.model.config import preset  # noqa: E402
 from recursive_lightning.model.recursive.model import RecursiveLM  # noqa: E402
+from recursive_lightning.training.parallel import compile_model  # noqa: E402
 
 NO_KERNEL = {  # operators that only make views, allocate or dispatch to another operator
     "aten::view", "aten::as_strided", "aten::transpose", "aten::slice", "aten::t", "aten::unsqueeze",
@@ -167,7 +168,6 @@ def mela_calls(
     from bench_mela import decoder_alone  # optional
 
     from recursive_lightning.model.build import build_model  # heavy
-    from recursive_lightning.training.parallel import compile_model  # heavy
 
     if compile_scope:
         profile_generated_kernels()
@@ -201,8 +201,6 @@ def mela_calls(
 
 
 def _transformerpp(name: str, overrides: dict, seq: int, compile_scope: str | None = None):
-    from recursive_lightning.training.parallel import compile_model  # heavy
-
     torch.manual_seed(0)
     model = RecursiveLM(preset(name, **overrides))
     if compile_scope:
