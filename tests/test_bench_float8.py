@@ -4,26 +4,20 @@ layer; the measurement itself needs torchao and a GPU (``gpu_session.sh float8``
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import sys
 
 import torch
+from conftest import ROOT
 
 from recursive_lightning.model.build import build_model
 from recursive_lightning.model.config import preset
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_float8", ROOT / "benchmarks" / "bench_float8.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import bench_float8 as bench  # noqa: E402
 
 
 def test_the_filter_takes_the_layers_linears_and_leaves_the_head_and_unaligned_widths():
-    bench = _bench()
     model = build_model(preset("cpu-tiny", layout="1+2R2+1", topology="mesh", tie_embeddings=False))
     model.layers_odd = torch.nn.Linear(24, 64)  # a Linear outside the layers: never converted
     inner = model.layer_lists()[0][0]
