@@ -16,6 +16,12 @@ else
   .venv/bin/python -m pip install -q --no-deps -r requirements.lock
 fi
 .venv/bin/python -m pip install -q --no-deps -e .
+# Triton for the fused kernels' tests under its interpreter (TRITON_INTERPRET=1) where torch has no CUDA (a CUDA
+# torch brings its own): outside site-packages, which lightning would otherwise import it from in every process
+if ! .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null &&
+  [ ! -d .venv/triton-interpreter/triton ]; then
+  .venv/bin/python -m pip install -q --no-deps --target .venv/triton-interpreter triton==3.9.0
+fi
 # pip compiles the locked packages; the editable package's bytecode is written here once, so that each
 # process (a sweep's workers, the tests' commands) does not compile it again where PYTHONDONTWRITEBYTECODE is set
 .venv/bin/python -m compileall -q -j 0 recursive_lightning >/dev/null

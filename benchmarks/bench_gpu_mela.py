@@ -5,6 +5,7 @@
     python benchmarks/bench_gpu_mela.py --part train --compile glue   # layers and memory updates compiled
     python benchmarks/bench_gpu_mela.py --part train --graphs         # each step replayed as one CUDA graph
     python benchmarks/bench_gpu_mela.py --part train --matmul-precision highest   # the memory's GEMMs in FP32
+    python benchmarks/bench_gpu_mela.py --part train --memory-kernel   # also Mela with fused memory updates
     python benchmarks/bench_gpu_mela.py --smoke                # no GPU needed: the pipeline on the CPU
 
 ``train``: forward+backward (``model.loss`` + ``backward``, bf16 autocast, float32 weights as in bf16-mixed
@@ -17,6 +18,9 @@ time over Transformer++'s at most 1.0, then at most their FLOP ratio + 0.10. ``-
 float32 matmul precision, which sets how Mela's memory loop (float32 outside autocast) multiplies: ``high``
 (default) on TF32 tensor cores, as ``train`` runs it under bf16-mixed; ``highest`` in full FP32, as ``eval`` runs
 it and as a user who chose ``highest`` trains. The two runs side by side give TF32's speed-up of Mela's step.
+``--memory-kernel``: a fourth model taking turns with the three, Mela with ``train.memory_kernel: triton`` (its
+updates without gradients as two fused Triton kernels a chunk, ``model/mela/memory_kernel.py``), with its own
+goal lines and its loss beside the PyTorch path's; ``eval`` then streams with the fused updates.
 
 ``eval``: the hidden states ``eval`` scores (``evaluation.perplexity.hidden_states``: a chunk-local model
 streams a long input through its decoding cache one training-length piece at a time), batch 1, inference mode,
@@ -37,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_host_overhead import interpret_triton_on_the_cpu  # noqa: E402
 from bench_mela import decoder_alone  # noqa: E402
 from cuda_graph_step import graphed_step  # noqa: E402
 
@@ -47,6 +52,7 @@ from recursive_lightning.model.describe import describe  # noqa: E402
 from recursive_lightning.training.parallel import compile_model  # noqa: E402
 
 DEVICE = "cuda"  # "cpu" with --smoke
+FUSED = "Mela, fused memory updates"  # --memory-kernel
 
 
 def _sync() -> None:
@@ -75,6 +81,10 @@ def part_train(args) -> dict[str, bool]:
         "Mela decoder alone": decoder_alone(build_model(preset(args.mela, max_seq_len=args.seq_len))),
         "Transformer++": build_model(preset(args.transformerpp, max_seq_len=args.seq_len)),
     }
+    if args.memory_kernel:
+        models[FUSED] = build_model(preset(args.mela, max_seq_len=args.seq_len))
+        models[FUSED].load_state_dict(models["Mela"].state_dict())
+        models[FUSED].use_memory_kernel()
     vocab = models["Mela"].cfg.vocab_size
     idx = torch.randint(0, vocab, (args.batch, args.seq_len + 1), device=DEVICE)
 
@@ -101,17 +111,30 @@ def part_train(args) -> dict[str, bool]:
         m.to(DEVICE).train()
         if args.compile:  # a train.compile scope: glue compiles the layers and each memory's regions
             compile_model(m, args.compile)
+    if args.memory_kernel:
+        try:
+            _agreement(models["Mela"], models[FUSED], idx)
+        except Exception as e:  # the fused kernels: the other models' figures still come
+            print(f"{FUSED}: failed, left out: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            del models[FUSED]
     fns = {k: step(m, k) for k, m in models.items()}
     peak_gib, first_s = {}, {}
-    for k, fn in fns.items():
+    for k, fn in list(fns.items()):
         if DEVICE == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        for i in range(args.warmup):
-            fn()
-            if i == 0:  # the first step: compilation, with train.compile
-                _sync()
-                first_s[k] = time.perf_counter() - t0
+        try:
+            for i in range(args.warmup):
+                fn()
+                if i == 0:  # the first step: compilation, with train.compile or the fused kernels
+                    _sync()
+                    first_s[k] = time.perf_counter() - t0
+        except Exception as e:  # the fused kernels: the other models' figures still come
+            if k != FUSED:
+                raise
+            print(f"{k}: failed, left out: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            del fns[k], models[k]
+            continue
         _sync()
         peak_gib[k] = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan")
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -124,9 +147,7 @@ def part_train(args) -> dict[str, bool]:
         preset(args.transformerpp, max_seq_len=args.seq_len), seq_len=args.seq_len, batch_size=args.batch
     )
     flop_share = 1 - dm["flops_decoder"] / dm["flops_forward"]
-    wall_share = 1 - med["Mela decoder alone"] / med["Mela"]
     flop_ratio = dm["flops_forward"] / dt["flops_forward"]
-    time_ratio = med["Mela"] / med["Transformer++"]
     tokens = args.batch * args.seq_len
     print(
         f"\n## train: fwd+bwd, bf16 autocast, {args.batch} x {args.seq_len}, {args.reps} reps, medians, "
@@ -141,32 +162,51 @@ def part_train(args) -> dict[str, bool]:
             f"| {k} | {n / 1e6:.1f}M | {med[k]:.1f} | {tokens / med[k] * 1e3:,.0f} | {peak_gib[k]:.1f} | "
             f"{first_s.get(k, float('nan')):.1f} |"
         )
+    goals: dict[str, bool] = {}
+    for mela in [k for k in ("Mela", FUSED) if k in med]:
+        goals |= _goal_lines(mela, med, flop_share, flop_ratio, tokens)
+    return goals
+
+
+def _goal_lines(mela: str, med: dict[str, float], flop_share: float, flop_ratio: float, tokens: int) -> dict:
+    """The goals of one Mela variant (``mela``, a key of ``med``), printed PASS/MISS."""
+    wall_share = 1 - med["Mela decoder alone"] / med[mela]
+    time_ratio = med[mela] / med["Transformer++"]
+    tag = "" if mela == "Mela" else f" ({mela})"
     goals = {
-        "memory wall share": wall_share <= 2 * flop_share,
-        "Mela / Transformer++ time": time_ratio <= 1.0,
-        "Mela / Transformer++ time, FLOPs": time_ratio <= flop_ratio + 0.10,
+        f"memory wall share{tag}": wall_share <= 2 * flop_share,
+        f"Mela / Transformer++ time{tag}": time_ratio <= 1.0,
+        f"Mela / Transformer++ time, FLOPs{tag}": time_ratio <= flop_ratio + 0.10,
     }
-    mark = {k: "PASS" if v else "MISS" for k, v in goals.items()}
+    mark = ["PASS" if v else "MISS" for v in goals.values()]
     print(
-        f"\n{mark['memory wall share']} memory's wall-clock share {wall_share:.3f} <= 2 x its "
-        f"forward-FLOP share {flop_share:.3f}\n"
-        f"{mark['Mela / Transformer++ time']} Mela / Transformer++ time {time_ratio:.3f} <= 1.0 (tokens/s "
-        f"{tokens / med['Mela'] * 1e3:,.0f} vs {tokens / med['Transformer++'] * 1e3:,.0f})\n"
-        f"{mark['Mela / Transformer++ time, FLOPs']} Mela / Transformer++ time {time_ratio:.3f} <= FLOP ratio "
-        f"{flop_ratio:.3f} + 0.10",
+        f"\n{mark[0]} memory's wall-clock share{tag} {wall_share:.3f} <= 2 x its forward-FLOP share "
+        f"{flop_share:.3f}\n"
+        f"{mark[1]} Mela / Transformer++ time{tag} {time_ratio:.3f} <= 1.0 (tokens/s "
+        f"{tokens / med[mela] * 1e3:,.0f} vs {tokens / med['Transformer++'] * 1e3:,.0f})\n"
+        f"{mark[2]} Mela / Transformer++ time{tag} {time_ratio:.3f} <= FLOP ratio {flop_ratio:.3f} + 0.10",
         flush=True,
     )
     return goals
+
+
+def _agreement(plain: torch.nn.Module, fused: torch.nn.Module, idx: torch.Tensor) -> None:
+    """The loss of Mela with and without the fused memory updates on one batch, and their difference."""
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda"):
+        a, b = (m.loss(idx[:, :-1], idx[:, 1:]).item() for m in (plain, fused))
+    print(f"loss, PyTorch memory updates {a:.6f}, fused {b:.6f}, |difference| {abs(a - b):.2e}", flush=True)
 
 
 @torch.inference_mode()
 def part_eval(args) -> dict[str, bool]:
     torch.manual_seed(0)
     model = build_model(preset(args.mela, max_seq_len=args.seq_len)).to(DEVICE).eval()
+    if args.memory_kernel:
+        model.use_memory_kernel()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     print(
         f"\n## eval hidden states, {args.mela}, batch 1, bf16 autocast, pieces of {stream_piece(model.cfg):,} "
-        f"tokens\n"
+        f"tokens, memory updates {'fused' if args.memory_kernel else 'PyTorch'}\n"
     )
     print("| L | ms | tokens/s | peak above weights (MiB) | less the returned states (MiB) |")
     print("| ---: | ---: | ---: | ---: | ---: |")
@@ -224,11 +264,18 @@ def main(argv: list[str] | None = None) -> int:
         help="float32 GEMMs (Mela's memory loop) on TF32 (high, as train under bf16-mixed) or in FP32",
     )
     p.add_argument(
+        "--memory-kernel",
+        action="store_true",
+        help="train: also Mela with fused memory updates (train.memory_kernel: triton); eval: with them",
+    )
+    p.add_argument(
         "--smoke", action="store_true", help="run on the CPU (cpu sizes, 1 rep): checks the script"
     )
     args = p.parse_args(argv)
     if args.smoke:
         DEVICE = "cpu"
+        if args.memory_kernel:  # Triton's interpreter runs the kernels on the CPU
+            interpret_triton_on_the_cpu()
         args.mela, args.transformerpp, args.seq_len, args.batch = "cpu-mela", "cpu-transformerpp", 512, 1
         args.reps, args.warmup, args.lengths = 1, 1, "512,1024"
     elif not torch.cuda.is_available():

@@ -5,6 +5,7 @@
     python benchmarks/bench_host_overhead.py --by-op         # where the calls go, per ATen operator
     python benchmarks/bench_host_overhead.py --mela          # mela-400m vs transformerpp-400m at 4K, by part
     python benchmarks/bench_host_overhead.py --mela --compile glue   # the same compiled: kernels per step
+    python benchmarks/bench_host_overhead.py --mela --memory-kernel triton   # updates without gradients fused
 
 On a GPU a small model's step (and SpiralFormer's coarse passes at any size) is bound by the host launching
 kernels, not by the kernels (docs/benchmarks.md, "GPU speed": the GPU idles a quarter of SpiralFormer-B's step at 160M).
@@ -23,7 +24,9 @@ without gradients (Mela at H = 1 less the full model). The goal: Mela's leaf cal
 ``--compile SCOPE``: both models under that ``train.compile`` scope, counting what a compiled step launches: the
 kernels inductor generated, the library GEMMs its graphs call, and the ATen calls left outside its graphs. The
 kernels are the CPU backend's, which also fuses loop nests a GPU runs as separate Triton kernels: on a GPU the
-count is about this or higher.
+count is about this or higher. ``--memory-kernel triton``: Mela's updates without gradients as the two fused
+Triton kernels of ``train.memory_kernel: triton`` (Triton's interpreter where there is no GPU), each launch one
+call.
 """
 
 from __future__ import annotations
@@ -82,10 +85,41 @@ def step_fn(layout: str, topology: str, p: str, batch: int, seq: int, optimizer:
     return run
 
 
+TRITON_LAUNCH = "triton_kernel::"  # the profiler event of a counted Triton launch (count_triton_launches)
+
+
 def _counted(name: str) -> bool:
-    """An ATen call that does work, or a kernel inductor generated (``--compile``: named ``graph_N_cpp_fused_*``
-    in the profile once :func:`profile_generated_kernels` is on)."""
-    return (name.startswith("aten::") and name not in NO_KERNEL) or "cpp_fused" in name
+    """An ATen call that does work, a kernel inductor generated (``--compile``: named ``graph_N_cpp_fused_*``
+    in the profile once :func:`profile_generated_kernels` is on) or a Triton launch (:func:`count_triton_launches`)."""
+    return (
+        (name.startswith("aten::") and name not in NO_KERNEL)
+        or "cpp_fused" in name
+        or name.startswith(TRITON_LAUNCH)
+    )
+
+
+class _ProfiledLaunch:
+    """``kernel[grid](...)`` of a Triton kernel inside a profiler event of its own."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            with torch.profiler.record_function(TRITON_LAUNCH + self.kernel.__name__):
+                return launch(*args, **kwargs)
+
+        return run
+
+
+def count_triton_launches(module) -> None:
+    """Each launch of ``module``'s Triton kernels (``model/mela/memory_kernel.py``) from now on records a
+    profiler event, which :func:`op_calls` counts as one call; what runs inside (the ATen copies of Triton's
+    interpreter, on the CPU) is not counted."""
+    for name in ("store_surprise_kernel", "orthogonal_step_kernel"):
+        setattr(module, name, _ProfiledLaunch(getattr(module, name)))
 
 
 def profile_generated_kernels() -> None:
@@ -98,6 +132,8 @@ def profile_generated_kernels() -> None:
 
 def _leaf(event) -> bool:
     """A counted call none of whose callees (at any depth) is counted: about one kernel launch."""
+    if event.name.startswith(TRITON_LAUNCH):
+        return True
     stack = list(event.cpu_children)
     while stack:
         child = stack.pop()
@@ -105,6 +141,15 @@ def _leaf(event) -> bool:
             return False
         stack.extend(child.cpu_children)
     return True
+
+
+def _inside_triton_launch(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(TRITON_LAUNCH):
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def _outside_compiled(event) -> bool:
@@ -125,7 +170,11 @@ def op_calls(
     fn()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    events = [e for e in prof.events() if _counted(e.name) and (not eager_only or _outside_compiled(e))]
+    events = [
+        e
+        for e in prof.events()
+        if _counted(e.name) and not _inside_triton_launch(e) and (not eager_only or _outside_compiled(e))
+    ]
     calls, leaves = len(events), sum(_leaf(e) for e in events)
     if not by_op:
         return calls, leaves
@@ -160,11 +209,13 @@ def mela_calls(
     by_op: bool = False,
     parts: bool = True,
     compile_scope: str | None = None,
+    memory_kernel: bool = False,
 ) -> dict[str, tuple]:
     """``op_calls`` of one fwd+bwd of each model of :data:`MELA_PARTS` (``parts``; else Mela alone) and of
     Transformer++, at width 64; with ``compile_scope`` (a ``train.compile`` value) every model compiled so,
     each compiled graph's kernels counted as inductor generated them (one call each) beside the ATen calls
-    left outside the graphs and the library GEMMs the graphs call."""
+    left outside the graphs and the library GEMMs the graphs call; with ``memory_kernel`` Mela's updates without
+    gradients as the fused Triton kernels (:func:`interpreted_memory_kernel`)."""
     from bench_mela import decoder_alone  # optional
 
     from recursive_lightning.model.build import build_model  # heavy
@@ -178,6 +229,8 @@ def mela_calls(
         model = decoder_alone(model) if bypass else model
         if compile_scope:
             compile_model(model, compile_scope)
+        if memory_kernel and not bypass:
+            model.use_memory_kernel()
         idx = torch.randint(0, 512, (1, seq + 1))
 
         def run() -> None:
@@ -214,13 +267,37 @@ def _transformerpp(name: str, overrides: dict, seq: int, compile_scope: str | No
     return run
 
 
+def interpret_triton_on_the_cpu() -> None:
+    """Triton kernels imported from now on run by Triton's interpreter, on CPU tensors (``TRITON_INTERPRET=1``,
+    read when ``triton.jit`` decorates a kernel); Triton from ``setup.sh``'s ``.venv/triton-interpreter`` where
+    torch did not bring it."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", ".venv", "triton-interpreter"))
+
+
+def interpreted_memory_kernel() -> None:
+    """``model/mela/memory_kernel.py`` under Triton's interpreter (the tensors here are the CPU's), each launch
+    counted (:func:`count_triton_launches`)."""
+    interpret_triton_on_the_cpu()
+    from recursive_lightning.model.mela import memory_kernel  # optional
+
+    count_triton_launches(memory_kernel)
+
+
 def report_mela(args) -> bool:
     """Prints the counts, Mela's parts and the PASS/MISS line of the 2x goal; True when it holds."""
-    c = mela_calls(args.mela, args.transformerpp, args.seq_len, args.by_op, not args.totals, args.compile)
+    fused = args.memory_kernel == "triton"
+    if fused:
+        interpreted_memory_kernel()
+    c = mela_calls(
+        args.mela, args.transformerpp, args.seq_len, args.by_op, not args.totals, args.compile, fused
+    )
     leaves = {k: v[1] for k, v in c.items()}
     print(
         f"{args.mela} vs {args.transformerpp} at width 64, 1 x {args.seq_len} tokens, fwd+bwd, "
-        f"train.compile: {args.compile or 'false'}, torch {torch.__version__}\n"
+        f"train.compile: {args.compile or 'false'}, train.memory_kernel: {args.memory_kernel}, "
+        f"torch {torch.__version__}\n"
     )
     kind = "ATen and generated kernels" if args.compile else "ATen calls (no views)"
     print(f"| model | {kind} | leaf calls (~kernels) |\n| --- | ---: | ---: |")
@@ -234,7 +311,7 @@ def report_mela(args) -> bool:
         f"kernels per fwd+bwd, train.compile: {args.compile}"
         if args.compile
         else "leaf ATen calls per fwd+bwd"
-    )
+    ) + (", the updates without gradients fused (2 launches each)" if fused else "")
     print(
         f"\n{'PASS' if ok else 'MISS'} host calls Mela / Transformer++ {ratio:.2f} <= 2.0 "
         f"({leaves['Mela']:,} vs {leaves['Transformer++']:,} {what})"
@@ -291,10 +368,17 @@ def main(argv: list[str] | None = None) -> int:
         help="--mela: both models compiled with this train.compile scope (Mela and Transformer++ only); "
         "inductor's generated kernels counted with the calls left outside its graphs",
     )
+    p.add_argument(
+        "--memory-kernel",
+        choices=["torch", "triton"],
+        default="torch",
+        help="--mela: Mela's updates without gradients as fused Triton kernels (interpreted on the CPU), "
+        "each launch one call (Mela and Transformer++ only)",
+    )
     args = p.parse_args(argv)
-    if args.compile and not args.mela:
-        p.error("--compile counts the compiled paths of --mela; add --mela")
-    args.totals = args.totals or bool(args.compile)
+    if (args.compile or args.memory_kernel != "torch") and not args.mela:
+        p.error("--compile and --memory-kernel count Mela's paths; add --mela")
+    args.totals = args.totals or bool(args.compile) or args.memory_kernel != "torch"
     set_threads(1)
     if args.mela:
         args.seq_len = 4096 if args.seq_len == 64 else args.seq_len

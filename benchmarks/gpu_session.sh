@@ -42,7 +42,9 @@ has eager && step eager "${EAGER_LIMIT:-190}" python3 benchmarks/bench_gpu.py --
 # and the memory's GEMMs in float32, the GPU's own TF32 (what train uses under bf16-mixed) and emulated TF32 / bf16
 has numerics && step numerics "${NUMERICS_LIMIT:-90}" python3 benchmarks/bench_mela_numerics.py --device cuda \
   --chunks 64 --batch 2 --carries cycles --updates newton_schulz,forgetting --memory-gemms float32,tf32-cuda,tf32,bf16
-has mela && step mela "${MELA_LIMIT:-120}" python3 benchmarks/bench_gpu_mela.py --part "${MELA_PART:-train}" --reps 6
+# with Mela's fused memory updates (train.memory_kernel: triton) as a fourth model taking turns with the three
+has mela && step mela "${MELA_LIMIT:-150}" python3 benchmarks/bench_gpu_mela.py --part "${MELA_PART:-train}" --reps 6 \
+  --memory-kernel
 has mela-graphs && step mela-graphs "${MELA_GRAPHS_LIMIT:-90}" python3 benchmarks/bench_gpu_mela.py --part train --graphs --reps 6
 # the memory's GEMMs in full FP32 (torch's "highest"), against the `mela` step's TF32: what TF32 saves a Mela step
 has mela-fp32 && step mela-fp32 "${MELA_FP32_LIMIT:-120}" python3 benchmarks/bench_gpu_mela.py --part train \

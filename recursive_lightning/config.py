@@ -110,6 +110,9 @@ class TrainConfig:
     # each step's forward + backward captured once as a CUDA graph and replayed (training/cuda_graphs.py):
     # one GPU, fixed depth, no gradient accumulation, eager layers
     cuda_graphs: bool = False
+    # torch | triton: Mela's memory updates without gradients as two fused Triton kernels a chunk instead of
+    # about 25 (model/mela/memory_kernel.py); CUDA and the triton package
+    memory_kernel: str = "torch"
     seed: int = 0
     val_every: int = 100  # steps between validations (and best-checkpoint selection)
     checkpoint_every: int = 100  # steps between `last` checkpoints
@@ -174,6 +177,30 @@ def check_cuda_graphs(t: TrainConfig) -> None:
             raise ConfigError(
                 f"train.cuda_graphs cannot be combined with {setting} ({why}); set one of them off."
             )
+
+
+def check_memory_kernel(t: TrainConfig, model: ModelConfig) -> None:
+    """One sentence for a ``train.memory_kernel`` that is unknown or cannot compute this model's memory update
+    (``model/mela/memory_kernel.py``: Mela's 2-layer memory with the Newton-Schulz update)."""
+    if t.memory_kernel not in ("torch", "triton"):
+        raise ConfigError(f"train.memory_kernel '{t.memory_kernel}' is unknown; choose torch or triton.")
+    if t.memory_kernel == "torch":
+        return
+    if model.arch != "mela" or not model.neural_memory:
+        raise ConfigError(
+            "train.memory_kernel triton fuses Mela's neural memory update; set it torch for model.arch "
+            f"{model.arch}" + ("" if model.arch != "mela" else " without model.neural_memory") + "."
+        )
+    if model.memory_depth != 2 or model.memory_update != "newton_schulz":
+        raise ConfigError(
+            "train.memory_kernel triton computes model.memory_update newton_schulz at model.memory_depth 2, not "
+            f"{model.memory_update} at depth {model.memory_depth}; set train.memory_kernel torch."
+        )
+    if t.compile == "model":
+        raise ConfigError(
+            "train.memory_kernel triton cannot be combined with train.compile model (the compiled forward traces "
+            "the PyTorch update); use train.compile glue or layers with it."
+        )
 
 
 def check_sections(data: dict[str, Any]) -> None:
@@ -305,6 +332,7 @@ class RunConfig:
             raise ConfigError(f"train.strategy '{t.strategy}' is unknown; choose auto, ddp or fsdp.")
         if t.cuda_graphs:
             check_cuda_graphs(t)
+        check_memory_kernel(t, self.model)
         if t.init_from is not None or t.init_strategy != "stepwise":  # uptraining
             parse_strategy(t.init_strategy)
         if t.train_only is not None or t.train_only_steps:

@@ -71,6 +71,31 @@ def mela_against_float64(seed: int, chunks: int = 64, **model) -> tuple:
     return low, copy.deepcopy(low).double(), idx
 
 
+# setup.sh installs Triton here on a machine without CUDA (outside site-packages: lightning imports triton where
+# it finds it, which every process would then pay), for the fused kernels' tests under Triton's interpreter
+TRITON_INTERPRETER = Path(__file__).resolve().parents[1] / ".venv" / "triton-interpreter"
+
+
+@pytest.fixture
+def memory_kernel(monkeypatch):
+    """``model/mela/memory_kernel.py`` imported afresh, its kernels run by Triton's interpreter on the CPU
+    (``TRITON_INTERPRET=1``, read when ``triton.jit`` decorates them); skipped without Triton."""
+    import importlib
+    import sys
+
+    import recursive_lightning.model.mela as package
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if TRITON_INTERPRETER.is_dir():
+        monkeypatch.syspath_prepend(str(TRITON_INTERPRETER))
+    pytest.importorskip("triton", reason="setup.sh installs triton for the fused kernels' tests")
+    name = "recursive_lightning.model.mela.memory_kernel"
+    sys.modules.pop(name, None)
+    yield importlib.import_module(name)
+    sys.modules.pop(name, None)  # the next import decorates the kernels for the device again
+    vars(package).pop("memory_kernel", None)
+
+
 def chunk_errors(low: torch.Tensor, high: torch.Tensor, tokens_per_chunk: int) -> torch.Tensor:
     """Per decoder chunk of a Mela model, the largest |low - high| over the chunk's logits, relative to the
     largest |logit| of ``high`` (the float64 reference)."""

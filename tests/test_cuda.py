@@ -320,6 +320,65 @@ def test_mela_cached_decoding_on_gpu():
     assert _rel(torch.cat(steps, 1), full) < 1e-4
 
 
+def test_mela_fused_memory_updates_on_gpu_equal_the_pytorch_updates():
+    """train.memory_kernel: triton (model/mela/memory_kernel.py) compiled for this GPU: in float64 the loss and
+    every gradient of the PyTorch path (its updates without gradients fused), a no-grad forward's logits
+    likewise; in float32 (TF32 off) the logits within the PyTorch path's own distance from float64, and under
+    bf16 autocast with TF32 (what train runs) within the PyTorch path's bf16 error of it."""
+    plain = _mela().cuda().double()
+    fused = _mela().cuda().double()
+    fused.use_memory_kernel()
+    idx = torch.randint(0, 512, (2, 3 * plain.cfg.tokens_per_chunk + 1), device="cuda")
+    losses = []
+    for model in (plain, fused):
+        loss = model.loss(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        losses.append(float(loss))
+    assert abs(losses[0] - losses[1]) < 1e-10 * abs(losses[0])
+    want = dict(plain.named_parameters())
+    for name, p in fused.named_parameters():
+        assert _rel(p.grad, want[name].grad) < 1e-8, name
+    with torch.no_grad():
+        exact = plain(idx[:, :-1])
+        assert _rel(fused(idx[:, :-1]), exact) < 1e-10
+        low, low_fused = plain.float(), fused.float()
+        errors = {"torch": _rel(low(idx[:, :-1]), exact), "fused": _rel(low_fused(idx[:, :-1]), exact)}
+        torch.backends.cuda.matmul.allow_tf32 = True
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            errors["torch bf16"] = _rel(low(idx[:, :-1]), exact)
+            errors["fused bf16+tf32"] = _rel(low_fused(idx[:, :-1]), exact)
+    print(errors)
+    assert errors["fused"] < 4 * errors["torch"] + 1e-6, errors
+    assert errors["fused bf16+tf32"] < 2 * errors["torch bf16"], errors
+
+
+def test_mela_train_with_fused_memory_updates_on_gpu_and_resume(tmp_path, tiny_run, monkeypatch):
+    """`train` with train.memory_kernel: triton on one GPU (bf16-mixed): the loss falls, the first step's line
+    names the kernels, and a run stopped after its step-8 checkpoint resumes to the same losses."""
+    from recursive_lightning.config import RunConfig
+    from recursive_lightning.training.run import train
+
+    cfg = tiny_run()
+    cfg["model"] = {"preset": "cpu-mela"}
+    cfg["data"]["seq_len"] = 3 * 64  # three chunks of P * C tokens: the HMM runs over two
+    cfg["train"].update(accelerator="gpu", devices=1, checkpoint_every=4, val_every=6, memory_kernel="triton")
+    run_cfg = RunConfig.from_dict(cfg)
+    straight = tmp_path / "straight"
+    train(run_cfg, straight)
+    a = _losses(straight)
+    assert sorted(a) == list(range(12)) and a[11] < a[0], a
+    stopped = tmp_path / "stopped"
+    with monkeypatch.context() as m:
+        _stop_after(m, 8)
+        with pytest.raises(RuntimeError, match="stopped after step 8"):
+            train(run_cfg, stopped)
+    train(run_cfg, stopped, resume=True)
+    b = _losses(stopped)
+    worst = max(abs(a[s] - b[s]) for s in a)
+    print(f"memory_kernel triton: max |straight - resumed| train/loss over 12 steps = {worst:.2e}")
+    assert worst < 1e-3, (a, b)
+
+
 @pytest.mark.parametrize("name", ["looped-mesh", "spiral-mesh", "mela"])
 def test_cuda_graph_step_replays_eager_loss_and_gradients(name):
     """train.cuda_graphs' GraphedStep (training/cuda_graphs.py): the captured forward + backward, replayed on new

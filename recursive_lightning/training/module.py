@@ -98,6 +98,8 @@ class RecursiveLMModule(L.LightningModule):
         t = self.run_cfg.train
         if t.activation_checkpointing:
             parallel.apply_activation_checkpointing(self.model)
+        if t.memory_kernel == "triton":  # Mela's updates without gradients as fused kernels
+            self.model.use_memory_kernel()
         if t.compile:
             self._compile_cache = parallel.persistent_compile_cache()
             self._graphs_before = parallel.compiled_graphs()
@@ -208,11 +210,12 @@ class RecursiveLMModule(L.LightningModule):
 
     def _first_step(self, seconds: float) -> None:
         """train/first_step_sec: the wall-clock of each fit's first optimizer step (warm-up: allocations, and
-        under train.compile or train.cuda_graphs the compilation or capture), printed where it is long."""
+        under train.compile, train.cuda_graphs or train.memory_kernel triton the compilation or capture), printed
+        where it is long."""
         t = self.run_cfg.train
         self.log("train/first_step_sec", seconds, on_step=True, on_epoch=False)
         self._step_metrics["train/first_step_sec"] = seconds
-        if t.compile or t.cuda_graphs:
+        if t.compile or t.cuda_graphs or t.memory_kernel == "triton":
             made, loaded = parallel.compiled_graphs() if t.compile else (0, 0)
             graphs = (made - self._graphs_before[0], loaded - self._graphs_before[1])
             self.print(parallel.first_step_line(seconds, t, graphs, self._compile_cache))

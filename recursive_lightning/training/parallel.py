@@ -9,6 +9,7 @@ cost (:func:`first_step_line`).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,6 +88,13 @@ def check_supported(cfg: TrainConfig) -> None:
     on_cpu = cfg.accelerator == "cpu" or (cfg.accelerator == "auto" and not torch.cuda.is_available())
     if cfg.cuda_graphs and on_cpu:
         raise ConfigError("train.cuda_graphs needs a CUDA GPU; set it false on the CPU.")
+    if cfg.memory_kernel == "triton":
+        if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":  # Triton's interpreter: the tests' CPU path
+            raise ConfigError("train.memory_kernel triton needs a CUDA GPU; set it torch on the CPU.")
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError(
+                "train.memory_kernel triton needs the triton package (pip install triton); set it torch without it."
+            )
     if cfg.compile and cfg.strategy == "fsdp" and on_cpu:
         # torch 2.13's C++ code generator emits a duplicate declaration for FSDP2-wrapped compiled layers
         raise ConfigError(
@@ -199,4 +207,6 @@ def first_step_line(seconds: float, cfg: TrainConfig, graphs: tuple[int, int], c
         )
     if cfg.cuda_graphs:
         how.append("train.cuda_graphs: the step captured")
+    if cfg.memory_kernel == "triton":
+        how.append("train.memory_kernel triton: its two kernels compiled (Triton's cache keeps them)")
     return f"[train] first step ready in {seconds:.1f} s; " + "; ".join(how)

@@ -17,7 +17,7 @@ from recursive_lightning.model.precision import upcast
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_host_overhead import op_calls, profile_generated_kernels  # noqa: E402
+from bench_host_overhead import TRITON_LAUNCH, count_triton_launches, op_calls, profile_generated_kernels  # noqa: E402
 
 
 def _memory_after_one_chunk(update: str = "newton_schulz") -> tuple[NeuralMemory, torch.Tensor, MemoryState]:
@@ -134,3 +134,25 @@ def test_small_mela_step_makes_at_most_twice_the_host_calls_of_its_transformerpp
 
     mela, transformerpp = (op_calls(step(n))[1] for n in ("cpu-mela", "cpu-transformerpp"))
     assert mela <= 2 * transformerpp, (mela, transformerpp)
+
+
+def test_one_chunk_update_without_gradients_fused_is_two_launches_and_the_projections(memory_kernel):
+    """``train.memory_kernel: triton``: the application of the first test with its update (surprise, momentum,
+    Newton-Schulz-5 with its floor, forgetting) as the two fused kernels, each launch one call; the projections,
+    gates and retrieval around them stay ATen calls: 20 leaf calls in all against the PyTorch update's 62."""
+    count_triton_launches(memory_kernel)
+    mem, x, state = _memory_after_one_chunk()
+
+    def run() -> None:
+        with torch.no_grad():
+            mem(x, state)
+
+    unfused = op_calls(run)[1]
+    mem.use_memory_kernel()
+    _, leaves, per_op = op_calls(run, by_op=True)
+    launches = {name: n for name, n in per_op.items() if name.startswith(TRITON_LAUNCH)}
+    assert launches == {
+        TRITON_LAUNCH + "store_surprise_kernel": 1,
+        TRITON_LAUNCH + "orthogonal_step_kernel": 1,
+    }
+    assert leaves <= 20 and unfused >= 3 * leaves, (leaves, unfused)

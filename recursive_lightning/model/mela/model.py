@@ -108,6 +108,13 @@ class MelaLM(Generates, nn.Module):
             for block in module.blocks:
                 block.compile_glue(**options)
 
+    def use_memory_kernel(self) -> None:
+        """Every neural memory's updates without gradients as fused Triton kernels (``train.memory_kernel:
+        triton``; ``model/mela/memory_kernel.py``)."""
+        for module in self.hmm.modules():
+            if isinstance(module, NeuralMemory):
+                module.use_memory_kernel()
+
     def compile_units(self) -> list[nn.Module]:
         """What ``train.compile: layers`` compiles one by one: the decoder layers and each memory block's gated
         attention. A memory block as a whole is left to eager mode around its compiled chunk update (``glue``):

@@ -34,6 +34,7 @@ Newton-Schulz applies to every memory tensor.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -260,6 +261,9 @@ class NeuralMemory(nn.Module):
         )
         self.record: list[dict[str, torch.Tensor]] | None = None  # probes: per-chunk update statistics
         self.glue: tuple[Callable, Callable] | None = None  # project, update_memory compiled (compile_glue)
+        self.kernel: Callable | None = (
+            None  # the fused update of chunks without gradients (use_memory_kernel)
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -365,6 +369,8 @@ class NeuralMemory(nn.Module):
         """The test-time update of chunk ``t`` (k, v (b, h, C, d), theta (b, h, C); the chunk's eta_t, alpha_t
         (b, h, 1, 1) or None): its surprise against M_{t-1} (Eq. 8) into S_t (Eq. 11) and M_t (Eq. 10)."""
         if self.record is None:
+            if self.kernel is not None and not torch.is_grad_enabled():  # memory_kernel.py: two launches
+                return MemoryState(*self.kernel(k, v, theta, eta_t, alpha_t, state.weights, state.momentum))
             update = self.update_memory if self.glue is None else self.glue[1]
             return MemoryState(*update(k, v, theta, eta_t, alpha_t, state.weights, state.momentum))
         grads, steps, momentum = self._steps(k, v, theta, eta_t, state.weights, state.momentum)
@@ -404,6 +410,21 @@ class NeuralMemory(nn.Module):
         Newton-Schulz and decay of a chunk fused, and the normalisation, gates and casts around the projections'
         GEMMs, where eager mode launches a kernel per operation (``docs/benchmarks.md``: Mela)."""
         self.glue = (torch.compile(self.project, **options), torch.compile(self.update_memory, **options))
+
+    def use_memory_kernel(self) -> None:
+        """Run each chunk update that carries no gradient (the HLR cycles without gradients, evaluation,
+        decoding) as the two fused Triton kernels of ``memory_kernel.py`` (``train.memory_kernel: triton``); an
+        update with gradients keeps :meth:`update_memory`, whose backward the outer parameters learn through."""
+        from recursive_lightning.model.mela import memory_kernel  # optional
+
+        if not memory_kernel.supported(len(self.init_weights), self.update, self.eta is not None):
+            raise ValueError(f"the fused memory update computes newton_schulz at depth 2, not {self.update}")
+        self.kernel = functools.partial(
+            memory_kernel.fused_update_memory,
+            ns_steps=self.ns_steps,
+            coefficients=NS_COEFFICIENTS,
+            step_floor=self.step_floor,
+        )
 
     def _record(self, t, grads, steps, theta, eta_t, alpha_t) -> None:
         for i, (grad, step) in enumerate(zip(grads, steps)):

@@ -1,0 +1,191 @@
+"""Mela's fused memory update (``model/mela/memory_kernel.py``) on the CPU under Triton's interpreter: equal to
+the PyTorch update (``NeuralMemory.update_memory``) in float64 at shapes that are not multiples of its tiles,
+within the PyTorch path's own error in float32, used by a model for its updates without gradients only (the
+loss and every gradient those of the PyTorch path); the kernels compiled for an H100/H200 (sm_90) on this CPU;
+``train.memory_kernel``'s refusals. The GPU runs the same checks in ``tests/test_cuda.py``."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, TRITON_INTERPRETER
+
+from recursive_lightning.config import RunConfig
+from recursive_lightning.errors import ConfigError
+from recursive_lightning.model.build import build_model
+from recursive_lightning.model.config import preset
+from recursive_lightning.model.mela.neural_memory import NS_COEFFICIENTS, NeuralMemory
+from recursive_lightning.training import parallel
+
+
+def _chunk(d: int, heads: int, C: int, floor: float, dtype: torch.dtype, carried: bool, batch: int = 2):
+    """A memory and one chunk's update inputs: from M_0 (expanded, stride 0 over the batch) or from a state
+    carried after one update (W_2 and S_2 then transposed views, as the kernel returns them)."""
+    torch.manual_seed(0)
+    mem = NeuralMemory(d, heads, depth=2, expansion=2, chunk_size=C, step_floor=floor).to(dtype)
+    with torch.no_grad():
+        q, k, v, theta, eta, alpha = mem.project(torch.randn(batch, 2 * C, d, dtype=dtype))
+        ks, vs, thetas = (t.split(C, dim=-2 if t.dim() == 4 else -1) for t in (k, v, theta))
+        rates = [(eta[:, :, t, None, None], alpha[:, :, t, None, None]) for t in range(2)]
+        state = mem.initial_state(batch)
+        weights, momentum = state.weights, state.momentum
+        if carried:
+            weights, momentum = mem.update_memory(ks[0], vs[0], thetas[0], *rates[0], weights, momentum)
+            weights = [weights[0], weights[1].mT.contiguous().mT]
+    return mem, (ks[1], vs[1], thetas[1], *rates[1], weights, momentum)
+
+
+@pytest.mark.parametrize(
+    "d,heads,C,floor,carried",
+    [(32, 2, 8, 12.0, False), (48, 1, 40, 0.0, True), (24, 2, 16, 3.0, True)],
+    ids=["from-M0-floor", "ragged-tiles-no-floor", "carried-floor"],
+)
+def test_the_fused_update_equals_the_pytorch_update_in_float64(memory_kernel, d, heads, C, floor, carried):
+    mem, args = _chunk(d, heads, C, floor, torch.float64, carried)
+    with torch.no_grad():
+        want = mem.update_memory(*args)
+        got = memory_kernel.fused_update_memory(
+            *args, ns_steps=5, coefficients=NS_COEFFICIENTS, step_floor=floor
+        )
+    for w, g in zip(want[0] + want[1], got[0] + got[1]):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-13)
+
+
+def test_the_fused_update_in_float32_is_as_close_to_float64_as_the_pytorch_update(memory_kernel):
+    mem, args = _chunk(48, 2, 40, 12.0, torch.float64, carried=True)
+    low = copy.deepcopy(mem).float()
+    args32 = [[t.float() for t in a] if isinstance(a, list) else a.float() for a in args]
+    with torch.no_grad():
+        exact = mem.update_memory(*args)
+        torch32 = low.update_memory(*args32)
+        fused32 = memory_kernel.fused_update_memory(
+            *args32, ns_steps=5, coefficients=NS_COEFFICIENTS, step_floor=12.0
+        )
+    for e, t, f in zip(exact[0] + exact[1], torch32[0] + torch32[1], fused32[0] + fused32[1]):
+        scale = e.abs().max()
+        torch_err, fused_err = ((x.double() - e).abs().max() / scale for x in (t, f))
+        assert fused_err < 1e-5 and fused_err <= 4 * torch_err + 1e-6, (fused_err, torch_err)
+
+
+def _tiny_mela():
+    torch.manual_seed(0)
+    cfg = preset(
+        "cpu-mela", d_model=64, n_heads=4, hmm_d_model=64, hmm_heads=4, memory_heads=2, vocab_size=97
+    )
+    model = build_model(cfg).double()
+    idx = torch.randint(0, cfg.vocab_size, (1, 3 * cfg.tokens_per_chunk + 1))  # the HMM reads chunks 0, 1
+    return model, idx
+
+
+def test_a_model_runs_its_updates_without_gradients_fused_and_learns_as_before(memory_kernel):
+    """cpu-mela's training loss over 3 decoder chunks (the HMM over the first 2; H = 2: one HLR cycle without
+    gradients, its updates fused, the memory carried across chunks; the last cycle's through the PyTorch update
+    and its backward) and a no-grad forward (every update fused) in float64."""
+    plain, idx = _tiny_mela()
+    fused = copy.deepcopy(plain)
+    fused.use_memory_kernel()
+    calls = []
+    for m in fused.modules():
+        if isinstance(m, NeuralMemory):
+            kernel = m.kernel
+            m.kernel = lambda *a, _k=kernel: calls.append(1) or _k(*a)
+    losses = [m.loss(idx[:, :-1], idx[:, 1:]) for m in (plain, fused)]
+    for loss in losses:
+        loss.backward()
+    per_chunk = len(plain.hmm.applications)
+    assert len(calls) == 2 * per_chunk // 2  # the HMM's 2 chunks, each's cycle without gradients
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=0)
+    grads = dict(fused.named_parameters())
+    for name, p in plain.named_parameters():
+        assert p.grad is not None and grads[name].grad is not None, name
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-9, atol=1e-12, msg=name)
+    calls.clear()
+    short = idx[:, : 2 * plain.cfg.tokens_per_chunk]  # the HMM over chunk 0
+    with torch.no_grad():
+        logits = [m(short) for m in (plain, fused)]
+    assert len(calls) == per_chunk
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-10, atol=1e-12)
+
+
+_COMPILE_FOR_SM90 = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from recursive_lightning.model.mela import memory_kernel as kernel
+
+ns = {"HAS_FLOOR": True, "STEPS": 5, "NS_A": 3.4, "NS_B": -4.8, "NS_C": 2.0}
+for fn, consts in ((kernel.store_surprise_kernel, {}), (kernel.orthogonal_step_kernel, ns)):
+    consts = {"BLK": kernel.BLOCK, "PRECISION": "tf32", **consts}
+    scalar = {"floor": "fp32", "eps": "fp32"}
+    signature = {
+        n: "constexpr" if n in consts else "*fp32" if n.endswith("_ptr") else scalar.get(n, "i32")
+        for n in fn.arg_names
+    }
+    where = {(fn.arg_names.index(k),): v for k, v in consts.items()}
+    compiled = compile(ASTSource(fn, signature, constexprs=where), target=GPUTarget("cuda", 90, 32))
+    print(fn.__name__, compiled.metadata.shared, "mma" in compiled.asm["ptx"])
+"""
+
+
+def test_the_kernels_compile_for_an_h100_h200_on_this_cpu(tmp_path):
+    """Triton's compiler (front end to PTX and ptxas, no GPU needed) accepts both kernels for sm_90 in float32
+    with TF32 dots (the training setting; float64, the references' dtype, compiles on the GPU in
+    ``tests/test_cuda.py``), within an SM's shared memory, their dots on tensor cores. The interpreter runs any Python, so only this catches what the compiler rejects (a
+    global that is not constexpr, branches of two types). In a process of its own, with an empty cache: the
+    interpreter leaves ``triton.language`` patched in the process that ran it."""
+    if not TRITON_INTERPRETER.is_dir():
+        pytest.importorskip("triton", reason="setup.sh installs triton for the fused kernels' tests")
+    env = {
+        **os.environ,
+        "TRITON_CACHE_DIR": str(tmp_path),
+        "PYTHONPATH": os.pathsep.join([str(TRITON_INTERPRETER), str(ROOT)]),
+    }
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert len(lines) == 2
+    for name, shared, mma in lines:
+        assert int(shared) <= 228 * 1024 and mma == "True", (name, shared, mma)
+
+
+@pytest.mark.parametrize(
+    "model,train_cfg,named",
+    [
+        ({}, {"memory_kernel": "cuda"}, "train.memory_kernel 'cuda' is unknown; choose torch or triton."),
+        (
+            {"preset": "cpu-tiny"},
+            {"memory_kernel": "triton"},
+            "fuses Mela's neural memory update; set it torch",
+        ),
+        (
+            {"memory_depth": 3},
+            {"memory_kernel": "triton"},
+            "newton_schulz at model.memory_depth 2, not newton_schulz at depth 3",
+        ),
+        ({"memory_update": "momentum"}, {"memory_kernel": "triton"}, "not momentum at depth 2"),
+        ({}, {"memory_kernel": "triton", "compile": "model"}, "cannot be combined with train.compile model"),
+    ],
+)
+def test_a_memory_kernel_that_cannot_compute_the_update_is_refused(tiny_run, model, train_cfg, named):
+    cfg = tiny_run()
+    cfg["model"] = {"preset": "cpu-mela", **model}
+    cfg["train"].update(train_cfg)
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        RunConfig.from_dict(cfg)
+
+
+def test_the_triton_memory_kernel_on_the_cpu_is_refused_before_any_work(tiny_run, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = tiny_run()
+    cfg["model"] = {"preset": "cpu-mela"}
+    cfg["train"].update(memory_kernel="triton", accelerator="cpu")
+    with pytest.raises(
+        ConfigError, match="train.memory_kernel triton needs a CUDA GPU; set it torch on the CPU"
+    ):
+        parallel.check_supported(RunConfig.from_dict(cfg).train)
