@@ -99,16 +99,16 @@ def _counted(name: str) -> bool:
 
 
 class _ProfiledLaunch:
-    """``kernel[grid](...)`` of a Triton kernel inside a profiler event of its own."""
+    """``kernel[grid](...)`` of a Triton kernel inside a profiler event named ``name``."""
 
-    def __init__(self, kernel) -> None:
-        self.kernel = kernel
+    def __init__(self, kernel, name: str) -> None:
+        self.kernel, self.name = kernel, name
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
 
         def run(*args, **kwargs):
-            with torch.profiler.record_function(TRITON_LAUNCH + self.kernel.__name__):
+            with torch.profiler.record_function(TRITON_LAUNCH + self.name):
                 return launch(*args, **kwargs)
 
         return run
@@ -118,8 +118,8 @@ def count_triton_launches(module) -> None:
     """Each launch of ``module``'s Triton kernels (``model/mela/memory_kernel.py``) from now on records a
     profiler event, which :func:`op_calls` counts as one call; what runs inside (the ATen copies of Triton's
     interpreter, on the CPU) is not counted."""
-    for name in ("store_surprise_kernel", "orthogonal_step_kernel"):
-        setattr(module, name, _ProfiledLaunch(getattr(module, name)))
+    for name in ("store_surprise", "orthogonal_step"):
+        setattr(module, name, _ProfiledLaunch(getattr(module, name), name))
 
 
 def profile_generated_kernels() -> None:

@@ -8,10 +8,10 @@ that carry no gradient (``train.memory_kernel: triton``).
 
 The PyTorch path runs this as about 25 kernels a chunk (five GEMMs for the surprise, fifteen for Newton-Schulz,
 the element-wise work between them); here it is two launches, one program per (sequence, head) for the surprise
-and one per (memory tensor, sequence, head) for the orthogonal step, each looping over 32 x 32 tiles of its
-matrices in global memory (an L2-resident scratch) with a barrier between dependent phases. A memory head's
-state at mela-400m (W_1, W_2 and their momenta, 192 x 384 each in float32) is 576 KB, above an SM's shared
-memory, so the tiles stream rather than stay resident.
+and one per (memory tensor, sequence, head) for the orthogonal step, each looping over square tiles of its
+matrices (32 or 64 wide, :data:`CONFIGS`) in global memory (an L2-resident scratch) with a barrier between
+dependent phases. A memory head's state at mela-400m (W_1, W_2 and their momenta, 192 x 384 each in float32) is
+576 KB, above an SM's shared memory, so the tiles stream rather than stay resident.
 
 Only Mela's preset update runs here: a 2-layer memory MLP with momentum, forgetting and Newton-Schulz
 (``memory_update: newton_schulz``, ``memory_depth: 2``); anything else, and any update that carries gradients
@@ -24,11 +24,18 @@ float64 under ``TRITON_INTERPRET=1`` on the CPU (``tests/model/test_memory_kerne
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-BLOCK = 32  # tile side: tl.dot needs >= 16; 32 x 32 float32 operands keep a program's registers small
+# the tile side (tl.dot needs >= 16) and warps per program: on a GPU the fastest of these for an update's (C, D, E)
+# is timed on its first launch (Triton's autotuner); the first alone under Triton's interpreter
+CONFIGS = (
+    triton.Config({"BLK": 32}, num_warps=4),
+    triton.Config({"BLK": 64}, num_warps=8),
+)
 SQRT_HALF = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
 
@@ -175,7 +182,7 @@ def orthogonal_step_kernel(
             s = _load(s_ptr, i0 + r, j0 + r, E, 1, D, E)
             _store(x_ptr, i0 + r, j0 + r, E, 1, D, E, s / (norm + eps))
     tl.debug_barrier()
-    for _ in tl.static_range(STEPS):
+    for _ in range(STEPS):  # a loop, not unrolled: a fifth of the code to compile
         for i0 in range(0, D, BLK):  # A = X X^T
             for j0 in range(0, D, BLK):
                 acc = tl.zeros((BLK, BLK), dtype=x_ptr.dtype.element_ty)
@@ -219,6 +226,15 @@ def orthogonal_step_kernel(
             _store(out_ptr, i0 + r, j0 + r, E, 1, D, E, alpha * w + scale * x)
 
 
+def _tuned(kernel):
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # read with triton.jit's, at import
+    return triton.autotune(list(CONFIGS[:1] if interpreted else CONFIGS), key=["C", "D", "E"])(kernel)
+
+
+store_surprise = _tuned(store_surprise_kernel)
+orthogonal_step = _tuned(orthogonal_step_kernel)
+
+
 def supported(depth: int, update: str, has_momentum: bool) -> bool:
     """Whether :func:`fused_update_memory` computes this memory's update."""
     return depth == 2 and update == "newton_schulz" and has_momentum
@@ -259,21 +275,21 @@ def fused_update_memory(
     d = torch.empty(BH, C, D, dtype=dtype, device=device)
     w1, w2 = weights
     s1, s2 = momentum
-    store_surprise_kernel[(BH,)](
+    store_surprise[(BH,)](
         k, v, theta, eta_t, w1, w2, s1, s2, new_momentum, z, g, d,
         *_strides(k), *_strides(v), *_strides(theta), *_strides(eta_t)[:2],
         *_strides(w1), *_strides(w2), *_strides(s1), *_strides(s2),
-        H, C, D, E, BH, BLK=BLOCK, PRECISION=precision,
+        H, C, D, E, BH, PRECISION=precision,
     )  # fmt: skip
     new_weights = torch.empty(2, B, H, D, E, dtype=dtype, device=device)
     x, y = (torch.empty(2 * BH, D, E, dtype=dtype, device=device) for _ in range(2))
     a, bm = (torch.empty(2 * BH, D, D, dtype=dtype, device=device) for _ in range(2))
     ns_a, ns_b, ns_c = coefficients
-    orthogonal_step_kernel[(2 * BH,)](
+    orthogonal_step[(2 * BH,)](
         new_momentum, w1, w2, theta, alpha_t, new_weights, x, y, a, bm,
         *_strides(w1), *_strides(w2), *_strides(theta), *_strides(alpha_t)[:2],
         H, C, D, E, BH, float(step_floor), float(eps),
-        HAS_FLOOR=step_floor > 0, STEPS=ns_steps, NS_A=ns_a, NS_B=ns_b, NS_C=ns_c, BLK=BLOCK, PRECISION=precision,
+        HAS_FLOOR=step_floor > 0, STEPS=ns_steps, NS_A=ns_a, NS_B=ns_b, NS_C=ns_c, PRECISION=precision,
     )  # fmt: skip
     return (
         [new_weights[0], new_weights[1].transpose(-2, -1)],
