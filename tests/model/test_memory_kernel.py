@@ -57,6 +57,61 @@ def test_the_fused_update_equals_the_pytorch_update_in_float64(memory_kernel, d,
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-13)
 
 
+@pytest.fixture
+def compiled_scalars(memory_kernel, monkeypatch):
+    """The interpreter given each Python float a kernel takes at run time as the compiled kernel gets it: a GPU
+    launch passes it as an fp32 parameter (``triton.runtime.jit.mangle_type``), which the interpreter would
+    otherwise keep a Python float, in float64."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+    from triton.runtime.jit import mangle_type
+
+    convert = interpreter._implicit_cvt
+
+    def as_launched(arg):
+        if not isinstance(arg, float):
+            return convert(arg)
+        ty = tl.str_to_ty(mangle_type(arg), None)
+        return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), ty), ty)
+
+    monkeypatch.setattr(interpreter, "_implicit_cvt", as_launched)
+    return memory_kernel
+
+
+@pytest.mark.parametrize("carried", [False, True], ids=["from-M0", "carried"])
+def test_the_float64_update_keeps_its_floor_and_eps_in_float64_as_a_gpu_launch_passes_them(
+    compiled_scalars, carried
+):
+    """A floor that float32 cannot hold (12.3) and Newton-Schulz's eps (1e-7) reach the float64 kernel at full
+    precision: an fp32 kernel argument would move tau by 1.6e-8 relative, and the step with it."""
+    mem, args = _chunk(32, 2, 8, 12.3, torch.float64, carried)
+    with torch.no_grad():
+        want = mem.update_memory(*args)
+        got = compiled_scalars.fused_update_memory(
+            *args, ns_steps=5, coefficients=NS_COEFFICIENTS, step_floor=12.3
+        )
+    for w, g in zip(want[0] + want[1], got[0] + got[1]):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-13)
+
+
+def test_a_vanished_memory_takes_the_pytorch_updates_step_below_the_floor(memory_kernel):
+    """M_{t-1} = 0 makes tau = 0, which both paths clamp to the dtype's smallest normal number (``tiny``): in
+    float64 a surprise of norm 1.5e-38 (a decayed momentum; the memory's own surprise is 0) then takes the full
+    step. (In float32 a norm that small sums squares that underflow to 0: both paths take no step.)"""
+    mem, (k, v, theta, eta, alpha, weights, momentum) = _chunk(32, 2, 8, 6.0, torch.float64, carried=False)
+    weights = [torch.zeros_like(w) for w in weights]
+    momentum = [torch.full_like(w, 3e-38 / w[0, 0].numel() ** 0.5) for w in weights]
+    args = (k, v, theta, eta, alpha, weights, momentum)
+    with torch.no_grad():
+        want = mem.update_memory(*args)
+        got = memory_kernel.fused_update_memory(
+            *args, ns_steps=5, coefficients=NS_COEFFICIENTS, step_floor=6.0
+        )
+    for w, g in zip(want[0], got[0]):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=0)
+
+
 def test_the_fused_update_in_float32_is_as_close_to_float64_as_the_pytorch_update(memory_kernel):
     mem, args = _chunk(48, 2, 40, 12.0, torch.float64, carried=True)
     low = copy.deepcopy(mem).float()
@@ -118,16 +173,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from recursive_lightning.model.mela import memory_kernel as kernel
 
-ns = {"HAS_FLOOR": True, "STEPS": 5, "NS_A": 3.4, "NS_B": -4.8, "NS_C": 2.0}
+ns = {"FLOOR": 6.0, "EPS": 1e-7, "TINY": 1.2e-38, "STEPS": 5, "NS_A": 3.4, "NS_B": -4.8, "NS_C": 2.0}
 print(len(kernel.CONFIGS))
 for config in kernel.CONFIGS:
     for fn, consts in ((kernel.store_surprise_kernel, {}), (kernel.orthogonal_step_kernel, ns)):
         consts = {**config.kwargs, "PRECISION": "tf32", **consts}
-        scalar = {"floor": "fp32", "eps": "fp32"}
-        signature = {
-            n: "constexpr" if n in consts else "*fp32" if n.endswith("_ptr") else scalar.get(n, "i32")
-            for n in fn.arg_names
-        }
+        signature = {n: "constexpr" if n in consts else "*fp32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
         where = {(fn.arg_names.index(k),): v for k, v in consts.items()}
         source = ASTSource(fn, signature, constexprs=where)
         compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.num_warps})

@@ -155,13 +155,15 @@ def _frobenius(ptr, s_r, s_c, R, K, BLK: tl.constexpr):
 def orthogonal_step_kernel(
     s_ptr, w1_ptr, w2_ptr, theta_ptr, alpha_ptr, out_ptr, x_ptr, y_ptr, a_ptr, b_ptr,
     sw1_b, sw1_h, sw1_r, sw1_c, sw2_b, sw2_h, sw2_r, sw2_c, st_b, st_h, st_c, sa_b, sa_h,
-    H, C, D, E, BH, floor, eps,
-    HAS_FLOOR: tl.constexpr, STEPS: tl.constexpr, NS_A: tl.constexpr, NS_B: tl.constexpr, NS_C: tl.constexpr,
-    BLK: tl.constexpr, PRECISION: tl.constexpr,
+    H, C, D, E, BH,
+    FLOOR: tl.constexpr, EPS: tl.constexpr, TINY: tl.constexpr, STEPS: tl.constexpr,
+    NS_A: tl.constexpr, NS_B: tl.constexpr, NS_C: tl.constexpr, BLK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """M = alpha M + min(1, ||S|| / tau) NewtonSchulz(S) for memory tensor ``pid // BH`` (0: W_1, 1: W_2 in
-    its D x E transpose) of one (sequence, head); S is s[pid], D x E. X ping-pongs between x and y, A and
-    B = b A + c A A are D x D scratch."""
+    """M = alpha M + min(1, ||S|| / max(tau, TINY)) NewtonSchulz(S) for memory tensor ``pid // BH`` (0: W_1,
+    1: W_2 in its D x E transpose) of one (sequence, head); S is s[pid], D x E. X ping-pongs between x and y,
+    A and B = b A + c A A are D x D scratch. The floor, eps and TINY are compile-time constants, so they enter
+    the arithmetic in the tensors' dtype: a launch passes a Python float argument as fp32, which would round a
+    float64 update's floor and eps."""
     pid = tl.program_id(0)
     bh = pid % BH
     b, h = bh // H, bh % H
@@ -180,7 +182,7 @@ def orthogonal_step_kernel(
     for i0 in range(0, D, BLK):
         for j0 in range(0, E, BLK):
             s = _load(s_ptr, i0 + r, j0 + r, E, 1, D, E)
-            _store(x_ptr, i0 + r, j0 + r, E, 1, D, E, s / (norm + eps))
+            _store(x_ptr, i0 + r, j0 + r, E, 1, D, E, s / (norm + EPS))
     tl.debug_barrier()
     for _ in range(STEPS):  # a loop, not unrolled: a fifth of the code to compile
         for i0 in range(0, D, BLK):  # A = X X^T
@@ -212,12 +214,12 @@ def orthogonal_step_kernel(
         tl.debug_barrier()
         x_ptr, y_ptr = y_ptr, x_ptr
     scale = 1.0
-    if HAS_FLOOR:  # the bounded step (neural_memory.step_floors)
+    if FLOOR > 0:  # the bounded step (neural_memory.step_floors)
         theta = tl.load(theta_ptr + b * st_b + h * st_h + r * st_c, mask=r < C, other=0.0)
         for c0 in range(BLK, C, BLK):
             theta += tl.load(theta_ptr + b * st_b + h * st_h + (c0 + r) * st_c, mask=c0 + r < C, other=0.0)
-        tau = floor * tl.sum(theta, axis=0) * _frobenius(w_ptr, sw_r, sw_c, D, E, BLK)
-        scale = tl.minimum(norm / tl.maximum(tau, 1e-37), 1.0)
+        tau = FLOOR * tl.sum(theta, axis=0) * _frobenius(w_ptr, sw_r, sw_c, D, E, BLK)
+        scale = tl.minimum(norm / tl.maximum(tau, TINY), 1.0)
     alpha = tl.load(alpha_ptr + b * sa_b + h * sa_h)
     for i0 in range(0, D, BLK):  # M_t = alpha_t M_{t-1} + step  (Eq. 10)
         for j0 in range(0, E, BLK):
@@ -288,8 +290,8 @@ def fused_update_memory(
     orthogonal_step[(2 * BH,)](
         new_momentum, w1, w2, theta, alpha_t, new_weights, x, y, a, bm,
         *_strides(w1), *_strides(w2), *_strides(theta), *_strides(alpha_t)[:2],
-        H, C, D, E, BH, float(step_floor), float(eps),
-        HAS_FLOOR=step_floor > 0, STEPS=ns_steps, NS_A=ns_a, NS_B=ns_b, NS_C=ns_c, PRECISION=precision,
+        H, C, D, E, BH, FLOOR=float(step_floor), EPS=float(eps), TINY=torch.finfo(dtype).tiny,
+        STEPS=ns_steps, NS_A=ns_a, NS_B=ns_b, NS_C=ns_c, PRECISION=precision,
     )  # fmt: skip
     return (
         [new_weights[0], new_weights[1].transpose(-2, -1)],
