@@ -89,6 +89,15 @@ def make_inputs(folder: Path, root: Path) -> None:
         "sw-plot.yaml": base + "report: {plot: pie}\n",
         "sw-loops.yaml": base + "evaluate: {ppl: {t: text.txt}, loops: [1, 100000]}\n",
     }
+    # a search instead of the grid: a choice, a range and a log range no trial drawing them can train
+    grid = "axes: {variant: {a: {model.topology: base}}}\nseeds: [0]\n"
+    for name, space in {
+        "sw-search-choice.yaml": "{model.topology: {choices: [mesh, mesch]}}",
+        "sw-search-range.yaml": "{train.lr: {low: 1.0e-2, high: 1.0e-4}}",
+        "sw-search-log.yaml": "{train.lr: {low: 0, high: 1.0e-3, log: true}}",
+        "sw-search-value.yaml": "{train.warmup_ratio: {low: 0.0, high: 1.5}}",
+    }.items():
+        sweeps[name] = base.replace(grid, f"search: {{n_trials: 2, space: {space}}}\n")
     # a text of one document: no train/validation split; a sweep naming it in its overrides, or in one grid point
     (folder / "one-doc.txt").write_text("one single document and nothing else\n")
     one_doc = f"{{data.path: {folder / 'one-doc.txt'}}}"
@@ -499,6 +508,18 @@ CASES: list[tuple[str, list[str], str]] = [
         "axes.variant.a is given twice",
     ),
     ("sweep-octal", ["sweep", "{in}/sw-octal.yaml", "--run-dir", "{out}/s"], "workers: 02 in sweep file"),
+    (
+        "sweep-search-choice",
+        ["sweep", "{in}/sw-search-choice.yaml", "--run-dir", "{out}/s"],
+        "at model.topology=mesch: model.topology 'mesch'",
+    ),
+    ("sweep-search-range", ["sweep", "{in}/sw-search-range.yaml", "--run-dir", "{out}/s"], "swap them"),
+    (
+        "sweep-search-log",
+        ["sweep", "{in}/sw-search-log.yaml", "--run-dir", "{out}/s"],
+        "log range needs low > 0",
+    ),
+    ("sweep-search-value", ["sweep", "{in}/sw-search-value.yaml", "--run-dir", "{out}/s"], "warmup_ratio"),
     ("sweep-top-key", ["sweep", "{in}/sw-top.yaml", "--run-dir", "{out}/s"], "evalute"),
     ("sweep-axis-value", ["sweep", "{in}/sw-axis.yaml", "--run-dir", "{out}/s"], "warp"),
     ("sweep-seeds", ["sweep", "{in}/sw-seeds.yaml", "--run-dir", "{out}/s"], "seed"),

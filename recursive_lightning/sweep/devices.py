@@ -111,7 +111,7 @@ def check_devices(spec: SweepSpec, pool: list[str]) -> None:
     """Refuse, before any training, a grid point that asks for more devices than this machine's pool has."""
     if not pool:
         return
-    for point in spec.points():
+    for point in spec.checked_points():
         need = devices_needed(spec.trial_config(point), pool)
         if need > len(pool):
             raise ConfigError(
@@ -126,7 +126,7 @@ def check_machine(spec: SweepSpec) -> None:
     e.g. ``train.cuda_graphs`` without CUDA), naming the point, instead of failing every trial of it."""
     from recursive_lightning.training.parallel import check_supported  # heavy
 
-    for point in spec.points():
+    for point in spec.checked_points():
         try:
             check_supported(spec.trial_config(point).train)
         except ConfigError as e:

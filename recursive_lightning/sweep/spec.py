@@ -33,6 +33,7 @@ import copy
 import hashlib
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,13 +120,48 @@ class SweepSpec:
         data["name"] = self.name
         return RunConfig.from_dict(data)
 
+    def search_values(self) -> list[dict[str, Any]]:
+        """Each choice and each range end of every ``search.space`` parameter, as a one-field point."""
+        if self.search is None:
+            return []
+        out = []
+        for name, dist in self.search["space"].items():
+            values = dist["choices"] if "choices" in dist else [dist["low"], dist["high"]]
+            out += [{name: value} for value in values]
+        return out
+
+    def checked_points(self) -> list[dict[str, Any]]:
+        """The points checked before any training: :meth:`points`, and for a search each value of
+        :meth:`search_values` on the base (a value every trial that draws it would fail on)."""
+        return self.points() + self.search_values()
+
     def validate(self) -> SweepSpec:
         for point in self.points():
             try:
                 self.trial_config(point)
             except ConfigError as e:
                 raise ConfigError(f"{self.at(point)}: {e}") from None
+        for point in self.search_values():
+            self._check_search_value(point)
         return self
+
+    def _check_search_value(self, point: dict[str, Any]) -> None:
+        """One sentence for a search value that no trial drawing it can train: it fails on the base and beside
+        every combination of the other parameters' choices (the first 64), which a trial may draw with it."""
+        ((name, _),) = point.items()
+        others = [
+            [(k, c) for c in d["choices"]]
+            for k, d in self.search["space"].items()
+            if k != name and "choices" in d
+        ]
+        first = None
+        for combo in itertools.chain([()], itertools.islice(itertools.product(*others), 64)):
+            try:
+                self.trial_config({**dict(combo), **point})
+                return
+            except ConfigError as e:
+                first = first or e
+        raise ConfigError(f"{self.at(point)}: {first}") from None
 
 
 def row_name(point: dict[str, Any], axes: list[str]) -> str:
@@ -286,9 +322,29 @@ def _search(search: Any, where: str) -> dict | None:
             raise ConfigError(
                 f"{where}: search.space.{k} must be {{low, high[, log, step]}} or {{choices: [...]}}."
             )
+        if "choices" in v and (not isinstance(v["choices"], list) or not v["choices"]):
+            raise ConfigError(f"{where}: search.space.{k}.choices must be a non-empty list of values.")
+        if "choices" not in v:
+            _check_range(k, v, where)
     if int(search.get("n_trials", 0)) < 1:
         raise ConfigError(f"{where}: search.n_trials must be >= 1.")
     return search
+
+
+def _check_range(name: str, dist: dict, where: str) -> None:
+    """One sentence for a search range Optuna cannot sample: ends that are not numbers, low above high, a log
+    range that does not start above 0."""
+    low, high = dist["low"], dist["high"]
+    if not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (low, high)
+    ):
+        raise ConfigError(
+            f"{where}: search.space.{name}: low and high must be numbers, not {low!r} and {high!r}."
+        )
+    if low > high:
+        raise ConfigError(f"{where}: search.space.{name}: low {low} is above high {high}; swap them.")
+    if dist.get("log") and low <= 0:
+        raise ConfigError(f"{where}: search.space.{name}: a log range needs low > 0, not {low}.")
 
 
 def _evaluate_block(evaluate: Any, where: str) -> dict:

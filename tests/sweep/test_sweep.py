@@ -273,6 +273,32 @@ def test_tpe_search_with_pruning_reports(tmp_path, data_cache):
     assert all(t.intermediate_values for t in trials)  # validation losses reported by global step
 
 
+def test_a_search_value_valid_beside_another_parameters_choice_is_kept(tmp_path, data_cache):
+    """A search value is refused only when no trial drawing it can train: the vanilla layout ``4`` fails beside the
+    base's MeSH topology but trains beside the space's ``base`` topology, so the sweep is kept; without that choice
+    it is refused in one sentence naming the value."""
+    from recursive_lightning.errors import ConfigError
+    from recursive_lightning.sweep.spec import load_sweep
+
+    spec = sweep_file(tmp_path, data_cache, {"mesh": {"model.topology": "mesh"}})
+    raw = yaml.safe_load(spec.read_text())
+    del raw["axes"], raw["seeds"]
+    raw["overrides"]["model.topology"] = "mesh"
+    layouts = {"choices": ["1+2R2+1", "4"]}
+    raw["search"] = {
+        "n_trials": 2,
+        "space": {"model.layout": layouts, "model.topology": {"choices": ["mesh", "base"]}},
+    }
+    spec.write_text(yaml.safe_dump(raw))
+    assert load_sweep(spec).search_values()[1] == {"model.layout": "4"}
+    raw["search"]["space"] = {"model.layout": layouts}
+    spec.write_text(yaml.safe_dump(raw))
+    with pytest.raises(
+        ConfigError, match="at model.layout=4: model.topology 'mesh' needs a recurrent layout"
+    ):
+        load_sweep(spec)
+
+
 @pytest.mark.slow
 def test_a_trial_can_be_a_two_process_fsdp_job(tmp_path, data_cache):
     """A grid point with train.strategy fsdp on 2 devices runs as its own `train` command (Lightning launches
