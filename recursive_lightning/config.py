@@ -263,6 +263,7 @@ class RunConfig:
                     f"the '{section}' section must be a mapping of fields (e.g. {section}: {{...}}), "
                     f"not {data[section]!r}."
                 )
+            check_misplaced(section, data.get(section) or {})
         return cls(
             name=name,
             model=ModelConfig.from_dict(data.get("model") or {}),
@@ -412,6 +413,21 @@ def check_name(name: str, where: str) -> None:
             f"{where} {name!r} must be one folder name (no '/', backslash, '..' or surrounding spaces); "
             f"e.g. {suggestion!r}."
         )
+
+
+def check_misplaced(section: str, fields: dict[str, Any]) -> None:
+    """One sentence for a field written under the wrong section (``model.memory_kernel`` for
+    ``train.memory_kernel``): the section that has it, where a close match in its own would mislead."""
+    classes = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+    own = {f.name for f in dataclasses.fields(classes[section])}
+    for key in fields:
+        if key in own:
+            continue
+        for other, cls in classes.items():
+            if other != section and key in {f.name for f in dataclasses.fields(cls)}:
+                raise ConfigError(
+                    f"{section}.{key} is not a {section} field; it is {other}.{key}: move it there."
+                )
 
 
 def _build(cls: type, data: dict[str, Any], section: str) -> Any:

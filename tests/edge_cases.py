@@ -151,6 +151,11 @@ CASES: list[tuple[str, list[str], str]] = [
         "'trian' is not a config section (did you mean 'train'?)",
     ),
     (
+        "train-field-in-the-wrong-section",
+        ["train", "--model.memory_kernel", "triton", "--run-dir", "{out}/r"],
+        "model.memory_kernel is not a model field; it is train.memory_kernel: move it there.",
+    ),
+    (
         "describe-layout-loop-count",
         ["describe", "--preset", "cpu-tiny", "--layout", "2+4R-1+2"],
         "loop count",

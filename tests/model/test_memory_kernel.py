@@ -131,7 +131,7 @@ def test_the_fused_update_in_float32_is_as_close_to_float64_as_the_pytorch_updat
 def _tiny_mela():
     torch.manual_seed(0)
     cfg = preset(
-        "cpu-mela", d_model=64, n_heads=4, hmm_d_model=64, hmm_heads=4, memory_heads=2, vocab_size=97
+        "cpu-mela", d_model=64, n_heads=4, hmm_d_model=32, hmm_heads=4, memory_heads=1, vocab_size=97
     )
     model = build_model(cfg).double()
     idx = torch.randint(0, cfg.vocab_size, (1, 3 * cfg.tokens_per_chunk + 1))  # the HMM reads chunks 0, 1
