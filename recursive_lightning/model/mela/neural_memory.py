@@ -261,9 +261,8 @@ class NeuralMemory(nn.Module):
         )
         self.record: list[dict[str, torch.Tensor]] | None = None  # probes: per-chunk update statistics
         self.glue: tuple[Callable, Callable] | None = None  # project, update_memory compiled (compile_glue)
-        self.kernel: Callable | None = (
-            None  # the fused update of chunks without gradients (use_memory_kernel)
-        )
+        # the fused update of chunks without gradients (use_memory_kernel)
+        self.kernel: Callable | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -412,8 +411,8 @@ class NeuralMemory(nn.Module):
         self.glue = (torch.compile(self.project, **options), torch.compile(self.update_memory, **options))
 
     def use_memory_kernel(self) -> None:
-        """Run each chunk update that carries no gradient (the HLR cycles without gradients, evaluation,
-        decoding) as the two fused Triton kernels of ``memory_kernel.py`` (``train.memory_kernel: triton``); an
+        """Run each chunk update that carries no gradient (the HLR cycles without gradients, and every update of a
+        forward under ``torch.no_grad``: validation) as the two fused Triton kernels of ``memory_kernel.py`` (``train.memory_kernel: triton``); an
         update with gradients keeps :meth:`update_memory`, whose backward the outer parameters learn through."""
         from recursive_lightning.model.mela import memory_kernel  # optional
 
