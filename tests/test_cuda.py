@@ -252,6 +252,22 @@ def _mela(seed: int = 0):
     return build_model(cfg)
 
 
+def _assert_same_loss_and_grads(
+    reference, other, idx: torch.Tensor, loss_tol: float, grad_tol: float
+) -> None:
+    """Mela's training loss on ``idx`` of ``other`` within ``loss_tol`` (relative) of ``reference``'s, and every
+    parameter's gradient within ``grad_tol``."""
+    losses = []
+    for model in (reference, other):
+        loss = model.loss(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        losses.append(float(loss))
+    assert abs(losses[0] - losses[1]) < loss_tol * abs(losses[0])
+    want = dict(reference.named_parameters())
+    for name, p in other.named_parameters():
+        assert _rel(p.grad, want[name].grad) < grad_tol, name
+
+
 def test_mela_float32_and_bf16_against_float64_cpu():
     """``cpu-mela`` at its defaults over 64 chunks (the step floor keeps the memory's dynamics contractive,
     docs/models.md: Numerics): float32 on the GPU within 1e-3 of the CPU's float64, relative to the largest
@@ -298,15 +314,7 @@ def test_mela_compiled_memory_update_on_gpu_equals_eager():
     compiled = _mela().cuda().double()
     compiled.compile_glue()
     idx = torch.randint(0, 512, (2, 3 * eager.cfg.tokens_per_chunk + 1), device="cuda")
-    losses = []
-    for model in (eager, compiled):
-        loss = model.loss(idx[:, :-1], idx[:, 1:])
-        loss.backward()
-        losses.append(float(loss))
-    assert abs(losses[0] - losses[1]) < 1e-9 * abs(losses[0])
-    want = dict(eager.named_parameters())
-    for name, p in compiled.named_parameters():
-        assert _rel(p.grad, want[name].grad) < 1e-6, name
+    _assert_same_loss_and_grads(eager, compiled, idx, loss_tol=1e-9, grad_tol=1e-6)
 
 
 def test_mela_cached_decoding_on_gpu():
@@ -329,15 +337,7 @@ def test_mela_fused_memory_updates_on_gpu_equal_the_pytorch_updates():
     fused = _mela().cuda().double()
     fused.use_memory_kernel()
     idx = torch.randint(0, 512, (2, 3 * plain.cfg.tokens_per_chunk + 1), device="cuda")
-    losses = []
-    for model in (plain, fused):
-        loss = model.loss(idx[:, :-1], idx[:, 1:])
-        loss.backward()
-        losses.append(float(loss))
-    assert abs(losses[0] - losses[1]) < 1e-10 * abs(losses[0])
-    want = dict(plain.named_parameters())
-    for name, p in fused.named_parameters():
-        assert _rel(p.grad, want[name].grad) < 1e-8, name
+    _assert_same_loss_and_grads(plain, fused, idx, loss_tol=1e-10, grad_tol=1e-8)
     with torch.no_grad():
         exact = plain(idx[:, :-1])
         assert _rel(fused(idx[:, :-1]), exact) < 1e-10
