@@ -215,8 +215,8 @@ def orthogonal_step_kernel(
         x_ptr, y_ptr = y_ptr, x_ptr
     scale = 1.0
     if FLOOR > 0:  # the bounded step (neural_memory.step_floors)
-        theta = tl.load(theta_ptr + b * st_b + h * st_h + r * st_c, mask=r < C, other=0.0)
-        for c0 in range(BLK, C, BLK):
+        theta = tl.zeros((BLK,), dtype=theta_ptr.dtype.element_ty)
+        for c0 in range(0, C, BLK):
             theta += tl.load(theta_ptr + b * st_b + h * st_h + (c0 + r) * st_c, mask=c0 + r < C, other=0.0)
         tau = FLOOR * tl.sum(theta, axis=0) * _frobenius(w_ptr, sw_r, sw_c, D, E, BLK)
         scale = tl.minimum(norm / tl.maximum(tau, TINY), 1.0)
