@@ -143,23 +143,24 @@ def _leaf(event) -> bool:
     return True
 
 
-def _inside_triton_launch(event) -> bool:
+def _below(event, matches) -> bool:
+    """Whether an event that ``event`` ran inside (at any depth) has a name ``matches`` accepts."""
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name.startswith(TRITON_LAUNCH):
+        if matches(parent.name):
             return True
         parent = parent.cpu_parent
     return False
 
 
+def _inside_triton_launch(event) -> bool:
+    return _below(event, lambda name: name.startswith(TRITON_LAUNCH))
+
+
 def _outside_compiled(event) -> bool:
-    """Whether ``event`` ran in eager mode: under no compiled region's forward or backward."""
-    parent = event.cpu_parent
-    while parent is not None:
-        if "Compiled" in parent.name:  # "Torch-Compiled Region", "CompiledFunction[Backward]", its graphs
-            return False
-        parent = parent.cpu_parent
-    return True
+    """Whether ``event`` ran in eager mode: under no compiled region's forward or backward ("Torch-Compiled
+    Region", "CompiledFunction[Backward]", its graphs)."""
+    return not _below(event, lambda name: "Compiled" in name)
 
 
 def op_calls(
