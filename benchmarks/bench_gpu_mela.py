@@ -19,7 +19,8 @@ float32 matmul precision, which sets how Mela's memory loop (float32 outside aut
 (default) on TF32 tensor cores, as ``train`` runs it under bf16-mixed; ``highest`` in full FP32, as ``eval`` runs
 it and as a user who chose ``highest`` trains. The two runs side by side give TF32's speed-up of Mela's step.
 ``--memory-kernel``: a fourth model taking turns with the three, Mela with ``train.memory_kernel: triton`` (its
-updates without gradients as two fused Triton kernels a chunk, ``model/mela/memory_kernel.py``), with its own
+memory updates as two fused Triton kernels a chunk and their backward as two more, ``model/mela/memory_kernel.py``
+and ``memory_kernel_backward.py``), with its own
 goal lines and its loss beside the PyTorch path's; ``eval`` then streams with the fused updates.
 
 ``eval``: the hidden states ``eval`` scores (``evaluation.perplexity.hidden_states``: a chunk-local model

@@ -5,7 +5,7 @@
     python benchmarks/bench_host_overhead.py --by-op         # where the calls go, per ATen operator
     python benchmarks/bench_host_overhead.py --mela          # mela-400m vs transformerpp-400m at 4K, by part
     python benchmarks/bench_host_overhead.py --mela --compile glue   # the same compiled: kernels per step
-    python benchmarks/bench_host_overhead.py --mela --memory-kernel triton   # updates without gradients fused
+    python benchmarks/bench_host_overhead.py --mela --memory-kernel triton   # memory updates fused, and backward
 
 On a GPU a small model's step (and SpiralFormer's coarse passes at any size) is bound by the host launching
 kernels, not by the kernels (docs/benchmarks.md, "GPU speed": the GPU idles a quarter of SpiralFormer-B's step at 160M).
@@ -24,9 +24,9 @@ without gradients (Mela at H = 1 less the full model). The goal: Mela's leaf cal
 ``--compile SCOPE``: both models under that ``train.compile`` scope, counting what a compiled step launches: the
 kernels inductor generated, the library GEMMs its graphs call, and the ATen calls left outside its graphs. The
 kernels are the CPU backend's, which also fuses loop nests a GPU runs as separate Triton kernels: on a GPU the
-count is about this or higher. ``--memory-kernel triton``: Mela's updates without gradients as the two fused
-Triton kernels of ``train.memory_kernel: triton`` (Triton's interpreter where there is no GPU), each launch one
-call.
+count is about this or higher. ``--memory-kernel triton``: Mela's memory updates as the two fused Triton
+kernels of ``train.memory_kernel: triton`` and, for the updates with gradients, their backward as two more
+(Triton's interpreter where there is no GPU), each launch one call.
 """
 
 from __future__ import annotations
@@ -114,12 +114,17 @@ class _ProfiledLaunch:
         return run
 
 
-def count_triton_launches(module) -> None:
-    """Each launch of ``module``'s Triton kernels (``model/mela/memory_kernel.py``) from now on records a
-    profiler event, which :func:`op_calls` counts as one call; what runs inside (the ATen copies of Triton's
-    interpreter, on the CPU) is not counted."""
-    for name in ("store_surprise", "orthogonal_step"):
-        setattr(module, name, _ProfiledLaunch(getattr(module, name), name))
+MEMORY_KERNELS = ("store_surprise", "orthogonal_step", "orthogonal_step_backward", "store_surprise_backward")
+
+
+def count_triton_launches(*modules) -> None:
+    """Each launch of the Triton kernels of ``modules`` (``model/mela/memory_kernel.py`` and
+    ``memory_kernel_backward.py``) from now on records a profiler event, which :func:`op_calls` counts as one
+    call; what runs inside (the ATen copies of Triton's interpreter, on the CPU) is not counted."""
+    for module in modules:
+        for name in MEMORY_KERNELS:
+            if hasattr(module, name):
+                setattr(module, name, _ProfiledLaunch(getattr(module, name), name))
 
 
 def profile_generated_kernels() -> None:
@@ -278,12 +283,12 @@ def interpret_triton_on_the_cpu() -> None:
 
 
 def interpreted_memory_kernel() -> None:
-    """``model/mela/memory_kernel.py`` under Triton's interpreter (the tensors here are the CPU's), each launch
-    counted (:func:`count_triton_launches`)."""
+    """``model/mela/memory_kernel.py`` and its backward under Triton's interpreter (the tensors here are the
+    CPU's), each launch counted (:func:`count_triton_launches`)."""
     interpret_triton_on_the_cpu()
-    from recursive_lightning.model.mela import memory_kernel  # optional
+    from recursive_lightning.model.mela import memory_kernel, memory_kernel_backward  # optional
 
-    count_triton_launches(memory_kernel)
+    count_triton_launches(memory_kernel, memory_kernel_backward)
 
 
 def report_mela(args) -> bool:
@@ -312,7 +317,7 @@ def report_mela(args) -> bool:
         f"kernels per fwd+bwd, train.compile: {args.compile}"
         if args.compile
         else "leaf ATen calls per fwd+bwd"
-    ) + (", the updates without gradients fused (2 launches each)" if fused else "")
+    ) + (", the memory updates fused (2 launches each, 2 more in the backward)" if fused else "")
     print(
         f"\n{'PASS' if ok else 'MISS'} host calls Mela / Transformer++ {ratio:.2f} <= 2.0 "
         f"({leaves['Mela']:,} vs {leaves['Transformer++']:,} {what})"
@@ -373,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         "--memory-kernel",
         choices=["torch", "triton"],
         default="torch",
-        help="--mela: Mela's updates without gradients as fused Triton kernels (interpreted on the CPU), "
-        "each launch one call (Mela and Transformer++ only)",
+        help="--mela: Mela's memory updates and their backward as fused Triton kernels (interpreted on the "
+        "CPU), each launch one call (Mela and Transformer++ only)",
     )
     args = p.parse_args(argv)
     if (args.compile or args.memory_kernel != "torch") and not args.mela:

@@ -110,8 +110,8 @@ class TrainConfig:
     # each step's forward + backward captured once as a CUDA graph and replayed (training/cuda_graphs.py):
     # one GPU, fixed depth, no gradient accumulation, eager layers
     cuda_graphs: bool = False
-    # torch | triton: Mela's memory updates without gradients as two fused Triton kernels a chunk instead of
-    # about 25 (model/mela/memory_kernel.py); CUDA and the triton package
+    # torch | triton: Mela's memory update as two fused Triton kernels a chunk instead of about 25, and its
+    # backward as two instead of about 190 (model/mela/memory_kernel*.py); CUDA and the triton package
     memory_kernel: str = "torch"
     seed: int = 0
     val_every: int = 100  # steps between validations (and best-checkpoint selection)

@@ -78,8 +78,9 @@ TRITON_INTERPRETER = Path(__file__).resolve().parents[1] / ".venv" / "triton-int
 
 @pytest.fixture
 def memory_kernel(monkeypatch):
-    """``model/mela/memory_kernel.py`` imported afresh, its kernels run by Triton's interpreter on the CPU
-    (``TRITON_INTERPRET=1``, read when ``triton.jit`` decorates them); skipped without Triton."""
+    """``model/mela/memory_kernel.py`` imported afresh (and ``memory_kernel_backward.py``, which imports it), its
+    kernels run by Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, read when ``triton.jit`` decorates
+    them); skipped without Triton."""
     import importlib
     import sys
 
@@ -89,11 +90,64 @@ def memory_kernel(monkeypatch):
     if TRITON_INTERPRETER.is_dir():
         monkeypatch.syspath_prepend(str(TRITON_INTERPRETER))
     pytest.importorskip("triton", reason="setup.sh installs triton for the fused kernels' tests")
-    name = "recursive_lightning.model.mela.memory_kernel"
-    sys.modules.pop(name, None)
-    yield importlib.import_module(name)
-    sys.modules.pop(name, None)  # the next import decorates the kernels for the device again
-    vars(package).pop("memory_kernel", None)
+    names = ("memory_kernel", "memory_kernel_backward")
+    for name in names:
+        sys.modules.pop(f"{package.__name__}.{name}", None)
+    yield importlib.import_module(f"{package.__name__}.memory_kernel")
+    for name in names:  # the next import decorates the kernels for the device again
+        sys.modules.pop(f"{package.__name__}.{name}", None)
+        vars(package).pop(name, None)
+
+
+@pytest.fixture
+def memory_kernel_backward(memory_kernel):
+    """``model/mela/memory_kernel_backward.py`` under Triton's interpreter, as :func:`memory_kernel`."""
+    import importlib
+
+    return importlib.import_module("recursive_lightning.model.mela.memory_kernel_backward")
+
+
+def memory_chunk(
+    d: int,
+    heads: int,
+    C: int,
+    floor: float,
+    dtype: torch.dtype,
+    carried: bool,
+    batch: int = 2,
+    device: str = "cpu",
+) -> tuple:
+    """A neural memory (2-layer MLP, Newton-Schulz with ``floor``) and one chunk's update inputs (k, v, theta,
+    eta_t, alpha_t, M_{t-1}, S_{t-1}), on ``device``: from M_0 (expanded, stride 0 over the batch) or from a
+    state carried after one update (W_2 and S_2 then transposed views, as the fused kernel returns them)."""
+    from recursive_lightning.model.mela.neural_memory import NeuralMemory
+
+    torch.manual_seed(0)
+    mem = NeuralMemory(d, heads, depth=2, expansion=2, chunk_size=C, step_floor=floor).to(device, dtype)
+    with torch.no_grad():
+        q, k, v, theta, eta, alpha = mem.project(torch.randn(batch, 2 * C, d, dtype=dtype).to(device))
+        ks, vs, thetas = (t.split(C, dim=-2 if t.dim() == 4 else -1) for t in (k, v, theta))
+        rates = [(eta[:, :, t, None, None], alpha[:, :, t, None, None]) for t in range(2)]
+        state = mem.initial_state(batch)
+        weights, momentum = state.weights, state.momentum
+        if carried:
+            weights, momentum = mem.update_memory(ks[0], vs[0], thetas[0], *rates[0], weights, momentum)
+            weights = [weights[0], weights[1].mT.contiguous().mT]
+    return mem, (ks[1], vs[1], thetas[1], *rates[1], weights, momentum)
+
+
+def update_outputs_and_gradients(update, args: tuple) -> tuple[list, tuple]:
+    """M_t, S_t of ``update(*args)`` (args as :func:`memory_chunk` returns them) and the gradients of
+    <M_t, R> + <S_t, R'> (fixed random R, R') in every input: k, v, theta, eta_t, alpha_t, M_{t-1}, S_{t-1}."""
+    k, v, theta, eta, alpha, weights, momentum = args
+    leaves = [t.detach().clone().requires_grad_() for t in (k, v, theta, eta, alpha, *weights, *momentum)]
+    weights, momentum = update(*leaves[:5], leaves[5:7], leaves[7:9])
+    outputs = weights + momentum
+    torch.manual_seed(1)
+    # in index order whatever the strides, drawn in float64 on the CPU whatever the dtype and device
+    cotangents = [torch.randn(o.shape, dtype=torch.float64).to(o.device, o.dtype) for o in outputs]
+    total = sum((o * c).sum() for o, c in zip(outputs, cotangents))
+    return outputs, torch.autograd.grad(total, leaves)
 
 
 def chunk_errors(low: torch.Tensor, high: torch.Tensor, tokens_per_chunk: int) -> torch.Tensor:

@@ -7,6 +7,9 @@ off: 1e-4 relative; bf16 operands: a few 1e-3).
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
 
@@ -330,7 +333,8 @@ def test_mela_cached_decoding_on_gpu():
 
 def test_mela_fused_memory_updates_on_gpu_equal_the_pytorch_updates():
     """train.memory_kernel: triton (model/mela/memory_kernel.py) compiled for this GPU: in float64 the loss and
-    every gradient of the PyTorch path (its updates without gradients fused), a no-grad forward's logits
+    every gradient of the PyTorch path (every update fused, and the backward of those with gradients), a no-grad
+    forward's logits
     likewise; in float32 (TF32 off) the logits within the PyTorch path's own distance from float64, and under
     bf16 autocast with TF32 (what train runs) within the PyTorch path's bf16 error of it."""
     plain = _mela().cuda().double()
@@ -350,6 +354,44 @@ def test_mela_fused_memory_updates_on_gpu_equal_the_pytorch_updates():
     print(errors)
     assert errors["fused"] < 4 * errors["torch"] + 1e-6, errors
     assert errors["fused bf16+tf32"] < 2 * errors["torch bf16"], errors
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.25, 12.0], ids=["no-floor", "floor-in-some-heads", "floor"])
+def test_mela_fused_update_with_gradients_on_gpu_equals_autograd(floor):
+    """One chunk's update on the fused kernels forward and backward (model/mela/memory_kernel_backward.py),
+    compiled for this GPU at mela-400m's head shape (192 x 384, C = 64, from a carried state): in float64 every
+    output and every input's gradient equal to the PyTorch update's under autograd; in float32 each gradient's
+    error against float64 within 4x the PyTorch path's, in float32 and in TF32."""
+    from conftest import memory_chunk, update_outputs_and_gradients
+
+    from recursive_lightning.model.mela import memory_kernel_backward
+    from recursive_lightning.model.mela.neural_memory import NS_COEFFICIENTS
+
+    fused = functools.partial(
+        memory_kernel_backward.fused_update, ns_steps=5, coefficients=NS_COEFFICIENTS, step_floor=floor
+    )
+    mem, args = memory_chunk(768, 4, 64, floor, torch.float64, carried=True, device="cuda")
+    want_out, want = update_outputs_and_gradients(mem.update_memory, args)
+    got_out, got = update_outputs_and_gradients(fused, args)
+    for w, g in zip(want_out + list(want), got_out + list(got)):
+        assert _rel(g, w) < 1e-10
+    low = copy.deepcopy(mem).float()
+    args32 = tuple([t.float() for t in a] if isinstance(a, list) else a.float() for a in args)
+    old = torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "high"):  # float32, then TF32 (the kernels read it, memory_kernel.py)
+            torch.set_float32_matmul_precision(precision)
+            errors = [
+                (_rel(t, e), _rel(f, e))
+                for e, t, f in zip(
+                    want, update_outputs_and_gradients(low.update_memory, args32)[1],
+                    update_outputs_and_gradients(fused, args32)[1],
+                )
+            ]  # fmt: skip
+            print(f"{precision}: (torch, fused) float32 gradient errors against float64: {errors}")
+            assert all(f <= 4 * t + 1e-6 for t, f in errors), errors
+    finally:
+        torch.set_float32_matmul_precision(old)
 
 
 def test_mela_train_with_fused_memory_updates_on_gpu_and_resume(tmp_path, tiny_run, monkeypatch):

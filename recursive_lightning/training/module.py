@@ -98,7 +98,7 @@ class RecursiveLMModule(L.LightningModule):
         t = self.run_cfg.train
         if t.activation_checkpointing:
             parallel.apply_activation_checkpointing(self.model)
-        if t.memory_kernel == "triton":  # Mela's updates without gradients as fused kernels
+        if t.memory_kernel == "triton":  # Mela's chunk updates and their backward as fused kernels
             self.model.use_memory_kernel()
         if t.compile:
             self._compile_cache = parallel.persistent_compile_cache()

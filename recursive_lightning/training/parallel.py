@@ -209,6 +209,6 @@ def first_step_line(seconds: float, cfg: TrainConfig, graphs: tuple[int, int], c
         how.append("train.cuda_graphs: the step captured")
     if cfg.memory_kernel == "triton":
         how.append(
-            "train.memory_kernel triton: its two kernels compiled and tuned (Triton's cache keeps them)"
+            "train.memory_kernel triton: its four kernels compiled and tuned (Triton's cache keeps them)"
         )
     return f"[train] first step ready in {seconds:.1f} s; " + "; ".join(how)

@@ -17,7 +17,13 @@ from recursive_lightning.model.precision import upcast
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_host_overhead import TRITON_LAUNCH, count_triton_launches, op_calls, profile_generated_kernels  # noqa: E402
+from bench_host_overhead import (  # noqa: E402
+    MEMORY_KERNELS,
+    TRITON_LAUNCH,
+    count_triton_launches,
+    op_calls,
+    profile_generated_kernels,
+)
 
 
 def _memory_after_one_chunk(update: str = "newton_schulz") -> tuple[NeuralMemory, torch.Tensor, MemoryState]:
@@ -43,8 +49,8 @@ def test_one_chunk_update_without_gradients_stays_within_its_call_budget():
     assert leaves <= 64, leaves
 
 
-def test_one_chunk_update_with_gradients_stays_within_its_call_budget():
-    mem, x, state = _memory_after_one_chunk()
+def _fwd_bwd(mem: NeuralMemory, x: torch.Tensor, state: MemoryState):
+    """One application with gradients from a carried state: the forward and the backward of y and M_t."""
     x = x.clone().requires_grad_(True)
     carried = MemoryState(
         [w.clone().requires_grad_(True) for w in state.weights],
@@ -57,7 +63,11 @@ def test_one_chunk_update_with_gradients_stays_within_its_call_budget():
             [y, *s.weights], [torch.ones_like(y), *(torch.ones_like(w) for w in s.weights)]
         )
 
-    _, leaves = op_calls(run)
+    return run
+
+
+def test_one_chunk_update_with_gradients_stays_within_its_call_budget():
+    _, leaves = op_calls(_fwd_bwd(*_memory_after_one_chunk()))
     assert leaves <= 260, leaves
 
 
@@ -156,3 +166,20 @@ def test_one_chunk_update_without_gradients_fused_is_two_launches_and_the_projec
         TRITON_LAUNCH + "orthogonal_step": 1,
     }
     assert leaves <= 20 and unfused >= 3 * leaves, (leaves, unfused)
+
+
+def test_one_chunk_update_with_gradients_fused_is_four_launches_and_the_projections(
+    memory_kernel, memory_kernel_backward
+):
+    """The application of the test with gradients, its update on the fused kernels forward and backward (each
+    launch one call): the projections, gates, retrieval and their backward stay ATen calls, 88 leaf calls in
+    all against the PyTorch update's 251."""
+    count_triton_launches(memory_kernel, memory_kernel_backward)
+    mem, x, state = _memory_after_one_chunk()
+    run = _fwd_bwd(mem, x, state)
+    unfused = op_calls(run)[1]
+    mem.use_memory_kernel()
+    _, leaves, per_op = op_calls(run, by_op=True)
+    launches = {name[len(TRITON_LAUNCH) :]: n for name, n in per_op.items() if name.startswith(TRITON_LAUNCH)}
+    assert launches == dict.fromkeys(MEMORY_KERNELS, 1)
+    assert leaves <= 90 and unfused >= 2.5 * leaves, (leaves, unfused)

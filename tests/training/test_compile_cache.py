@@ -89,6 +89,6 @@ def test_the_first_step_line_names_what_was_compiled_or_captured():
     assert captured == "[train] first step ready in 3.0 s; train.cuda_graphs: the step captured"
     fused = parallel.first_step_line(5.0, TrainConfig(memory_kernel="triton"), (0, 0), None)
     assert fused == (
-        "[train] first step ready in 5.0 s; train.memory_kernel triton: its two kernels compiled and tuned (Triton's cache "
+        "[train] first step ready in 5.0 s; train.memory_kernel triton: its four kernels compiled and tuned (Triton's cache "
         "keeps them)"
     )

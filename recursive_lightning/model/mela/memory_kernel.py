@@ -1,5 +1,5 @@
-"""One chunk's memory update (Eqs. 8, 10, 11 with the step floor) as two fused Triton kernels, for the updates
-that carry no gradient (``train.memory_kernel: triton``).
+"""One chunk's memory update (Eqs. 8, 10, 11 with the step floor) as two fused Triton kernels
+(``train.memory_kernel: triton``); its backward is ``memory_kernel_backward.py``.
 
     store_surprise:   Z = K W_1,  Y = GELU(Z) W_2,  D = 2 theta (V - Y)                   (Eq. 8's backward)
                       S_2 = eta S_2 + GELU(Z)^T D,  S_1 = eta S_1 + K^T (GELU'(Z) * D W_2^T)  (Eq. 11)
@@ -14,9 +14,10 @@ dependent phases. A memory head's state at mela-400m (W_1, W_2 and their momenta
 576 KB, above an SM's shared memory, so the tiles stream rather than stay resident.
 
 Only Mela's preset update runs here: a 2-layer memory MLP with momentum, forgetting and Newton-Schulz
-(``memory_update: newton_schulz``, ``memory_depth: 2``); anything else, and any update that carries gradients
-(the last HLR cycle in training), keeps the PyTorch path (``neural_memory.py``), whose hand-written backward the
-outer parameters learn through. Float32 operands multiply in TF32 where torch's float32 matmul precision is
+(``memory_update: newton_schulz``, ``memory_depth: 2``); anything else keeps the PyTorch path
+(``neural_memory.py``). An update without gradients (the HLR cycles before the last, validation) launches the
+two kernels alone; one with gradients (the last cycle in training) keeps their scratch for the backward's two
+kernels (``memory_kernel_backward.FusedUpdate``). Float32 operands multiply in TF32 where torch's float32 matmul precision is
 not ``highest`` (as the PyTorch path's GEMMs do), float64 in full precision. Tested against the PyTorch path in
 float64 under ``TRITON_INTERPRET=1`` on the CPU (``tests/model/test_memory_kernel.py``) and on CUDA
 (``tests/test_cuda.py``).
@@ -68,15 +69,16 @@ def _gelu_grad(z):
 
 @triton.jit
 def store_surprise_kernel(
-    k_ptr, v_ptr, theta_ptr, eta_ptr, w1_ptr, w2_ptr, s1_ptr, s2_ptr, out_ptr, z_ptr, g_ptr, d_ptr,
+    k_ptr, v_ptr, theta_ptr, eta_ptr, w1_ptr, w2_ptr, s1_ptr, s2_ptr, out_ptr, z_ptr, g_ptr, d_ptr, r_ptr,
     sk_b, sk_h, sk_r, sk_c, sv_b, sv_h, sv_r, sv_c, st_b, st_h, st_c, se_b, se_h,
     sw1_b, sw1_h, sw1_r, sw1_c, sw2_b, sw2_h, sw2_r, sw2_c,
     ss1_b, ss1_h, ss1_r, ss1_c, ss2_b, ss2_h, ss2_r, ss2_c,
     H, C, D, E, BH,
-    BLK: tl.constexpr, PRECISION: tl.constexpr,
+    SAVE: tl.constexpr, BLK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """S_1, S_2 of one (sequence, head) into out[0], out[1] (both D x E: S_2 transposed), through the scratch
-    Z = K W_1 (z), GELU'(Z) * D W_2^T (g), both C x E, and D = 2 theta (V - Y) (d, C x D)."""
+    Z = K W_1 (z), GELU'(Z) * D W_2^T (g), both C x E, and D = 2 theta (V - Y) (d, C x D); with ``SAVE`` also
+    R = V - Y (r, C x D), which the backward (``memory_kernel_backward.py``) reads with z, g and d."""
     pid = tl.program_id(0)
     b, h = pid // H, pid % H
     k_ptr += b * sk_b + h * sk_h
@@ -90,6 +92,7 @@ def store_surprise_kernel(
     z_ptr += pid * C * E
     g_ptr += pid * C * E
     d_ptr += pid * C * D
+    r_ptr += pid * C * D
     r = tl.arange(0, BLK)
     for c0 in range(0, C, BLK):  # Z = K W_1
         for e0 in range(0, E, BLK):
@@ -110,6 +113,8 @@ def store_surprise_kernel(
                 acc += tl.dot(a, w, input_precision=PRECISION)
             v = _load(v_ptr, c0 + r, n0 + r, sv_r, sv_c, C, D)
             _store(d_ptr, c0 + r, n0 + r, D, 1, C, D, 2.0 * theta[:, None] * (v - acc))
+            if SAVE:
+                _store(r_ptr, c0 + r, n0 + r, D, 1, C, D, v - acc)
     tl.debug_barrier()
     for e0 in range(0, E, BLK):
         for n0 in range(0, D, BLK):  # S_2 = eta S_2 + GELU(Z)^T D, stored transposed (D x E)
@@ -152,18 +157,54 @@ def _frobenius(ptr, s_r, s_c, R, K, BLK: tl.constexpr):
 
 
 @triton.jit
+def _iteration(xi_ptr, xo_ptr, ai_ptr, bi_ptr, D, E, NS_A: tl.constexpr, NS_B: tl.constexpr, NS_C: tl.constexpr,
+               BLK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """One Newton-Schulz iterate: X (xi) to X' = a X + (b A + c A A) X (xo), A = X X^T (ai) and B (bi), D x D."""
+    r = tl.arange(0, BLK)
+    for i0 in range(0, D, BLK):  # A = X X^T
+        for j0 in range(0, D, BLK):
+            acc = tl.zeros((BLK, BLK), dtype=xi_ptr.dtype.element_ty)
+            for k0 in range(0, E, BLK):
+                xi = _load(xi_ptr, i0 + r, k0 + r, E, 1, D, E)
+                xj = _load(xi_ptr, j0 + r, k0 + r, E, 1, D, E)
+                acc += tl.dot(xi, tl.trans(xj), input_precision=PRECISION)
+            _store(ai_ptr, i0 + r, j0 + r, D, 1, D, D, acc)
+    tl.debug_barrier()
+    for i0 in range(0, D, BLK):  # B = b A + c A A
+        for j0 in range(0, D, BLK):
+            acc = NS_B * _load(ai_ptr, i0 + r, j0 + r, D, 1, D, D)
+            for k0 in range(0, D, BLK):
+                ai = _load(ai_ptr, i0 + r, k0 + r, D, 1, D, D)
+                aj = _load(ai_ptr, k0 + r, j0 + r, D, 1, D, D)
+                acc += NS_C * tl.dot(ai, aj, input_precision=PRECISION)
+            _store(bi_ptr, i0 + r, j0 + r, D, 1, D, D, acc)
+    tl.debug_barrier()
+    for i0 in range(0, D, BLK):  # X' = a X + B X
+        for j0 in range(0, E, BLK):
+            acc = NS_A * _load(xi_ptr, i0 + r, j0 + r, E, 1, D, E)
+            for k0 in range(0, D, BLK):
+                bb = _load(bi_ptr, i0 + r, k0 + r, D, 1, D, D)
+                xx = _load(xi_ptr, k0 + r, j0 + r, E, 1, D, E)
+                acc += tl.dot(bb, xx, input_precision=PRECISION)
+            _store(xo_ptr, i0 + r, j0 + r, E, 1, D, E, acc)
+    tl.debug_barrier()
+
+
+@triton.jit
 def orthogonal_step_kernel(
-    s_ptr, w1_ptr, w2_ptr, theta_ptr, alpha_ptr, out_ptr, x_ptr, y_ptr, a_ptr, b_ptr,
+    s_ptr, w1_ptr, w2_ptr, theta_ptr, alpha_ptr, out_ptr, x_ptr, a_ptr, b_ptr,
     sw1_b, sw1_h, sw1_r, sw1_c, sw2_b, sw2_h, sw2_r, sw2_c, st_b, st_h, st_c, sa_b, sa_h,
     H, C, D, E, BH,
     FLOOR: tl.constexpr, EPS: tl.constexpr, TINY: tl.constexpr, STEPS: tl.constexpr,
-    NS_A: tl.constexpr, NS_B: tl.constexpr, NS_C: tl.constexpr, BLK: tl.constexpr, PRECISION: tl.constexpr,
+    NS_A: tl.constexpr, NS_B: tl.constexpr, NS_C: tl.constexpr, SAVE: tl.constexpr, BLK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """M = alpha M + min(1, ||S|| / max(tau, TINY)) NewtonSchulz(S) for memory tensor ``pid // BH`` (0: W_1,
-    1: W_2 in its D x E transpose) of one (sequence, head); S is s[pid], D x E. X ping-pongs between x and y,
-    A and B = b A + c A A are D x D scratch. The floor, eps and TINY are compile-time constants, so they enter
-    the arithmetic in the tensors' dtype: a launch passes a Python float argument as fp32, which would round a
-    float64 update's floor and eps."""
+    1: W_2 in its D x E transpose) of one (sequence, head); S is s[pid], D x E. Iterate i reads X_i from slot
+    i of x and writes X_{i+1}, A_i and B_i = b A_i + c A_i A_i (D x D) to slots of x, a and b: two slots of x
+    and one of a and b, which ping-pong, or with ``SAVE`` STEPS + 1 and STEPS, every iterate kept for the
+    backward. The floor, eps and TINY are compile-time constants, so they enter the arithmetic in the tensors'
+    dtype: a launch passes a Python float argument as fp32, which would round a float64 update's floor and eps."""
     pid = tl.program_id(0)
     bh = pid % BH
     b, h = bh // H, bh % H
@@ -171,11 +212,12 @@ def orthogonal_step_kernel(
     w_ptr = tl.where(first, w1_ptr + b * sw1_b + h * sw1_h, w2_ptr + b * sw2_b + h * sw2_h)
     sw_r = tl.where(first, sw1_r, sw2_c)
     sw_c = tl.where(first, sw1_c, sw2_r)
+    XSLOTS = STEPS + 1 if SAVE else 2
+    ASLOTS = STEPS if SAVE else 1
     s_ptr += pid * D * E
-    x_ptr += pid * D * E
-    y_ptr += pid * D * E
-    a_ptr += pid * D * D
-    b_ptr += pid * D * D
+    x_ptr += pid * XSLOTS * D * E
+    a_ptr += pid * ASLOTS * D * D
+    b_ptr += pid * ASLOTS * D * D
     out_ptr += pid * D * E
     r = tl.arange(0, BLK)
     norm = _frobenius(s_ptr, E, 1, D, E, BLK)
@@ -184,35 +226,11 @@ def orthogonal_step_kernel(
             s = _load(s_ptr, i0 + r, j0 + r, E, 1, D, E)
             _store(x_ptr, i0 + r, j0 + r, E, 1, D, E, s / (norm + EPS))
     tl.debug_barrier()
-    for _ in range(STEPS):  # a loop, not unrolled: a fifth of the code to compile
-        for i0 in range(0, D, BLK):  # A = X X^T
-            for j0 in range(0, D, BLK):
-                acc = tl.zeros((BLK, BLK), dtype=x_ptr.dtype.element_ty)
-                for k0 in range(0, E, BLK):
-                    xi = _load(x_ptr, i0 + r, k0 + r, E, 1, D, E)
-                    xj = _load(x_ptr, j0 + r, k0 + r, E, 1, D, E)
-                    acc += tl.dot(xi, tl.trans(xj), input_precision=PRECISION)
-                _store(a_ptr, i0 + r, j0 + r, D, 1, D, D, acc)
-        tl.debug_barrier()
-        for i0 in range(0, D, BLK):  # B = b A + c A A
-            for j0 in range(0, D, BLK):
-                acc = NS_B * _load(a_ptr, i0 + r, j0 + r, D, 1, D, D)
-                for k0 in range(0, D, BLK):
-                    ai = _load(a_ptr, i0 + r, k0 + r, D, 1, D, D)
-                    aj = _load(a_ptr, k0 + r, j0 + r, D, 1, D, D)
-                    acc += NS_C * tl.dot(ai, aj, input_precision=PRECISION)
-                _store(b_ptr, i0 + r, j0 + r, D, 1, D, D, acc)
-        tl.debug_barrier()
-        for i0 in range(0, D, BLK):  # X' = a X + B X
-            for j0 in range(0, E, BLK):
-                acc = NS_A * _load(x_ptr, i0 + r, j0 + r, E, 1, D, E)
-                for k0 in range(0, D, BLK):
-                    bb = _load(b_ptr, i0 + r, k0 + r, D, 1, D, D)
-                    xx = _load(x_ptr, k0 + r, j0 + r, E, 1, D, E)
-                    acc += tl.dot(bb, xx, input_precision=PRECISION)
-                _store(y_ptr, i0 + r, j0 + r, E, 1, D, E, acc)
-        tl.debug_barrier()
-        x_ptr, y_ptr = y_ptr, x_ptr
+    for i in range(STEPS):  # a loop, not unrolled: a fifth of the code to compile
+        _iteration(
+            x_ptr + (i % XSLOTS) * D * E, x_ptr + ((i + 1) % XSLOTS) * D * E, a_ptr + (i % ASLOTS) * D * D,
+            b_ptr + (i % ASLOTS) * D * D, D, E, NS_A, NS_B, NS_C, BLK, PRECISION,
+        )  # fmt: skip
     scale = 1.0
     if FLOOR > 0:  # the bounded step (neural_memory.step_floors)
         theta = tl.zeros((BLK,), dtype=theta_ptr.dtype.element_ty)
@@ -224,13 +242,13 @@ def orthogonal_step_kernel(
     for i0 in range(0, D, BLK):  # M_t = alpha_t M_{t-1} + step  (Eq. 10)
         for j0 in range(0, E, BLK):
             w = _load(w_ptr, i0 + r, j0 + r, sw_r, sw_c, D, E)
-            x = _load(x_ptr, i0 + r, j0 + r, E, 1, D, E)
+            x = _load(x_ptr + (STEPS % XSLOTS) * D * E, i0 + r, j0 + r, E, 1, D, E)
             _store(out_ptr, i0 + r, j0 + r, E, 1, D, E, alpha * w + scale * x)
 
 
-def _tuned(kernel):
+def _tuned(kernel, configs: tuple = CONFIGS):
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # read with triton.jit's, at import
-    return triton.autotune(list(CONFIGS[:1] if interpreted else CONFIGS), key=["C", "D", "E"])(kernel)
+    return triton.autotune(list(configs[:1] if interpreted else configs), key=["C", "D", "E"])(kernel)
 
 
 store_surprise = _tuned(store_surprise_kernel)
@@ -264,36 +282,67 @@ def fused_update_memory(
     and alpha_t (b, h, 1, 1), weights and momentum [W_1 (b, h, d, e), W_2 (b, h, e, d)] in one dtype (float32
     or float64, any strides); Newton-Schulz's ``coefficients`` (a, b, c). Returns M_t and S_t, W_2's and S_2's
     as transposed views of d x e buffers."""
-    B, H, C, D = k.shape
-    E = weights[0].shape[-1]
-    dtype, device = k.dtype, k.device
-    if dtype == torch.float64 or torch.get_float32_matmul_precision() == "highest":
-        precision = "ieee"
-    else:
-        precision = "tf32"
-    BH = B * H
-    new_momentum = torch.empty(2, B, H, D, E, dtype=dtype, device=device)
-    z, g = (torch.empty(BH, C, E, dtype=dtype, device=device) for _ in range(2))
-    d = torch.empty(BH, C, D, dtype=dtype, device=device)
-    w1, w2 = weights
-    s1, s2 = momentum
-    store_surprise[(BH,)](
-        k, v, theta, eta_t, w1, w2, s1, s2, new_momentum, z, g, d,
-        *_strides(k), *_strides(v), *_strides(theta), *_strides(eta_t)[:2],
-        *_strides(w1), *_strides(w2), *_strides(s1), *_strides(s2),
-        H, C, D, E, BH, PRECISION=precision,
-    )  # fmt: skip
-    new_weights = torch.empty(2, B, H, D, E, dtype=dtype, device=device)
-    x, y = (torch.empty(2 * BH, D, E, dtype=dtype, device=device) for _ in range(2))
-    a, bm = (torch.empty(2 * BH, D, D, dtype=dtype, device=device) for _ in range(2))
-    ns_a, ns_b, ns_c = coefficients
-    orthogonal_step[(2 * BH,)](
-        new_momentum, w1, w2, theta, alpha_t, new_weights, x, y, a, bm,
-        *_strides(w1), *_strides(w2), *_strides(theta), *_strides(alpha_t)[:2],
-        H, C, D, E, BH, FLOOR=float(step_floor), EPS=float(eps), TINY=torch.finfo(dtype).tiny,
-        STEPS=ns_steps, NS_A=ns_a, NS_B=ns_b, NS_C=ns_c, PRECISION=precision,
-    )  # fmt: skip
+    new_weights, new_momentum, _ = launch_update(
+        k, v, theta, eta_t, alpha_t, weights, momentum, ns_steps, coefficients, step_floor, eps, save=False
+    )
     return (
         [new_weights[0], new_weights[1].transpose(-2, -1)],
         [new_momentum[0], new_momentum[1].transpose(-2, -1)],
     )
+
+
+def matmul_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision: full for float64 and under torch's ``highest``, else TF32."""
+    if dtype == torch.float64 or torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+def launch_update(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: torch.Tensor,
+    eta_t: torch.Tensor,
+    alpha_t: torch.Tensor,
+    weights: list[torch.Tensor],
+    momentum: list[torch.Tensor],
+    ns_steps: int,
+    coefficients: tuple[float, float, float],
+    step_floor: float,
+    eps: float,
+    save: bool,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The two launches of one chunk's update: M_t and S_t as (2, b, h, d, e) buffers (W_2's and S_2's
+    transposed) and the scratch, which with ``save`` keeps what the backward reads: z, g, d, r (b h, C, .) and
+    every Newton-Schulz iterate (x: 2 b h, steps + 1, d, e; a and b: 2 b h, steps, d, d)."""
+    B, H, C, D = k.shape
+    E = weights[0].shape[-1]
+    dtype, device = k.dtype, k.device
+    precision = matmul_precision(dtype)
+    BH = B * H
+
+    def empty(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    scratch = {"z": empty(BH, C, E), "g": empty(BH, C, E), "d": empty(BH, C, D)}
+    scratch["r"] = empty(BH, C, D) if save else scratch["d"]  # written only with SAVE
+    new_momentum = empty(2, B, H, D, E)
+    w1, w2 = weights
+    s1, s2 = momentum
+    store_surprise[(BH,)](
+        k, v, theta, eta_t, w1, w2, s1, s2, new_momentum, scratch["z"], scratch["g"], scratch["d"], scratch["r"],
+        *_strides(k), *_strides(v), *_strides(theta), *_strides(eta_t)[:2],
+        *_strides(w1), *_strides(w2), *_strides(s1), *_strides(s2),
+        H, C, D, E, BH, SAVE=save, PRECISION=precision,
+    )  # fmt: skip
+    new_weights = empty(2, B, H, D, E)
+    scratch["x"] = empty(2 * BH, ns_steps + 1 if save else 2, D, E)
+    scratch["a"], scratch["b"] = (empty(2 * BH, ns_steps if save else 1, D, D) for _ in range(2))
+    ns_a, ns_b, ns_c = coefficients
+    orthogonal_step[(2 * BH,)](
+        new_momentum, w1, w2, theta, alpha_t, new_weights, scratch["x"], scratch["a"], scratch["b"],
+        *_strides(w1), *_strides(w2), *_strides(theta), *_strides(alpha_t)[:2],
+        H, C, D, E, BH, FLOOR=float(step_floor), EPS=float(eps), TINY=torch.finfo(dtype).tiny,
+        STEPS=ns_steps, NS_A=ns_a, NS_B=ns_b, NS_C=ns_c, SAVE=save, PRECISION=precision,
+    )  # fmt: skip
+    return new_weights, new_momentum, scratch

@@ -109,8 +109,8 @@ class MelaLM(Generates, nn.Module):
                 block.compile_glue(**options)
 
     def use_memory_kernel(self) -> None:
-        """Every neural memory's updates without gradients as fused Triton kernels (``train.memory_kernel:
-        triton``; ``model/mela/memory_kernel.py``)."""
+        """Every neural memory's chunk updates, and their backward, as fused Triton kernels
+        (``train.memory_kernel: triton``; ``model/mela/memory_kernel.py``, ``memory_kernel_backward.py``)."""
         for module in self.hmm.modules():
             if isinstance(module, NeuralMemory):
                 module.use_memory_kernel()

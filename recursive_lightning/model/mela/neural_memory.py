@@ -261,7 +261,7 @@ class NeuralMemory(nn.Module):
         )
         self.record: list[dict[str, torch.Tensor]] | None = None  # probes: per-chunk update statistics
         self.glue: tuple[Callable, Callable] | None = None  # project, update_memory compiled (compile_glue)
-        # the fused update of chunks without gradients (use_memory_kernel)
+        # the fused update of each chunk (use_memory_kernel)
         self.kernel: Callable | None = None
         self.reset_parameters()
 
@@ -368,7 +368,7 @@ class NeuralMemory(nn.Module):
         """The test-time update of chunk ``t`` (k, v (b, h, C, d), theta (b, h, C); the chunk's eta_t, alpha_t
         (b, h, 1, 1) or None): its surprise against M_{t-1} (Eq. 8) into S_t (Eq. 11) and M_t (Eq. 10)."""
         if self.record is None:
-            if self.kernel is not None and not torch.is_grad_enabled():  # memory_kernel.py: two launches
+            if self.kernel is not None:  # memory_kernel.py: two launches, two more in the backward
                 return MemoryState(*self.kernel(k, v, theta, eta_t, alpha_t, state.weights, state.momentum))
             update = self.update_memory if self.glue is None else self.glue[1]
             return MemoryState(*update(k, v, theta, eta_t, alpha_t, state.weights, state.momentum))
@@ -411,15 +411,16 @@ class NeuralMemory(nn.Module):
         self.glue = (torch.compile(self.project, **options), torch.compile(self.update_memory, **options))
 
     def use_memory_kernel(self) -> None:
-        """Run each chunk update that carries no gradient (the HLR cycles without gradients, and every update of a
-        forward under ``torch.no_grad``: validation) as the two fused Triton kernels of ``memory_kernel.py`` (``train.memory_kernel: triton``); an
-        update with gradients keeps :meth:`update_memory`, whose backward the outer parameters learn through."""
-        from recursive_lightning.model.mela import memory_kernel  # optional
+        """Run each chunk update as the fused Triton kernels of ``memory_kernel.py`` (``train.memory_kernel:
+        triton``): two launches, and where autograd records two more in the backward
+        (``memory_kernel_backward.py``), which gives the outer parameters the gradients :meth:`update_memory`'s
+        backward gives them."""
+        from recursive_lightning.model.mela import memory_kernel, memory_kernel_backward  # optional
 
         if not memory_kernel.supported(len(self.init_weights), self.update, self.eta is not None):
             raise ValueError(f"the fused memory update computes newton_schulz at depth 2, not {self.update}")
         self.kernel = functools.partial(
-            memory_kernel.fused_update_memory,
+            memory_kernel_backward.fused_update,
             ns_steps=self.ns_steps,
             coefficients=NS_COEFFICIENTS,
             step_floor=self.step_floor,
