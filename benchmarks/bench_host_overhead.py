@@ -220,8 +220,8 @@ def mela_calls(
     """``op_calls`` of one fwd+bwd of each model of :data:`MELA_PARTS` (``parts``; else Mela alone) and of
     Transformer++, at width 64; with ``compile_scope`` (a ``train.compile`` value) every model compiled so,
     each compiled graph's kernels counted as inductor generated them (one call each) beside the ATen calls
-    left outside the graphs and the library GEMMs the graphs call; with ``memory_kernel`` Mela's updates without
-    gradients as the fused Triton kernels (:func:`interpreted_memory_kernel`)."""
+    left outside the graphs and the library GEMMs the graphs call; with ``memory_kernel`` Mela's memory updates
+    and their backward as the fused Triton kernels (:func:`interpreted_memory_kernel`)."""
     from bench_mela import decoder_alone  # optional
 
     from recursive_lightning.model.build import build_model  # heavy

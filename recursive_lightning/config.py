@@ -111,7 +111,7 @@ class TrainConfig:
     # one GPU, fixed depth, no gradient accumulation, eager layers
     cuda_graphs: bool = False
     # torch | triton: Mela's memory update as two fused Triton kernels a chunk instead of about 25, and its
-    # backward as two instead of about 190 (model/mela/memory_kernel*.py); CUDA and the triton package
+    # backward as two instead of about 130 (model/mela/memory_kernel*.py); CUDA and the triton package
     memory_kernel: str = "torch"
     seed: int = 0
     val_every: int = 100  # steps between validations (and best-checkpoint selection)

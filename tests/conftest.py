@@ -90,6 +90,14 @@ def memory_kernel(monkeypatch):
     if TRITON_INTERPRETER.is_dir():
         monkeypatch.syspath_prepend(str(TRITON_INTERPRETER))
     pytest.importorskip("triton", reason="setup.sh installs triton for the fused kernels' tests")
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    # the interpreter's int32 overflow check of every index addition and product: half the tests' time, and the
+    # test shapes' offsets are far below 2^31
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=False))
     names = ("memory_kernel", "memory_kernel_backward")
     for name in names:
         sys.modules.pop(f"{package.__name__}.{name}", None)
@@ -136,17 +144,23 @@ def memory_chunk(
     return mem, (ks[1], vs[1], thetas[1], *rates[1], weights, momentum)
 
 
-def update_outputs_and_gradients(update, args: tuple) -> tuple[list, tuple]:
-    """M_t, S_t of ``update(*args)`` (args as :func:`memory_chunk` returns them) and the gradients of
-    <M_t, R> + <S_t, R'> (fixed random R, R') in every input: k, v, theta, eta_t, alpha_t, M_{t-1}, S_{t-1}."""
+def update_outputs_and_gradients(update, args: tuple, cotangents: str = "random") -> tuple[list, tuple]:
+    """M_t, S_t of ``update(*args)`` (args as :func:`memory_chunk` returns them) and the gradients of a loss
+    in every input (k, v, theta, eta_t, alpha_t, M_{t-1}, S_{t-1}): <M_t, R> + <S_t, R'> for fixed random R, R'
+    (``random``), the same with R, R' transposed views (``transposed``), or sum M_t with S_t unused (``sum``: the
+    gradients reaching the update have stride 0, S_t's none)."""
     k, v, theta, eta, alpha, weights, momentum = args
     leaves = [t.detach().clone().requires_grad_() for t in (k, v, theta, eta, alpha, *weights, *momentum)]
     weights, momentum = update(*leaves[:5], leaves[5:7], leaves[7:9])
     outputs = weights + momentum
+    if cotangents == "sum":
+        return outputs, torch.autograd.grad(sum(w.sum() for w in weights), leaves)
     torch.manual_seed(1)
     # in index order whatever the strides, drawn in float64 on the CPU whatever the dtype and device
-    cotangents = [torch.randn(o.shape, dtype=torch.float64).to(o.device, o.dtype) for o in outputs]
-    total = sum((o * c).sum() for o, c in zip(outputs, cotangents))
+    draws = [torch.randn(o.shape, dtype=torch.float64) for o in outputs]
+    if cotangents == "transposed":
+        draws = [d.mT.contiguous().mT for d in draws]
+    total = sum((o * d.to(o.device, o.dtype)).sum() for o, d in zip(outputs, draws))
     return outputs, torch.autograd.grad(total, leaves)
 
 

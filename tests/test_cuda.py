@@ -356,21 +356,34 @@ def test_mela_fused_memory_updates_on_gpu_equal_the_pytorch_updates():
     assert errors["fused bf16+tf32"] < 2 * errors["torch bf16"], errors
 
 
-@pytest.mark.parametrize("floor", [0.0, 0.25, 12.0], ids=["no-floor", "floor-in-some-heads", "floor"])
-def test_mela_fused_update_with_gradients_on_gpu_equals_autograd(floor):
+@pytest.mark.parametrize(
+    "d,C,floor",
+    [(768, 64, 0.0), (768, 64, 12.0), (800, 72, 0.1)],
+    ids=["no-floor", "floor", "ragged-floor-in-some-heads"],
+)
+def test_mela_fused_update_with_gradients_on_gpu_equals_autograd(d, C, floor):
     """One chunk's update on the fused kernels forward and backward (model/mela/memory_kernel_backward.py),
-    compiled for this GPU at mela-400m's head shape (192 x 384, C = 64, from a carried state): in float64 every
-    output and every input's gradient equal to the PyTorch update's under autograd; in float32 each gradient's
-    error against float64 within 4x the PyTorch path's, in float32 and in TF32."""
+    compiled for this GPU from a carried state at mela-400m's head shape (4 heads of 192 x 384, C = 64) and at
+    one no tile divides (200 x 400, C = 72, the floor binding in 8 of 16 heads): in float64 every output and every
+    input's gradient equal to the PyTorch update's under autograd; in float32 each gradient's error against
+    float64 within 4x the PyTorch path's, in float32 and in TF32."""
     from conftest import memory_chunk, update_outputs_and_gradients
 
     from recursive_lightning.model.mela import memory_kernel_backward
-    from recursive_lightning.model.mela.neural_memory import NS_COEFFICIENTS
+    from recursive_lightning.model.mela.neural_memory import NS_COEFFICIENTS, step_floors
 
     fused = functools.partial(
         memory_kernel_backward.fused_update, ns_steps=5, coefficients=NS_COEFFICIENTS, step_floor=floor
     )
-    mem, args = memory_chunk(768, 4, 64, floor, torch.float64, carried=True, device="cuda")
+    mem, args = memory_chunk(d, 4, C, floor, torch.float64, carried=True, device="cuda")
+    if floor == 0.1:  # both branches of the bounded step
+        with torch.no_grad():
+            momentum = mem.update_memory(*args)[1]
+        taus = step_floors(args[5], args[2], floor)
+        binds = torch.stack(
+            [torch.linalg.vector_norm(m, dim=(-2, -1)) < t[..., 0, 0] for m, t in zip(momentum, taus)]
+        )
+        assert binds.any() and not binds.all()
     want_out, want = update_outputs_and_gradients(mem.update_memory, args)
     got_out, got = update_outputs_and_gradients(fused, args)
     for w, g in zip(want_out + list(want), got_out + list(got)):

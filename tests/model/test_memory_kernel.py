@@ -149,6 +149,35 @@ def test_the_fused_update_with_gradients_gives_the_pytorch_updates_gradients_in_
         torch.testing.assert_close(g, w, rtol=0, atol=1e-10 * w.abs().max().item() + 1e-15, msg=name)
 
 
+@pytest.mark.parametrize("cotangents", ["sum", "transposed"])
+def test_the_fused_backward_reads_output_gradients_of_any_strides(memory_kernel_backward, cotangents):
+    """The gradients reaching the update as autograd hands them over: of stride 0 (a sum), with S_t unused (its
+    gradient zeros), or transposed; every input's gradient that of the PyTorch update, in float64."""
+    mem, args = memory_chunk(40, 1, 24, 12.0, torch.float64, carried=True)  # ragged tiles: 40 x 80, C = 24
+    fused = functools.partial(
+        memory_kernel_backward.fused_update, ns_steps=5, coefficients=NS_COEFFICIENTS, step_floor=12.0
+    )
+    want = update_outputs_and_gradients(mem.update_memory, args, cotangents)[1]
+    got = update_outputs_and_gradients(fused, args, cotangents)[1]
+    for name, w, g in zip(("k", "v", "theta", "eta_t", "alpha_t", "W_1", "W_2", "S_1", "S_2"), want, got):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-10 * w.abs().max().item() + 1e-15, msg=name)
+
+
+def test_a_second_derivative_through_the_fused_update_is_refused(memory_kernel_backward):
+    """The backward's kernels write gradients without a graph: differentiating them again raises rather than
+    leaving the update's part out of the second derivative."""
+    mem, (k, v, theta, eta, alpha, weights, momentum) = memory_chunk(
+        16, 1, 8, 6.0, torch.float64, carried=True
+    )
+    k = k.clone().requires_grad_()
+    new_weights, _ = memory_kernel_backward.fused_update(
+        k, v, theta, eta, alpha, weights, momentum, ns_steps=5, coefficients=NS_COEFFICIENTS, step_floor=6.0
+    )
+    (dk,) = torch.autograd.grad(sum((w * w).sum() for w in new_weights), k, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dk.sum().backward()
+
+
 def test_the_fused_gradients_in_float32_are_as_close_to_float64_as_the_pytorch_updates(
     memory_kernel_backward,
 ):
@@ -221,6 +250,9 @@ kernels = [(kernel.store_surprise_kernel, {"SAVE": True}, kernel.CONFIGS)]
 kernels += [(kernel.orthogonal_step_kernel, {**ns, "SAVE": True}, kernel.CONFIGS)]
 kernels += [(backward.orthogonal_step_backward_kernel, ns, backward.BACKWARD_CONFIGS)]
 kernels += [(backward.store_surprise_backward_kernel, {}, backward.BACKWARD_CONFIGS)]
+# the updates without gradients' orthogonal step, and the backward without a floor, in one tile configuration
+kernels += [(kernel.orthogonal_step_kernel, {**ns, "SAVE": False}, kernel.CONFIGS[:1])]
+kernels += [(backward.orthogonal_step_backward_kernel, {**ns, "FLOOR": 0.0}, backward.BACKWARD_CONFIGS[:1])]
 print(sum(len(configs) for _, _, configs in kernels))
 for fn, consts, configs in kernels:
     for config in configs:
@@ -234,12 +266,14 @@ for fn, consts, configs in kernels:
 
 
 def test_the_kernels_compile_for_an_h100_h200_on_this_cpu(tmp_path):
-    """Triton's compiler (front end to PTX and ptxas, no GPU needed) accepts the four kernels (the forward two
-    keeping the backward's scratch: without it they run the same code with other constants) in every tile and warp
-    configuration the autotuner may pick, for sm_90 in float32 with TF32 dots (the training setting; float64, the references' dtype, compiles on the GPU in
-    ``tests/test_cuda.py``), within an SM's shared memory, their dots on tensor cores. The interpreter runs any Python, so only this catches what the compiler rejects (a
-    global that is not constexpr, branches of two types). In a process of its own, with an empty cache: the
-    interpreter leaves ``triton.language`` patched in the process that ran it."""
+    """Triton's compiler (front end to PTX and ptxas, no GPU needed) accepts the four kernels in every tile and
+    warp configuration the autotuner may pick (the forward two keeping the backward's scratch; the orthogonal
+    step without it and the backward without a floor in one configuration), for sm_90 in float32 with TF32 dots
+    (the training setting; float64, the references' dtype, compiles on the GPU in ``tests/test_cuda.py``),
+    within an SM's shared memory, their dots on tensor cores. The interpreter runs any Python, so only this
+    catches what the compiler rejects (a global that is not constexpr, branches of two types). In a process of
+    its own, with an empty cache: the interpreter leaves ``triton.language`` patched in the process that ran
+    it."""
     if not TRITON_INTERPRETER.is_dir():
         pytest.importorskip("triton", reason="setup.sh installs triton for the fused kernels' tests")
     env = {
@@ -251,7 +285,7 @@ def test_the_kernels_compile_for_an_h100_h200_on_this_cpu(tmp_path):
     done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     count, *lines = [line.split() for line in done.stdout.splitlines()]
-    assert len(lines) == int(count[0]) >= 8
+    assert len(lines) == int(count[0]) >= 10
     for name, shared, mma in lines:
         assert int(shared) <= 227 * 1024 and mma == "True", (name, shared, mma)  # sm_90's per-block limit
 

@@ -19,7 +19,7 @@ gradients of M_t and S_t:
 
 the surprise's second derivatives written out (the PyTorch path takes them from autograd through
 ``gelu_backward``). Four launches a chunk with gradients, forward and backward, where the PyTorch path runs
-about 200 kernels. Tested against the PyTorch path's gradients in float64 under ``TRITON_INTERPRET=1``
+about 170 kernels. Tested against the PyTorch path's gradients in float64 under ``TRITON_INTERPRET=1``
 (``tests/model/test_memory_kernel.py``) and on CUDA (``tests/test_cuda.py``).
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from recursive_lightning.model.mela.memory_kernel import (
     INV_SQRT_2PI,
@@ -411,6 +412,7 @@ class FusedUpdate(torch.autograd.Function):
         return new_w[0], new_w[1].transpose(-2, -1), new_s[0], new_s[1].transpose(-2, -1)
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients carry no graph: a second derivative is refused, not dropped
     def backward(ctx, gw1, gw2, gs1, gs2):
         k, theta, eta_t, alpha_t, w1, w2, s1, s2, new_s, z, p, d, r, x, a, bm = ctx.saved_tensors
         ns_steps, (ns_a, ns_b, ns_c), step_floor, eps = ctx.constants
