@@ -144,6 +144,19 @@ def memory_chunk(
     return mem, (ks[1], vs[1], thetas[1], *rates[1], weights, momentum)
 
 
+def floor_binds(mem, args: tuple, floor: float) -> torch.Tensor:
+    """Per memory tensor, sequence and head, whether the bounded step's floor binds in the update of ``args``
+    (:func:`memory_chunk`'s): ||S_t|| below tau (``neural_memory.step_floors``)."""
+    from recursive_lightning.model.mela.neural_memory import step_floors
+
+    with torch.no_grad():
+        momentum = mem.update_memory(*args)[1]
+        taus = step_floors(args[5], args[2], floor)
+        return torch.stack(
+            [torch.linalg.vector_norm(m, dim=(-2, -1)) < t[..., 0, 0] for m, t in zip(momentum, taus)]
+        )
+
+
 def update_outputs_and_gradients(update, args: tuple, cotangents: str = "random") -> tuple[list, tuple]:
     """M_t, S_t of ``update(*args)`` (args as :func:`memory_chunk` returns them) and the gradients of a loss
     in every input (k, v, theta, eta_t, alpha_t, M_{t-1}, S_{t-1}): <M_t, R> + <S_t, R'> for fixed random R, R'

@@ -367,22 +367,17 @@ def test_mela_fused_update_with_gradients_on_gpu_equals_autograd(d, C, floor):
     one no tile divides (200 x 400, C = 72, the floor binding in 8 of 16 heads): in float64 every output and every
     input's gradient equal to the PyTorch update's under autograd; in float32 each gradient's error against
     float64 within 4x the PyTorch path's, in float32 and in TF32."""
-    from conftest import memory_chunk, update_outputs_and_gradients
+    from conftest import floor_binds, memory_chunk, update_outputs_and_gradients
 
     from recursive_lightning.model.mela import memory_kernel_backward
-    from recursive_lightning.model.mela.neural_memory import NS_COEFFICIENTS, step_floors
+    from recursive_lightning.model.mela.neural_memory import NS_COEFFICIENTS
 
     fused = functools.partial(
         memory_kernel_backward.fused_update, ns_steps=5, coefficients=NS_COEFFICIENTS, step_floor=floor
     )
     mem, args = memory_chunk(d, 4, C, floor, torch.float64, carried=True, device="cuda")
     if floor == 0.1:  # both branches of the bounded step
-        with torch.no_grad():
-            momentum = mem.update_memory(*args)[1]
-        taus = step_floors(args[5], args[2], floor)
-        binds = torch.stack(
-            [torch.linalg.vector_norm(m, dim=(-2, -1)) < t[..., 0, 0] for m, t in zip(momentum, taus)]
-        )
+        binds = floor_binds(mem, args, floor)
         assert binds.any() and not binds.all()
     want_out, want = update_outputs_and_gradients(mem.update_memory, args)
     got_out, got = update_outputs_and_gradients(fused, args)

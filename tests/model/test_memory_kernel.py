@@ -15,13 +15,13 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TRITON_INTERPRETER, memory_chunk, update_outputs_and_gradients
+from conftest import ROOT, TRITON_INTERPRETER, floor_binds, memory_chunk, update_outputs_and_gradients
 
 from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.model.build import build_model
 from recursive_lightning.model.config import preset
-from recursive_lightning.model.mela.neural_memory import NS_COEFFICIENTS, NeuralMemory, step_floors
+from recursive_lightning.model.mela.neural_memory import NS_COEFFICIENTS, NeuralMemory
 from recursive_lightning.training import parallel
 
 
@@ -129,12 +129,7 @@ def test_the_fused_update_with_gradients_gives_the_pytorch_updates_gradients_in_
     (0.25: the bounded step's two branches, d tau and d sum theta where it binds)."""
     mem, args = memory_chunk(d, heads, C, floor, torch.float64, carried)
     if floor == 0.25:
-        with torch.no_grad():
-            momentum = mem.update_memory(*args)[1]
-        taus = step_floors(args[5], args[2], floor)
-        binds = torch.stack(
-            [torch.linalg.vector_norm(s, dim=(-2, -1)) < t[..., 0, 0] for s, t in zip(momentum, taus)]
-        )
+        binds = floor_binds(mem, args, floor)
         assert binds.any() and not binds.all()
     want = update_outputs_and_gradients(mem.update_memory, args)
     fused = functools.partial(
