@@ -4,16 +4,15 @@ the command's module in ``recursive_lightning/commands/`` and runs its ``main``,
 
 from __future__ import annotations
 
-import _thread
 import functools
 import importlib
 import os
 import signal
 import sys
 import threading
-import time
+from types import FrameType
 
-from recursive_lightning import faults
+from recursive_lightning import faults, interrupts
 from recursive_lightning import threads as thread_policy
 from recursive_lightning.errors import Terminated, UserError
 from recursive_lightning.uris import mask_url
@@ -87,32 +86,11 @@ def _pop_threads(argv: list[str]) -> tuple[list[str], int | None]:
 HANDLE_SIGTERM = frozenset({"train", "sweep", "ui"})
 
 
-def _stopped_by_sigterm(command: str, signum: int, frame: object) -> None:
+def _stopped_by_sigterm(command: str, signum: int, frame: FrameType | None) -> None:
     """SIGTERM (a scheduler's pre-emption) of a command that writes only finished results: one line, exit 143."""
+    if interrupts.defer_in_hook(signum, frame):
+        return
     raise Terminated(f"{command}: stopped by SIGTERM before it finished; run the same command again.")
-
-
-def _interrupt_again(previous_hook, unraisable) -> None:
-    """``sys.unraisablehook`` while a command runs. Ctrl-C, or a SIGTERM stop, that lands inside a finalizer (a
-    ``__del__``, a weakref callback such as SQLAlchemy's during garbage collection) cannot propagate from there:
-    Python would print "Exception ignored ... KeyboardInterrupt" with a traceback and drop the interrupt. It is
-    raised again as the signal it came from instead, and reaches the command at the interpreter's next check,
-    which says in its one line how it stopped. Anything else goes to the hook before."""
-    exc = unraisable.exc_type
-    if exc is not None and issubclass(exc, (KeyboardInterrupt, Terminated)):
-        # 143: SIGTERM's stops (Terminated, a sweep's Stop); 130: Ctrl-C
-        signum = signal.SIGTERM if getattr(exc, "EXIT_CODE", 130) == 143 else signal.SIGINT
-        if callable(signal.getsignal(signum)):  # a Python handler turns it into the exception again
-            # from another thread, once this hook has returned: set here, the signal would be handled at once,
-            # inside the hook, and be dropped again
-            _thread.start_new_thread(_interrupt_main_soon, (signum,))
-            return
-    previous_hook(unraisable)
-
-
-def _interrupt_main_soon(signum: int) -> None:
-    time.sleep(0.01)  # the main thread leaves the finalizer and the hook in microseconds
-    _thread.interrupt_main(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.getsignal(signal.SIGTERM) or signal.SIG_DFL  # None: a handler set outside Python
     handle = command not in HANDLE_SIGTERM and threading.current_thread() is threading.main_thread()
     unraisable = sys.unraisablehook
-    sys.unraisablehook = functools.partial(_interrupt_again, unraisable)
+    sys.unraisablehook = functools.partial(interrupts.unraisable_hook, unraisable)
     try:
         if handle:
             signal.signal(signal.SIGTERM, functools.partial(_stopped_by_sigterm, command))

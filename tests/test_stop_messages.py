@@ -7,12 +7,14 @@ directory the tag names still logs to that same run. Each stop comes at a named 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import pytest
 import yaml
 from conftest import ENV, command_output, run_of, sweep_runs, write_sweep
 
+from recursive_lightning import faults, interrupts
 from recursive_lightning.sweep.launch import Stop, on_sigterm
 
 QUIET = {**ENV, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
@@ -206,12 +209,8 @@ def test_an_interrupt_that_lands_in_a_finalizer_reaches_the_command_without_a_tr
     """Ctrl-C (or a sweep's SIGTERM stop) raised inside a finalizer, as in SQLAlchemy's weakref callbacks during
     garbage collection, is raised again as its signal by the commands' unraisable hook: the command stops (the
     exception arrives at the next check) and no "Exception ignored ... Traceback" is printed."""
-    import functools
-
-    from recursive_lightning import cli
-
     monkeypatch.setattr(
-        sys, "unraisablehook", functools.partial(cli._interrupt_again, sys.__unraisablehook__)
+        sys, "unraisablehook", functools.partial(interrupts.unraisable_hook, sys.__unraisablehook__)
     )
     before = signal.getsignal(signum)
     if signum == signal.SIGTERM:
@@ -230,3 +229,43 @@ def test_an_interrupt_that_lands_in_a_finalizer_reaches_the_command_without_a_tr
     finally:
         signal.signal(signum, before)
     assert "Exception ignored" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("in_finalizer", [KeyboardInterrupt, ValueError])
+def test_a_sigterm_stop_that_lands_inside_the_unraisable_hook_still_stops_once(
+    capsys, monkeypatch, tmp_path, in_finalizer
+):
+    """A sweep's SIGTERM stop that arrives while the unraisable hook handles a finalizer's exception (Ctrl-C to a
+    process group lands in a finalizer, then the sweep command's SIGTERM reaches its worker) is delivered again
+    once the hook has returned: the command stops, once, and nothing is printed as "Exception ignored in
+    sys.unraisablehook" (the hook's own exception, after which Python drops both stops). The SIGTERM comes at
+    the hook's fault point."""
+    mark = tmp_path / "in-hook"
+    monkeypatch.setenv(faults.ENV, "unraisable_hook:1:pause")
+    monkeypatch.setenv(faults.MARK_ENV, str(mark))
+    monkeypatch.setattr(faults, "_seen", {})
+    monkeypatch.setattr(
+        sys, "unraisablehook", functools.partial(interrupts.unraisable_hook, sys.__unraisablehook__)
+    )
+
+    def send_once_held() -> None:
+        while not mark.exists():
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    class Finalised:
+        def __del__(self):
+            raise in_finalizer()
+
+    before = signal.signal(signal.SIGTERM, on_sigterm)
+    threading.Thread(target=send_once_held, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            Finalised()  # its exception goes to the hook, held at the fault point until SIGTERM arrives
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # until the stop is delivered again (10 ms after the hook)
+                pass
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert stopped.type is Stop  # the first stop to be delivered again; the Ctrl-C it met is not raised twice
+    assert "in sys.unraisablehook" not in capsys.readouterr().err

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from recursive_lightning import formatting as fmt
+from recursive_lightning import interrupts
 from recursive_lightning.config import RunConfig, load_run_config
 from recursive_lightning.errors import ArgumentParser, ConfigError, Terminated, UserError
 from recursive_lightning.files import writable_dir_problem
@@ -63,7 +64,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM outside a training step (the set-up, the data's preparation, the summary): ``Terminated`` there,
     so that the run directory's lock, a directory with nothing of value in it and the MLflow run are closed as
     for Ctrl-C. Inside ``trainer.fit`` Lightning's handler calls this one too, and stops at the next step."""
-    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+    if signal.getsignal(signal.SIGTERM) is not _on_sigterm or interrupts.defer_in_hook(signum, frame):
         return
     raise Terminated(
         "train: stopped by SIGTERM outside a training step; run the same command again (with --resume where "

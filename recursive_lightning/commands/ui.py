@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from recursive_lightning import faults
+from recursive_lightning import faults, interrupts
 from recursive_lightning.errors import ArgumentParser, UserError
 from recursive_lightning.files import absent
 from recursive_lightning.tracking.runs import absolute_uri, sqlite_parts
@@ -101,6 +101,8 @@ def main(argv: list[str]) -> int:
     def _stop(
         signum, frame
     ):  # SIGTERM or a closed terminal stops the server too (it runs in its own session)
+        if interrupts.defer_in_hook(signum, frame):
+            return
         for sig in (signal.SIGTERM, signal.SIGHUP):  # once: a second signal must not cut the stopping short
             signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt

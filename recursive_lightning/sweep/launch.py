@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from recursive_lightning import faults, threads
+from recursive_lightning import faults, interrupts, threads
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.files import atomic_write_text
 from recursive_lightning.processes import parent_death_signal
@@ -81,6 +81,8 @@ def on_sigterm(signum, frame) -> None:
     stop_requested.set()
     if signal.getsignal(signal.SIGTERM) is not on_sigterm:
         return  # inside trainer.fit Lightning's handler (which calls this one) stops at the next step boundary
+    if interrupts.defer_in_hook(signum, frame):
+        return
     raise Stop()
 
 

@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from recursive_lightning import interrupts
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.processes import dies_with_parent, stop_group
 from recursive_lightning.run_dir import SweepDir
@@ -254,6 +255,8 @@ class LocalMlflowServer:
 
 
 def _interrupt(signum, frame) -> None:
+    if interrupts.defer_in_hook(signum, frame):
+        return
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second one must not cut the stopping short
         signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
