@@ -45,7 +45,10 @@ has numerics && step numerics "${NUMERICS_LIMIT:-90}" python3 benchmarks/bench_m
 # with Mela's fused memory updates (train.memory_kernel: triton) as a fourth model taking turns with the three
 has mela && step mela "${MELA_LIMIT:-150}" python3 benchmarks/bench_gpu_mela.py --part "${MELA_PART:-train}" --reps 6 \
   --memory-kernel
-has mela-graphs && step mela-graphs "${MELA_GRAPHS_LIMIT:-90}" python3 benchmarks/bench_gpu_mela.py --part train --graphs --reps 6
+# each model's step replayed as one CUDA graph, the fused memory updates' kernels (compiled by the step above)
+# captured in Mela's
+has mela-graphs && step mela-graphs "${MELA_GRAPHS_LIMIT:-120}" python3 benchmarks/bench_gpu_mela.py --part train --graphs \
+  --reps 6 --memory-kernel
 # the memory's GEMMs in full FP32 (torch's "highest"), against the `mela` step's TF32: what TF32 saves a Mela step
 has mela-fp32 && step mela-fp32 "${MELA_FP32_LIMIT:-120}" python3 benchmarks/bench_gpu_mela.py --part train \
   --matmul-precision highest --reps 6

@@ -429,15 +429,20 @@ def test_mela_train_with_fused_memory_updates_on_gpu_and_resume(tmp_path, tiny_r
     assert worst < 1e-3, (a, b)
 
 
-@pytest.mark.parametrize("name", ["looped-mesh", "spiral-mesh", "mela"])
+@pytest.mark.parametrize("name", ["looped-mesh", "spiral-mesh", "mela", "mela-fused"])
 def test_cuda_graph_step_replays_eager_loss_and_gradients(name):
     """train.cuda_graphs' GraphedStep (training/cuda_graphs.py): the captured forward + backward, replayed on new
     inputs, gives eager's loss and gradients for those inputs (float32, TF32 off); the gradients stay reachable
-    through ``.grad`` after a ``zero_grad`` (Lightning's closure runs one between the step and the backward)."""
+    through ``.grad`` after a ``zero_grad`` (Lightning's closure runs one between the step and the backward).
+    ``mela-fused``: with train.memory_kernel triton, its kernels (tuned in the capture's warm-up steps) captured
+    beside the ATen ones."""
     from recursive_lightning.training.cuda_graphs import GraphedStep
 
-    model = (_mela() if name == "mela" else _model(name)).cuda()
-    n = 2 * model.cfg.tokens_per_chunk if name == "mela" else 64
+    mela = name.startswith("mela")
+    model = (_mela() if mela else _model(name)).cuda()
+    if name == "mela-fused":
+        model.use_memory_kernel()
+    n = 2 * model.cfg.tokens_per_chunk if mela else 64
     gen = torch.Generator(device="cuda").manual_seed(3)
     batches = [torch.randint(0, 512, (2, n + 1), device="cuda", generator=gen) for _ in range(3)]
     model.shared_grads_in_place = False
