@@ -293,8 +293,13 @@ def test_mela_float32_and_bf16_against_float64_cpu():
     assert errors["newton_schulz", "bf16"] < 2 * errors["forgetting", "bf16"], errors
 
 
-def test_mela_bf16_training_step_and_causality_on_gpu():
+@pytest.mark.parametrize("memory_kernel", ["torch", "triton"])
+def test_mela_bf16_training_step_and_causality_on_gpu(memory_kernel):
+    """A bf16 step's loss and gradients finite; perturbing a token changes no logit before it (with
+    ``triton``: every memory update on the fused kernels of train.memory_kernel)."""
     model = _mela().cuda()
+    if memory_kernel == "triton":
+        model.use_memory_kernel()
     PC = model.cfg.tokens_per_chunk
     idx = torch.randint(0, 512, (2, 4 * PC + 1), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
