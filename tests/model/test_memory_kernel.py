@@ -285,6 +285,25 @@ def test_the_kernels_compile_for_an_h100_h200_on_this_cpu(tmp_path):
         assert int(shared) <= 227 * 1024 and mma == "True", (name, shared, mma)  # sm_90's per-block limit
 
 
+def test_each_kernel_is_tuned_per_shape_and_the_forward_per_scratch_kept(
+    memory_kernel, memory_kernel_backward
+):
+    """The autotuner picks a tile per (C, D, E) and, for the forward kernels, per SAVE: a forward that keeps the
+    backward's scratch stores more, and does not reuse the tile timed without it."""
+    tuned = {
+        name: getattr(module, name).keys
+        for module, names in ((memory_kernel, ("store_surprise", "orthogonal_step")),
+                              (memory_kernel_backward, ("store_surprise_backward", "orthogonal_step_backward")))
+        for name in names
+    }  # fmt: skip
+    assert tuned == {
+        "store_surprise": ["C", "D", "E", "SAVE"],
+        "orthogonal_step": ["C", "D", "E", "SAVE"],
+        "store_surprise_backward": ["C", "D", "E"],
+        "orthogonal_step_backward": ["C", "D", "E"],
+    }
+
+
 @pytest.mark.parametrize(
     "model,train_cfg,named",
     [

@@ -247,8 +247,11 @@ def orthogonal_step_kernel(
 
 
 def _tuned(kernel, configs: tuple = CONFIGS):
+    """``kernel`` tuned over ``configs`` once per shape (C, D, E) and, for the forward kernels, per ``SAVE``
+    (keeping the backward's scratch adds stores, which may favour another tile)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # read with triton.jit's, at import
-    return triton.autotune(list(configs[:1] if interpreted else configs), key=["C", "D", "E"])(kernel)
+    key = [name for name in ("C", "D", "E", "SAVE") if name in kernel.arg_names]
+    return triton.autotune(list(configs[:1] if interpreted else configs), key=key)(kernel)
 
 
 store_surprise = _tuned(store_surprise_kernel)
