@@ -409,7 +409,8 @@ def test_mela_fused_update_with_gradients_on_gpu_equals_autograd(d, C, floor):
 
 def test_mela_train_with_fused_memory_updates_on_gpu_and_resume(tmp_path, tiny_run, monkeypatch):
     """`train` with train.memory_kernel: triton on one GPU (bf16-mixed): the loss falls, the first step's line
-    names the kernels, and a run stopped after its step-8 checkpoint resumes to the same losses."""
+    names the kernels, a run stopped after its step-8 checkpoint resumes to the same losses, and the checkpoint
+    loaded on the GPU keeps the fused updates."""
     from recursive_lightning.config import RunConfig
     from recursive_lightning.training.run import train
 
@@ -432,6 +433,11 @@ def test_mela_train_with_fused_memory_updates_on_gpu_and_resume(tmp_path, tiny_r
     worst = max(abs(a[s] - b[s]) for s in a)
     print(f"memory_kernel triton: max |straight - resumed| train/loss over 12 steps = {worst:.2e}")
     assert worst < 1e-3, (a, b)
+    from recursive_lightning.model.mela.neural_memory import NeuralMemory
+    from recursive_lightning.training.checkpoint import load_checkpoint
+
+    model = load_checkpoint(straight, device="cuda").model  # generate's and eval's model: the kernels kept
+    assert all(m.kernel is not None for m in model.modules() if isinstance(m, NeuralMemory))
 
 
 @pytest.mark.parametrize("name", ["looped-mesh", "spiral-mesh", "mela", "mela-fused"])

@@ -120,6 +120,9 @@ class RecursiveLightningLM(TemplateLM):
         if dtype not in (None, "auto", "float32", "bfloat16", "float16"):
             raise UserError(f"dtype '{dtype}' is unknown; use float32, bfloat16 or float16.")
         self.model.to(self._device)
+        from recursive_lightning.training.checkpoint import keep_trained_kernels  # heavy
+
+        keep_trained_kernels(loaded, self._device)  # a run trained with fused memory updates, on a GPU
         if dtype in DTYPES:
             self.model.to(DTYPES[dtype])
         self.model.eval()

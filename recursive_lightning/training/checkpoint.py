@@ -29,6 +29,7 @@ from recursive_lightning.errors import UserError
 from recursive_lightning.files import absent, no_space_is_one_sentence
 from recursive_lightning.model.build import build_model
 from recursive_lightning.run_dir import RunDir, SweepDir, checkpoints_newest_first
+from recursive_lightning.training import parallel
 
 HF_WEIGHTS = (
     "model.safetensors",
@@ -253,12 +254,21 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     }
     model.load_state_dict(state)
     model.to(device).eval()
+    loaded = Loaded(model, run, None, extra.get("mlflow_run_id"), path, int(ckpt.get("global_step", 0)))
+    keep_trained_kernels(loaded, device)
     # inside a CLI command (eval, probe, generate): torch's threads for this model's width
     thread_policy.apply_for(model)
-    tokenizer = None
     if extra.get("tokenizer_json"):
-        tokenizer = Tokenizer.from_str(extra["tokenizer_json"])
-    return Loaded(model, run, tokenizer, extra.get("mlflow_run_id"), path, int(ckpt.get("global_step", 0)))
+        loaded.tokenizer = Tokenizer.from_str(extra["tokenizer_json"])
+    return loaded
+
+
+def keep_trained_kernels(loaded: Loaded, device: str | torch.device) -> None:
+    """A Mela run trained with ``train.memory_kernel: triton`` keeps its fused memory updates where they run
+    (``parallel.fused_memory_runs_on``: eval, generate and the lm-eval adapter on a GPU): the PyTorch path's
+    updates in a few launches a chunk. Elsewhere, and for every other run, the model is left as built."""
+    if loaded.run.train.memory_kernel == "triton" and parallel.fused_memory_runs_on(device):
+        loaded.model.use_memory_kernel()
 
 
 def save_model_checkpoint(

@@ -83,6 +83,14 @@ def compile_model(model: torch.nn.Module, scope: bool | str = "layers") -> None:
         model.compile_glue()
 
 
+def fused_memory_runs_on(device: str | torch.device) -> bool:
+    """Whether ``train.memory_kernel: triton``'s kernels run on ``device``: a CUDA GPU, or the CPU under Triton's
+    interpreter (``TRITON_INTERPRET=1``, the tests' path); with the triton package installed."""
+    kind = torch.device(device).type
+    here = kind == "cuda" or (kind == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return here and importlib.util.find_spec("triton") is not None
+
+
 def check_supported(cfg: TrainConfig) -> None:
     """Refuse, before any work, combinations that are known to fail on this machine's kind."""
     on_cpu = cfg.accelerator == "cpu" or (cfg.accelerator == "auto" and not torch.cuda.is_available())

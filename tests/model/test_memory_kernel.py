@@ -235,6 +235,45 @@ def test_a_model_runs_every_update_fused_and_learns_as_before(memory_kernel):
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-10, atol=1e-12)
 
 
+def test_a_run_trained_with_the_fused_updates_evaluates_and_generates_with_them(
+    memory_kernel, tiny_run, tmp_path, monkeypatch
+):
+    """``load_checkpoint`` (generate, probe; eval's lm-eval adapter once on its device) of a Mela run trained with
+    ``train.memory_kernel: triton`` puts every neural memory on the fused kernels where they run (here Triton's
+    interpreter, a GPU for users); its cached decoding then gives the PyTorch path's hidden states in float64.
+    Where they do not run (the CPU without the interpreter), and for a run trained without them, the PyTorch
+    path."""
+    from recursive_lightning.training.checkpoint import load_checkpoint, save_model_checkpoint
+
+    cfg = tiny_run()
+    cfg["model"] = {"preset": "cpu-mela", "d_model": 64, "n_heads": 4, "hmm_d_model": 16, "hmm_heads": 4}
+    cfg["model"].update(memory_heads=1, vocab_size=97)
+    cfg["train"]["memory_kernel"] = "triton"
+    run = RunConfig.from_dict(cfg)
+    torch.manual_seed(0)
+    path = save_model_checkpoint(tmp_path / "fused.ckpt", build_model(run.model), run)
+
+    def kernels(model: torch.nn.Module) -> list[bool]:
+        return [m.kernel is not None for m in model.modules() if isinstance(m, NeuralMemory)]
+
+    fused = load_checkpoint(path, device="cpu").model.double()
+    assert kernels(fused) and all(kernels(fused))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    plain = load_checkpoint(path, device="cpu").model.double()
+    assert not any(kernels(plain))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read again at each launch
+    idx = torch.randint(0, 97, (1, 3 * run.model.tokens_per_chunk + 2))
+    with torch.no_grad():
+        full = plain.hidden(idx)
+        cache = fused.new_cache()
+        steps = [fused.hidden(idx[:, :3], cache=cache)]
+        steps += [fused.hidden(idx[:, i : i + 1], cache=cache) for i in range(3, idx.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-10, atol=1e-12)
+    run.train.memory_kernel = "torch"
+    path = save_model_checkpoint(tmp_path / "plain.ckpt", plain, run)
+    assert not any(kernels(load_checkpoint(path, device="cpu").model))
+
+
 _COMPILE_FOR_SM90 = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
