@@ -11,7 +11,9 @@
 ``train``: forward+backward (``model.loss`` + ``backward``, bf16 autocast, float32 weights as in bf16-mixed
 training) of Mela, of the same Mela with the HMM bypassed (``bench_mela.decoder_alone``: the decoder alone)
 and of the Transformer++ of its size, ``--batch`` x ``--seq-len``, taking turns after a warm-up; CUDA-event
-medians. ``--graphs``: each model's forward + backward captured as one CUDA graph and replayed
+medians, and each model's device activities in one profiled step (kernels, copies and fills: in eager mode
+one host launch each; the goal, at most 2x Transformer++'s, is the host-work goal ``bench_host_overhead.py``
+approximates on the CPU). ``--graphs``: each model's forward + backward captured as one CUDA graph and replayed
 (``cuda_graph_step.py``; a model whose capture fails runs eagerly, and says so). The goals: the memory's
 wall-clock share 1 - t(decoder alone) / t(Mela) at most 2x its share of ``describe``'s forward FLOPs; Mela's
 time over Transformer++'s at most 1.0, then at most their FLOP ratio + 0.10. ``--matmul-precision``: torch's
@@ -73,6 +75,19 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return 1e3 * (time.perf_counter() - t)
+
+
+def gpu_kernels(fn) -> int:
+    """The device activities (kernels, copies, fills) of one call of ``fn`` on the GPU, counted by the
+    profiler: in eager mode the launches the host makes, the measure ``bench_host_overhead.py`` approximates
+    on the CPU with leaf ATen calls; a replayed graph holds as many, launched by one call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync()
+    return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
 
 
 def part_train(args) -> dict[str, bool]:
@@ -143,6 +158,7 @@ def part_train(args) -> dict[str, bool]:
         for k in list(fns) if r % 2 == 0 else list(fns)[::-1]:
             times[k].append(_timed(fns[k]))
     med = {k: statistics.median(v) for k, v in times.items()}
+    kernels = {k: gpu_kernels(fn) if DEVICE == "cuda" else -1 for k, fn in fns.items()}
     dm = describe(preset(args.mela, max_seq_len=args.seq_len), seq_len=args.seq_len, batch_size=args.batch)
     dt = describe(
         preset(args.transformerpp, max_seq_len=args.seq_len), seq_len=args.seq_len, batch_size=args.batch
@@ -155,18 +171,36 @@ def part_train(args) -> dict[str, bool]:
         f"train.compile: {args.compile or 'false'}{', CUDA graphs' if args.graphs else ''}, float32 matmul "
         f"precision {torch.get_float32_matmul_precision()}\n"
     )
-    print("| model | params | ms fwd+bwd | tokens/s | peak memory (GiB) | first step (s) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| model | params | ms fwd+bwd | tokens/s | peak memory (GiB) | first step (s) | GPU kernels / step |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for k, m in models.items():
         n = sum(p.numel() for p in m.parameters())
         print(
             f"| {k} | {n / 1e6:.1f}M | {med[k]:.1f} | {tokens / med[k] * 1e3:,.0f} | {peak_gib[k]:.1f} | "
-            f"{first_s.get(k, float('nan')):.1f} |"
+            f"{first_s.get(k, float('nan')):.1f} | {f'{kernels[k]:,}' if kernels[k] >= 0 else 'n/a'} |"
         )
     goals: dict[str, bool] = {}
     for mela in [k for k in ("Mela", FUSED) if k in med]:
         goals |= _goal_lines(mela, med, flop_share, flop_ratio, tokens)
+        if DEVICE == "cuda" and not args.graphs:  # eager: a launch by the host per kernel
+            goals |= _kernel_goal(mela, kernels)
     return goals
+
+
+def _kernel_goal(mela: str, kernels: dict[str, int]) -> dict[str, bool]:
+    """The host-work goal on the GPU: the kernels one eager step of ``mela`` launches, at most 2x
+    Transformer++'s."""
+    ratio = kernels[mela] / kernels["Transformer++"]
+    tag = "" if mela == "Mela" else f" ({mela})"
+    ok = ratio <= 2.0
+    print(
+        f"{'PASS' if ok else 'MISS'} GPU kernels per eager step{tag} / Transformer++'s {ratio:.2f} <= 2.0 "
+        f"({kernels[mela]:,} vs {kernels['Transformer++']:,})",
+        flush=True,
+    )
+    return {f"GPU kernels per step{tag}": ok}
 
 
 def _goal_lines(mela: str, med: dict[str, float], flop_share: float, flop_ratio: float, tokens: int) -> dict:
