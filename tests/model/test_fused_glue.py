@@ -1,6 +1,7 @@
 """The fused eager glue and the compiled glue regions against their reference forms, in float64.
 
-Eager fast paths with written-out backwards: the attention input's head split + rotary (``block._QKVRotary``),
+Eager fast paths with written-out backwards: the attention input's head split + rotary (``block._QKVRotary``;
+in the decoder's layers and Mela's HMM attention),
 MeSH's factored read (``mesh._FactoredRead``), S_down / S_up as views (``resolution._SelfAggregation``,
 ``_ChunkMap``). References: the composed rotary, the term-by-term read, the padded S_down / S_up (the forms
 ``train.compile: glue`` hands to ``torch.compile``). Values and gradients, causality, and kill-and-resume with
@@ -10,11 +11,14 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
+from einops import rearrange
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recursive_lightning.model.block import _rotate_half_reference, qkv_rotary
-from recursive_lightning.model.config import ModelConfig
+from recursive_lightning.model.config import ModelConfig, preset
+from recursive_lightning.model.mela.hierarchical_memory import GatedAttention
 from recursive_lightning.model.recursive.mesh import _FactoredRead, _inner_products, _read_buffer_reference
 from recursive_lightning.model.recursive.model import RecursiveLM
 from recursive_lightning.model.recursive.resolution import ResolutionStep
@@ -53,6 +57,33 @@ def test_qkv_rotary_equals_the_composed_form(heads, kv, head_dim, dim, per_row):
         torch.testing.assert_close(a, r.transpose(1, 2), rtol=1e-15, atol=1e-15)
     (ga,), (gr,) = _grads(fused, [qkv]), _grads(tuple(r.transpose(1, 2) for r in ref), [qkv])
     torch.testing.assert_close(ga, gr, rtol=1e-14, atol=1e-14)
+
+
+def _gated_attention_reference(attn, x):
+    """Mela's HMM attention composed as written (the head split by rearrange, ``Rotary.forward`` on q and k)."""
+    b = x.shape[0]
+    xc = rearrange(x, "b (c n) d -> (b c) n d", n=attn.chunk)
+    q, k, v = rearrange(attn.qkv(xc), "bc n (three h d) -> three bc n h d", three=3, h=attn.heads)
+    cos, sin = attn.rotary.cos_sin_range(0, attn.chunk, x.device, x.dtype)
+    q, k = (attn.rotary(t, cos, sin).transpose(1, 2) for t in (q, k))
+    y = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
+    y = rearrange(y, "bc h n d -> bc n (h d)") * torch.sigmoid(attn.gate(xc))
+    return rearrange(attn.proj(y), "(b c) n d -> b (c n) d", b=b)
+
+
+@pytest.mark.parametrize("rotary_pct", [1.0, 0.5])
+def test_mela_gated_attention_equals_its_composed_form(rotary_pct):
+    """The HMM's gated, causal, chunk-local attention with q and k rotated by ``qkv_rotary``: values to one
+    rounding and every gradient (input, projections, gate) to rounding, against the composed form, in float64."""
+    torch.manual_seed(0)
+    cfg = preset("cpu-mela", hmm_d_model=24, hmm_heads=3, chunk_size=5, rotary_pct=rotary_pct)
+    attn = GatedAttention(cfg).double()
+    x = torch.randn(2, 3 * cfg.chunk_size, 24, dtype=torch.double, requires_grad=True)
+    inputs = [x, *attn.parameters()]
+    fused, ref = attn(x), _gated_attention_reference(attn, x)
+    torch.testing.assert_close(fused, ref, rtol=1e-14, atol=1e-14)
+    for a, r in zip(_grads(fused, inputs), _grads(ref, inputs)):
+        torch.testing.assert_close(a, r, rtol=1e-13, atol=1e-13)
 
 
 @settings(max_examples=20, deadline=None)

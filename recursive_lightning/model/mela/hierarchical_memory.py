@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from recursive_lightning.model.block import Rotary
+from recursive_lightning.model.block import Rotary, qkv_rotary
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.model.mela.neural_memory import MemoryState, NeuralMemory
 
@@ -78,10 +78,11 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
         xc = rearrange(x, "b (c n) d -> (b c) n d", n=self.chunk)  # chunks never see each other
-        q, k, v = rearrange(self.qkv(xc), "bc n (three h d) -> three bc n h d", three=3, h=self.heads)
+        qkv = self.qkv(xc).unflatten(-1, (3 * self.heads, -1))  # (bc, n, q | k | v heads, hd)
         cos, sin = self.rotary.cos_sin_range(0, self.chunk, x.device, x.dtype)
-        q, k = (self.rotary(t, cos, sin).transpose(1, 2) for t in (q, k))
-        y = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
+        # q and k rotated together, each (bc, h, n, hd), with the decoder's written-out backward (block.py)
+        q, k, v = qkv_rotary(qkv, cos, sin, (self.heads, self.heads), self.rotary.dim)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = rearrange(y, "bc h n d -> bc n (h d)")
         if self.gate is not None:
             y = y * torch.sigmoid(self.gate(xc))

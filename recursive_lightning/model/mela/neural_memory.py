@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from recursive_lightning.model.precision import no_autocast, upcast
 
@@ -150,6 +151,36 @@ class _NewtonSchulz(torch.autograd.Function):
         inner = (grad * g).sum(dim=(-2, -1), keepdim=True)
         per_g = -inner / (n * n) if d_norm is None else d_norm - inner / (n * n)
         return grad / n + per_g * g / norm.clamp_min(torch.finfo(g.dtype).tiny), d_tau, None, None
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """``F.normalize(x, dim=-1, eps=eps)``: x / max(||x||, eps) over the last dim. Eagerly with its backward
+    written out (:class:`_L2Normalize`); under ``torch.compile`` composed, which the compiler fuses."""
+    if torch.compiler.is_compiling():
+        return F.normalize(x, dim=-1, eps=eps)
+    return _L2Normalize.apply(x, eps)
+
+
+class _L2Normalize(torch.autograd.Function):
+    """y = x / n, n = max(||x||, eps) (``F.normalize``'s operations, so its values and dtypes under autocast)
+    and dx = (g - y <g, y>) / n, where <g, y> counts only where ||x|| > eps (a clamped n is a constant): five
+    calls, where autograd through the composition takes about twelve per normalisation (docs/benchmarks.md: host
+    calls)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
+        n = x.norm(2, dim=-1, keepdim=True).clamp_min(eps)
+        y = x / n
+        ctx.save_for_backward(y, n)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    @once_differentiable  # n is saved without a graph: a second derivative is refused, not wrong
+    def backward(ctx, grad: torch.Tensor):
+        y, n = ctx.saved_tensors
+        inner = torch.linalg.vecdot(grad, y).unsqueeze(-1).masked_fill_(n <= ctx.eps, 0.0)
+        return torch.addcmul(grad, y, inner, value=-1) / n, None
 
 
 def step_floors(weights: list[torch.Tensor], theta: torch.Tensor, floor: float) -> list[torch.Tensor]:
@@ -296,7 +327,7 @@ class NeuralMemory(nn.Module):
         qk, v = qkv.split(
             [2, 1]
         )  # split and unbind: each backward is one cat / stack, a slice's pads with zeros
-        q, k = F.normalize(qk, dim=-1).unbind(0)  # [reading], as in Titans; q and k in one pass
+        q, k = l2_normalize(qk).unbind(0)  # [reading], as in Titans; q and k in one pass
         theta, eta, alpha = self._gates(x)
         # the inner loop in float32 even under autocast [reading]: Newton-Schulz lifts an update's near-null
         # directions towards singular value 1, so bf16 rounding there (~4e-3) would be written into the memory
@@ -323,7 +354,10 @@ class NeuralMemory(nn.Module):
             return theta, None, None
         rates = torch.sigmoid(per_chunk.view(b, n // self.chunk_size, self.chunk_size, -1).mean(2))
         rates = rearrange(rates, "b c (k h) -> k b h c", h=h)
-        return theta, rates[0], rates[1] if self.alpha is not None else None
+        eta, *alpha = rates.unbind(
+            0
+        )  # one unbind: its backward is one stack, an index's a zero-filled copy each
+        return theta, eta, alpha[0] if alpha else None
 
     def _store_and_retrieve(
         self, q, k, v, theta, eta, alpha, state: MemoryState
