@@ -1,9 +1,10 @@
-"""The glue between SpiralFormer-B's passes on its own, each choice side by side in one process.
+"""The glue around the layers on its own, each choice side by side in one process.
 
     python benchmarks/bench_glue.py                       # cpu-tiny (16 x 128), cpu-base and pythia-160m (2 x 1024)
     python benchmarks/bench_glue.py --presets cpu-tiny --reps 40
+    python benchmarks/bench_glue.py --presets --threads 2  # Mela's rows alone, at this machine's default threads
 
-Two choices the code makes by size, each timed both ways, interleaved (ABAB / BABA), one thread, host memory
+Choices the code makes, each timed both ways, interleaved (ABAB / BABA), one thread (``--threads``), host memory
 kept as ``train`` keeps it, CPU-time clock:
 
 - S_down + S_up of SpiralFormer-B's three coarse steps (g = 8, 4, 2; learned scorer and allocator), forward and
@@ -11,6 +12,10 @@ kept as ``train`` keeps it, CPU-time clock:
   one GEMM per chunk (``_LOOP_MAX_K = 0``).
 - A Linear used 4 times by 2048 tokens, forward and backward: the weight-gradient buffer of
   ``model/shared_grad.py`` against autograd's own sum, for the shapes of each preset's core.
+- Mela's HMM attention sub-layer and its memories' q/k normalisation at cpu-mela's shape (8 x 256 tokens),
+  forward and backward: q and k rotated by ``block.qkv_rotary`` and normalised by ``l2_normalize``, each with a
+  written-out backward (the default), against the composed forms ``torch.compile`` is given (the same functions
+  with ``torch.compiler.is_compiling`` true).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_mesh_overhead import interleaved, set_threads  # noqa: E402
 
 from recursive_lightning.model.config import preset  # noqa: E402
+from recursive_lightning.model.mela.hierarchical_memory import GatedAttention  # noqa: E402
+from recursive_lightning.model.mela.neural_memory import l2_normalize  # noqa: E402
 from recursive_lightning.model.recursive import resolution  # noqa: E402
 from recursive_lightning.model.recursive.model import RecursiveLM  # noqa: E402
 from recursive_lightning.model.shared_grad import Linear, accumulate_weight_grads  # noqa: E402
@@ -73,6 +80,31 @@ def linear(d_in: int, d_out: int, tokens: int = 2048, uses: int = 4) -> dict:
     return {"buffer": run(True), "autograd": run(False)}
 
 
+def mela(name: str = "cpu-mela", batch: int = 8, tokens: int = 256) -> dict[str, dict]:
+    """{sub-layer: {"written-out": fn, "composed": fn}} of Mela's HMM attention and q/k normalisation."""
+    cfg = preset(name)
+    attn = GatedAttention(cfg)
+    x = torch.randn(batch, tokens // cfg.patch_size, cfg.hmm_width, requires_grad=True)
+    heads = cfg.memory_heads
+    qk = torch.randn(2, batch, heads, x.shape[1], cfg.hmm_width // heads, requires_grad=True)
+
+    def both(fn) -> dict:
+        def written_out() -> None:
+            fn().sum().backward()
+
+        def composed() -> None:
+            compiling = torch.compiler.is_compiling
+            torch.compiler.is_compiling = lambda: True  # the forms the compiler is handed
+            try:
+                fn().sum().backward()
+            finally:
+                torch.compiler.is_compiling = compiling
+
+        return {"written-out": written_out, "composed": composed}
+
+    return {"HMM attention": both(lambda: attn(x)), "q/k normalisation": both(lambda: l2_normalize(qk))}
+
+
 def report(title: str, fns: dict, reps: int) -> None:
     times = interleaved(fns, reps, warmup=2, clock="cpu")
     (a, ta), (b, tb) = times.items()
@@ -82,13 +114,18 @@ def report(title: str, fns: dict, reps: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--presets", nargs="+", default=list(SHAPES))
+    p.add_argument("--presets", nargs="*", default=list(SHAPES))
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
-    set_threads(1)
-    print(f"torch {torch.__version__}, 1 thread, CPU time, medians of {args.reps} interleaved rounds\n")
+    set_threads(args.threads)
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), CPU time, medians of {args.reps} interleaved rounds\n"
+    )
     print("| what | default | other | default / other |")
     print("| --- | ---: | ---: | ---: |")
+    for part, fns in mela().items():
+        report(f"cpu-mela: {part}, fwd+bwd", fns, args.reps)
     for name in args.presets:
         report(f"{name}: S_down + S_up x 3, fwd+bwd", glue(name), args.reps)
     for name in args.presets:
