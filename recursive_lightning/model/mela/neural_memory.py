@@ -354,9 +354,8 @@ class NeuralMemory(nn.Module):
             return theta, None, None
         rates = torch.sigmoid(per_chunk.view(b, n // self.chunk_size, self.chunk_size, -1).mean(2))
         rates = rearrange(rates, "b c (k h) -> k b h c", h=h)
-        eta, *alpha = rates.unbind(
-            0
-        )  # one unbind: its backward is one stack, an index's a zero-filled copy each
+        # one unbind: its backward is one stack, where an index's is a zero-filled copy each
+        eta, *alpha = rates.unbind(0)
         return theta, eta, alpha[0] if alpha else None
 
     def _store_and_retrieve(
