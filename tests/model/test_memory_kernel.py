@@ -193,11 +193,20 @@ def test_the_fused_gradients_in_float32_are_as_close_to_float64_as_the_pytorch_u
         assert fused_err < 1e-4 and fused_err <= 4 * torch_err + 1e-6, (fused_err, torch_err)
 
 
+# cpu-mela narrowed: a model the interpreter runs in seconds
+TINY_MELA = {
+    "d_model": 64,
+    "n_heads": 4,
+    "hmm_d_model": 16,
+    "hmm_heads": 4,
+    "memory_heads": 1,
+    "vocab_size": 97,
+}
+
+
 def _tiny_mela():
     torch.manual_seed(0)
-    cfg = preset(
-        "cpu-mela", d_model=64, n_heads=4, hmm_d_model=16, hmm_heads=4, memory_heads=1, vocab_size=97
-    )
+    cfg = preset("cpu-mela", **TINY_MELA)
     model = build_model(cfg).double()
     idx = torch.randint(0, cfg.vocab_size, (1, 3 * cfg.tokens_per_chunk + 1))  # the HMM reads chunks 0, 1
     return model, idx
@@ -246,8 +255,7 @@ def test_a_run_trained_with_the_fused_updates_evaluates_and_generates_with_them(
     from recursive_lightning.training.checkpoint import load_checkpoint, save_model_checkpoint
 
     cfg = tiny_run()
-    cfg["model"] = {"preset": "cpu-mela", "d_model": 64, "n_heads": 4, "hmm_d_model": 16, "hmm_heads": 4}
-    cfg["model"].update(memory_heads=1, vocab_size=97)
+    cfg["model"] = {"preset": "cpu-mela", **TINY_MELA}
     cfg["train"]["memory_kernel"] = "triton"
     run = RunConfig.from_dict(cfg)
     torch.manual_seed(0)
