@@ -144,6 +144,13 @@ def memory_chunk(
     return mem, (ks[1], vs[1], thetas[1], *rates[1], weights, momentum)
 
 
+def memory_kernels_set(model: torch.nn.Module) -> list[bool]:
+    """Per neural memory of a Mela model, whether its updates run on the fused kernels (``use_memory_kernel``)."""
+    from recursive_lightning.model.mela.neural_memory import NeuralMemory
+
+    return [m.kernel is not None for m in model.modules() if isinstance(m, NeuralMemory)]
+
+
 def floor_binds(mem, args: tuple, floor: float) -> torch.Tensor:
     """Per memory tensor, sequence and head, whether the bounded step's floor binds in the update of ``args``
     (:func:`memory_chunk`'s): ||S_t|| below tau (``neural_memory.step_floors``)."""

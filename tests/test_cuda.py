@@ -433,11 +433,12 @@ def test_mela_train_with_fused_memory_updates_on_gpu_and_resume(tmp_path, tiny_r
     worst = max(abs(a[s] - b[s]) for s in a)
     print(f"memory_kernel triton: max |straight - resumed| train/loss over 12 steps = {worst:.2e}")
     assert worst < 1e-3, (a, b)
-    from recursive_lightning.model.mela.neural_memory import NeuralMemory
+    from conftest import memory_kernels_set
+
     from recursive_lightning.training.checkpoint import load_checkpoint
 
-    model = load_checkpoint(straight, device="cuda").model  # generate's and eval's model: the kernels kept
-    assert all(m.kernel is not None for m in model.modules() if isinstance(m, NeuralMemory))
+    kept = memory_kernels_set(load_checkpoint(straight, device="cuda").model)  # generate's and eval's model
+    assert kept and all(kept)
 
 
 @pytest.mark.parametrize("name", ["looped-mesh", "spiral-mesh", "mela", "mela-fused"])

@@ -15,7 +15,14 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TRITON_INTERPRETER, floor_binds, memory_chunk, update_outputs_and_gradients
+from conftest import (
+    ROOT,
+    TRITON_INTERPRETER,
+    floor_binds,
+    memory_chunk,
+    memory_kernels_set,
+    update_outputs_and_gradients,
+)
 
 from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import ConfigError
@@ -261,14 +268,11 @@ def test_a_run_trained_with_the_fused_updates_evaluates_and_generates_with_them(
     torch.manual_seed(0)
     path = save_model_checkpoint(tmp_path / "fused.ckpt", build_model(run.model), run)
 
-    def kernels(model: torch.nn.Module) -> list[bool]:
-        return [m.kernel is not None for m in model.modules() if isinstance(m, NeuralMemory)]
-
     fused = load_checkpoint(path, device="cpu").model.double()
-    assert kernels(fused) and all(kernels(fused))
+    assert memory_kernels_set(fused) and all(memory_kernels_set(fused))
     monkeypatch.delenv("TRITON_INTERPRET")
     plain = load_checkpoint(path, device="cpu").model.double()
-    assert not any(kernels(plain))
+    assert not any(memory_kernels_set(plain))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read again at each launch
     idx = torch.randint(0, 97, (1, 3 * run.model.tokens_per_chunk + 2))
     with torch.no_grad():
@@ -279,7 +283,7 @@ def test_a_run_trained_with_the_fused_updates_evaluates_and_generates_with_them(
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-10, atol=1e-12)
     run.train.memory_kernel = "torch"
     path = save_model_checkpoint(tmp_path / "plain.ckpt", plain, run)
-    assert not any(kernels(load_checkpoint(path, device="cpu").model))
+    assert not any(memory_kernels_set(load_checkpoint(path, device="cpu").model))
 
 
 _COMPILE_FOR_SM90 = """
