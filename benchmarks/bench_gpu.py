@@ -133,6 +133,19 @@ def gpu_busy(fn, steps: int = 3) -> float:
     return kernel_us / 1e3 / start.elapsed_time(end)
 
 
+def gpu_kernels(fn) -> int:
+    """The device activities (kernels, copies, fills) of one call of ``fn`` on the GPU, counted by the
+    profiler: in eager mode the launches the host makes, the measure ``bench_host_overhead.py`` approximates
+    on the CPU with leaf ATen calls; a replayed graph holds as many, launched by one call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+
+
 def step_fn(model: RecursiveLM, batch: int, seq: int, mode: str = "eager"):
     g = torch.Generator(device=DEVICE).manual_seed(1)
     idx = torch.randint(0, model.cfg.vocab_size, (batch, seq), device=DEVICE, generator=g)

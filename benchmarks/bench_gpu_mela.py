@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_gpu import gpu_kernels  # noqa: E402
 from bench_host_overhead import interpret_triton_on_the_cpu  # noqa: E402
 from bench_mela import decoder_alone  # noqa: E402
 from cuda_graph_step import graphed_step  # noqa: E402
@@ -75,19 +76,6 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return 1e3 * (time.perf_counter() - t)
-
-
-def gpu_kernels(fn) -> int:
-    """The device activities (kernels, copies, fills) of one call of ``fn`` on the GPU, counted by the
-    profiler: in eager mode the launches the host makes, the measure ``bench_host_overhead.py`` approximates
-    on the CPU with leaf ATen calls; a replayed graph holds as many, launched by one call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    _sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        _sync()
-    return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
 
 
 def part_train(args) -> dict[str, bool]:
