@@ -370,9 +370,12 @@ class NeuralMemory(nn.Module):
         state = MemoryState(weights, momentum)
         # one split per input rather than a slice per chunk: autograd joins the chunks' gradients with one cat,
         # where a slice's backward pads each chunk's gradient to the full length and the chunks' are summed
-        qs, ks, vs, thetas = (x.split(C, dim=2) for x in (q, k, v, theta))
+        # (the HMM passes one chunk at a time: then the inputs are the chunk's, with no split or unbind to undo)
+        one = n == C
+        qs, ks, vs, thetas = ((x,) if one else x.split(C, dim=2) for x in (q, k, v, theta))
         etas, alphas = (
-            [None] * (n // C) if x is None else x[..., None, None].unbind(2) for x in (eta, alpha)
+            [None] * (n // C) if x is None else (x[..., None],) if one else x[..., None, None].unbind(2)
+            for x in (eta, alpha)
         )
         ys = []
         for t in range(n // C):
