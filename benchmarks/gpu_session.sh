@@ -52,10 +52,12 @@ has mela-graphs && step mela-graphs "${MELA_GRAPHS_LIMIT:-120}" python3 benchmar
 # the memory's GEMMs in full FP32 (torch's "highest"), against the `mela` step's TF32: what TF32 saves a Mela step
 has mela-fp32 && step mela-fp32 "${MELA_FP32_LIMIT:-120}" python3 benchmarks/bench_gpu_mela.py --part train \
   --matmul-precision highest --reps 6
-# Mela and Transformer++ with train.compile: glue (the layers, and each neural memory's chunk update)
+# Mela and Transformer++ with train.compile: glue (the layers, and each neural memory's projections and chunk
+# update), and Mela compiled so with its memory updates fused: the combination that launches fewest kernels on
+# the CPU's count (docs/benchmarks.md: Mela)
 has mela-compiled && TORCH_LOGS="${MELA_TORCH_LOGS:-recompiles}" step mela-compiled "${MELA_COMPILE_LIMIT:-240}" \
   python3 benchmarks/bench_gpu_mela.py \
-  --part train --compile glue --reps 6
+  --part train --compile glue --reps 6 --memory-kernel
 # both: the compiled regions' fused kernels captured and replayed as one CUDA graph per step (compiled in the
 # capture's warm-up steps), the candidate for Mela's memory loop once neither the host nor unfused element-wise
 # kernels bound it; train refuses train.compile with train.cuda_graphs until this measures a gain
