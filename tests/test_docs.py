@@ -261,6 +261,48 @@ def test_every_shown_command_line_parses_with_the_commands_own_parser(monkeypatc
     assert parsed >= 30, parsed
 
 
+def _written_run_dir(argv: list[str]) -> str | None:
+    """The folder a shown `train` or `sweep` command writes: its --run-dir, else runs/<name> (train) or
+    runs/sweeps/<name> (sweep) with the name of its YAML file, as the commands pick it."""
+    options = dict(zip(argv, argv[1:]))
+    if argv[0] not in ("train", "sweep"):
+        return None
+    if "--run-dir" in options:
+        return options["--run-dir"]
+    if argv[0] == "train":
+        config = options.get("--config")
+        return None if config is None else f"runs/{yaml.safe_load((ROOT / config).read_text())['name']}"
+    sweep_file = next((a for a in argv[1:] if a.endswith(".yaml")), "ablations/default.yaml")
+    return f"runs/sweeps/{yaml.safe_load((ROOT / sweep_file).read_text())['name']}"
+
+
+def test_every_run_folder_a_command_reads_is_one_a_shown_command_writes():
+    """A reader's run folder (`eval runs/...`, `probe runs/...`, `--init-from runs/...`) is one that a `train`
+    or `sweep` command on the same page or in the README writes, so the commands run as written in order."""
+    writes: dict[str, set[str]] = {}
+    reads = []
+    for page, line in _commands():
+        argv = _package_argv(line)
+        if not argv or argv[0].startswith(("-", "<")):
+            continue
+        written = _written_run_dir(argv)
+        if written is not None:
+            writes.setdefault(page, set()).add(written)
+        for token in argv[1:]:
+            value = token.split("=", 1)[-1]
+            if value.startswith("runs/") and value != written:
+                reads.append((page, value, line))
+    assert len(reads) >= 10, reads
+    problems = [
+        f"{page}: `{line}` reads {value}, which no train or sweep command on {page} or README.md writes"
+        for page, value, line in reads
+        if not any(
+            value == w or value.startswith(w + "/") for w in writes.get(page, set()) | writes["README.md"]
+        )
+    ]
+    assert not problems, "\n".join(problems)
+
+
 def test_every_shown_script_exists_and_takes_the_options_shown():
     problems = []
     for page, line in _commands():

@@ -10,6 +10,7 @@ import time
 
 from recursive_lightning.config import check_seed
 from recursive_lightning.errors import ArgumentParser, UserError
+from recursive_lightning.model.layout import MAX_LOOP_STEPS
 from recursive_lightning.validation import check_device, check_max_new_tokens
 
 
@@ -71,12 +72,29 @@ def _check_args(args: argparse.Namespace) -> None:
     check_device(args.device)
 
 
+def _check_depth(model: object, k: int, dial: str) -> int:
+    """``k`` as the one test-time depth ``--<dial>`` asks of ``model``, or one sentence naming the fix.
+
+    The shared check's examples are eval's comma lists; generate decodes at one depth, so its range sentence
+    gives one integer. Whether the dial applies to the model is asked first, so the sentence for a wrong
+    dial comes before the one for a wrong count."""
+    from recursive_lightning.model.depth import check_depth  # heavy
+
+    check_depth(model, 1, dial)  # the dial fits the model (a Mela model, a looped layout) whatever k is
+    if not 1 <= k <= MAX_LOOP_STEPS:
+        flag, unit = ("--loops", "loop") if dial == "loops" else ("--h-cycles", "cycle")
+        raise UserError(
+            f"{flag} must be one whole {unit} count from 1 to {MAX_LOOP_STEPS}, not {k}; e.g. {flag} 4."
+        )
+    return check_depth(model, k, dial)
+
+
 def main(argv: list[str]) -> int:
     import torch  # heavy
 
     from recursive_lightning.evaluation.perplexity import EOS_TOKEN  # heavy
     from recursive_lightning.model.decoding import decode  # heavy
-    from recursive_lightning.model.depth import at_depth, check_depth  # heavy
+    from recursive_lightning.model.depth import at_depth, depth_dial  # heavy
     from recursive_lightning.model.recursive.adaptive_exit import (  # heavy
         ExitStats,
         check_adaptive_exit,
@@ -91,8 +109,13 @@ def main(argv: list[str]) -> int:
         raise UserError(f"checkpoint '{loaded.path}' carries no tokenizer, which generation needs.")
     model, tok = loaded.model.eval(), loaded.tokenizer
     dial = "loops" if args.loops is not None else "h_cycles" if args.h_cycles is not None else None
-    k = None if dial is None else check_depth(model, getattr(args, dial), dial)  # one sentence when wrong
+    k = None if dial is None else _check_depth(model, getattr(args, dial), dial)  # one sentence when wrong
     if args.exit_kl is not None:
+        if depth_dial(model) == "h_cycles":
+            raise UserError(
+                "--exit-kl: adaptive exit stops a looped model's loop steps, and Mela's depth is its H cycles; "
+                "drop --exit-kl, or set Mela's depth with --h-cycles N (e.g. --h-cycles 4)."
+            )
         check_adaptive_exit(model, args.exit_kl)
     eos = tok.token_to_id(EOS_TOKEN)
     ids = tok.encode(args.prompt).ids if args.prompt else []

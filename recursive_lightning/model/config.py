@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,24 @@ def _written_before_step_floor(data: dict[str, Any]) -> bool:
     return complete and data.get("arch") == "mela" and "memory_step_floor" not in data
 
 
+def _check_mela_layout(layout: object) -> None:
+    """One sentence when a Mela layout is not a layer count: the decoder is a plain stack of layers, so the
+    recursive grammar (prelude+core+coda, loops, resolutions) and its hints do not apply."""
+    text = str(layout).replace(" ", "")
+    if re.fullmatch(r"\d+", text):
+        return  # a layer count; parse_layout refuses 0
+    if "+" in text:
+        what = "is a prelude-core-coda layout"
+    elif re.fullmatch(r"\d+(R\d+|[x×]\{.*\})", text):
+        what = "is a looped core"
+    else:
+        what = "is not a layer count"
+    raise ConfigError(
+        f"model.layout '{layout}' {what}, but a Mela decoder is a plain stack: give its depth as "
+        "a whole number of layers, e.g. 12."
+    )
+
+
 @dataclass
 class ModelConfig:
     """Everything that defines a model's architecture. Serialises to and from YAML."""
@@ -330,6 +349,8 @@ class ModelConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> ModelConfig:
         _choice("arch", self.arch, ARCHES)
+        if self.arch == "mela":
+            _check_mela_layout(self.layout)  # before the recursive grammar, whose hints do not apply to Mela
         lay = self.parsed_layout
         if self.arch == "mela":
             self._validate_mela()
@@ -394,12 +415,7 @@ class ModelConfig:
         return self
 
     def _validate_mela(self) -> None:
-        lay = self.parsed_layout
-        if lay.kind != "vanilla":
-            raise ConfigError(
-                f"model.layout '{self.layout}' is recurrent, but a Mela decoder is a plain stack: give its depth "
-                "as an integer (e.g. 24)."
-            )
+        lay = self.parsed_layout  # a plain stack: validate() checked the layout is a layer count
         if self.topology != "base":
             raise ConfigError(
                 f"model.topology '{self.topology}' does not apply to model.arch mela; leave it base."

@@ -5,6 +5,7 @@ reproduces the ordinary evaluation bit for bit, other counts are the model under
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -145,3 +146,47 @@ def test_generate_with_adaptive_exit(ckpts, capsys):  # noqa: F811
         assert words in err and len(err.splitlines()) == 1
     assert main(["generate", str(ckpts["mela"]), "--exit-kl", "1e-3"]) == 2
     assert "H cycles" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "family,flags,message",
+    [
+        (
+            "mela",
+            ["--h-cycles", "0"],
+            "--h-cycles must be one whole cycle count from 1 to 256, not 0; e.g. --h-cycles 4.",
+        ),
+        (
+            "mela",
+            ["--h-cycles", "-1"],
+            "--h-cycles must be one whole cycle count from 1 to 256, not -1; e.g. --h-cycles 4.",
+        ),
+        (
+            "mela",
+            ["--h-cycles", "300"],
+            "--h-cycles must be one whole cycle count from 1 to 256, not 300; e.g. --h-cycles 4.",
+        ),
+        (
+            "looped-mesh",
+            ["--loops", "0"],
+            "--loops must be one whole loop count from 1 to 256, not 0; e.g. --loops 4.",
+        ),
+        ("mela", ["--loops", "0"], "--loops does not apply to this mela model"),
+        ("vanilla", ["--loops", "0"], "no shared core to loop"),
+        (
+            "mela",
+            ["--exit-kl", "1e-3"],
+            "--exit-kl: adaptive exit stops a looped model's loop steps, and Mela's depth is its H cycles; drop "
+            "--exit-kl, or set Mela's depth with --h-cycles N (e.g. --h-cycles 4).",
+        ),
+    ],
+)
+def test_generate_depth_refusal_names_a_value_generate_takes(family, flags, message, ckpts, capsys):  # noqa: F811
+    """generate decodes at one depth: its refusal is one sentence, exit 2, whose example generate accepts
+    (the shared check's comma lists are eval's form, which generate's one-integer option refuses)."""
+    ckpt = str(ckpts[family])
+    assert main(["generate", ckpt, "--max-new-tokens", "2", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    if example := re.search(r"e\.g\. (--[a-z-]+) (\S+?)\.?\)?\.$", err):
+        assert main(["generate", ckpt, "--max-new-tokens", "2", *example.groups()]) == 0

@@ -1,6 +1,7 @@
 """Layout grammar and config validation: bad input is one sentence naming the field."""
 
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import yaml
@@ -149,3 +150,33 @@ def test_a_model_file_with_a_repeated_key_is_one_sentence(tmp_path):
         ConfigError, match=r"d_model is given twice in model file '.*model.yaml' \(lines 2 and 3\)"
     ):
         ModelConfig.from_yaml(p)
+
+
+@pytest.mark.parametrize(
+    "layout, what",
+    [
+        ("2R2", "is a looped core"),
+        ("2x{1,1}", "is a looped core"),
+        ("0+2R2+0", "is a prelude-core-coda layout"),
+        ("1+2+1", "is a prelude-core-coda layout"),
+        ("abc", "is not a layer count"),
+    ],
+)
+def test_mela_layout_that_is_not_a_layer_count_gets_the_mela_sentence(layout, what, monkeypatch, capsys):
+    """For model.arch mela every non-integer layout gets the Mela sentence, before the recursive grammar's hints
+    (a prelude and a coda), which would send the user to another layout Mela refuses; one sentence, exit 2."""
+    from recursive_lightning.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the config path as a user types it
+    assert main(["describe", "--config", "experiments/cpu/mela.yaml", "--model.layout", layout]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: model.layout '{layout}' {what}, but a Mela decoder is a plain stack: give its depth as a "
+        "whole number of layers, e.g. 12."
+    )
+
+
+def test_mela_layer_count_still_validates():
+    assert preset("cpu-mela", layout="4").parsed_layout.n_layers == 4
+    with pytest.raises(ConfigError, match="has no layers"):
+        preset("cpu-mela", layout="0")
