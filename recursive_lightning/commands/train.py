@@ -20,7 +20,7 @@ from recursive_lightning.run_dir import RunDir
 from recursive_lightning.tracking.runs import ui_command
 from recursive_lightning.training.options import TrainOptions, check_resume_flags
 from recursive_lightning.training.result import TrainResult
-from recursive_lightning.training.run import train
+from recursive_lightning.training.run import check_before_writing, train
 from recursive_lightning.training.run_lock import first_rank, run_dir_lock
 from recursive_lightning.uris import TRACKING_ENV, remember, reveal
 from recursive_lightning.validation import undo_on_refusal
@@ -140,7 +140,10 @@ def _run_config(args: argparse.Namespace, rest: list[str]) -> tuple[RunConfig, P
         from recursive_lightning.training.uptrain import cli_overrides  # heavy
 
         overrides = cli_overrides(args.init_from, config, overrides)
-    cfg = load_run_config(config, overrides)
+    own = RunDir(args.run_dir).config if args.resume and not args.config and args.run_dir else None
+    # a resume takes the overrides onto the run's own config (below): checked against the default config, they
+    # would be refused for a model the run does not have
+    cfg = None if own is not None and own.is_file() else load_run_config(config, overrides)
     run_dir = Path(args.run_dir or Path("runs") / cfg.name)
     problem = writable_dir_problem(run_dir)
     if problem is not None:  # a file, a read-only folder, a link that leads nowhere: before any lock or file
@@ -159,7 +162,7 @@ def _run_config(args: argparse.Namespace, rest: list[str]) -> tuple[RunConfig, P
             f"--resume: '{run_dir}' holds a run but not its config.yaml, the config it was started with; put "
             "config.yaml back, or pass that config with --config."
         )
-    return cfg, run_dir
+    return cfg or load_run_config(config, overrides), run_dir
 
 
 def main(argv: list[str]) -> int:
@@ -167,6 +170,7 @@ def main(argv: list[str]) -> int:
     check_resume_flags(args.resume, args.ckpt_path, args.init_from)
     cfg, run_dir = _run_config(args, rest)
     tags, params = _pairs("--tag", args.tag), _pairs("--param", args.param)
+    check_before_writing(cfg)  # before the lock makes the run directory (and its parents)
     # the tracking URI defaults to the environment's (how a sweep worker hands it to its `train` process, off the
     # command line); a masked password (as files and other commands show it) is filled in from there
     tracking_uri = reveal(remember(args.tracking_uri or os.environ.get(TRACKING_ENV)))

@@ -72,20 +72,28 @@ def train(
     Another live process writing ``run_dir`` is refused in one sentence (``run_lock.RunDirBusy``)."""
     options = dataclasses.replace(options or TrainOptions(), **fields)
     run_dir = Path(run_dir).resolve()
+    check_before_writing(cfg)  # a refusal the config alone decides: before the lock makes any folder
     # one writer per run directory; a multi-device run's further ranks write through its first
     with run_dir_lock(run_dir) if first_rank() else contextlib.nullcontext():
         return _train(cfg, run_dir, options)
 
 
+def check_before_writing(cfg: RunConfig) -> None:
+    """The refusals that need only ``cfg`` and this machine (a setting it cannot run, a model its memory cannot
+    train), run before the run directory's lock creates any folder: a refused run leaves nothing on disk."""
+    from recursive_lightning.training import parallel  # heavy
+
+    parallel.check_supported(cfg.train)
+    _check_memory(cfg)
+
+
 def _train(cfg: RunConfig, run_dir: Path, options: TrainOptions) -> TrainResult:
     import lightning as L  # heavy
 
-    from recursive_lightning.training import mlflow_run, parallel  # heavy
+    from recursive_lightning.training import mlflow_run  # heavy
     from recursive_lightning.training import resume as run_dir_state  # heavy
 
     t0 = time.time()
-    parallel.check_supported(cfg.train)
-    _check_memory(cfg)  # a model that cannot fit: one sentence, before anything is written
     if cfg.train.keep_host_memory:
         keep_freed_memory()
     # ---- the run directory and the checkpoint it resumes from

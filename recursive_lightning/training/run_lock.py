@@ -109,22 +109,22 @@ def run_dir_lock(
     """Hold ``run_dir``'s writer lock for the block (the directory is created if missing). Held by another live
     process, it is refused in one sentence naming the holder (:class:`RunDirBusy`), or, with ``on_wait``, waited
     for (``on_wait(holder)`` is called once; a signal handler that raises ends the wait). On exit the lock file
-    is removed, and the directory too when this lock created it and nothing else was written there. A
-    directory that cannot be written is left to the command's own check (nothing can be written to it)."""
+    is removed, and the directory and its parents too where this lock created them and nothing else was written
+    there. A directory that cannot be written is left to the command's own check (nothing can be written to
+    it)."""
     path = os.path.abspath(os.path.realpath(run_dir))
     if path in _held or writable_dir_problem(path) is not None:
         yield
         return
     folder = Path(path)
-    created = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
+    created = _make_dirs(folder)
     lock = RunDir(folder).writer_lock
     announced = False
     while True:
         try:
             fd = _try_lock(lock)
         except FileNotFoundError:  # the directory was removed by a refused command that had created it
-            folder.mkdir(parents=True, exist_ok=True)
+            created = sorted({*created, *_make_dirs(folder)}, key=lambda p: len(p.parts), reverse=True)
             continue
         except (
             OSError
@@ -164,6 +164,14 @@ def run_dir_lock(
         _release(fd, path, before, created)
 
 
+def _make_dirs(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing parents; returns the folders this call created, deepest first (the ones
+    ``_release`` removes again while they are empty)."""
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
 def _record_holder(fd: int, path: str) -> str | None:
     """Write this process (pid, host) into the held lock file ``fd`` of the directory ``path`` and into the
     environment its child processes inherit (``HELD_ENV``: they hold it for us); returns that variable's value
@@ -181,9 +189,9 @@ def _record_holder(fd: int, path: str) -> str | None:
     return before
 
 
-def _release(fd: int, path: str, before: str | None, created: bool) -> None:
-    """Undo ``_record_holder``: the environment as it was, the lock file removed, the directory too when the
-    lock created it and nothing was written there; the lock released."""
+def _release(fd: int, path: str, before: str | None, created: list[Path]) -> None:
+    """Undo ``_record_holder``: the environment as it was, the lock file removed, the folders the lock created
+    (the directory and its parents, deepest first) too while nothing was written there; the lock released."""
     _held.discard(path)
     if before is None:
         os.environ.pop(HELD_ENV, None)
@@ -192,9 +200,13 @@ def _release(fd: int, path: str, before: str | None, created: bool) -> None:
     folder = Path(path)
     with contextlib.suppress(OSError):  # removed while held: a process opening it now opens it again
         RunDir(folder).writer_lock.unlink()
-    if created:
-        with contextlib.suppress(OSError):  # only when empty: the command wrote nothing here
-            folder.rmdir()
+    for made in created:  # only while empty: the command wrote nothing there
+        try:
+            made.rmdir()
+        except FileNotFoundError:  # removed already (a refused command's own clean-up)
+            continue
+        except OSError:
+            break
     os.close(fd)
 
 

@@ -9,7 +9,9 @@ import hashlib
 import shutil
 from pathlib import Path
 
-from conftest import command_output, run_of
+from conftest import ENV, command_output, run_of
+
+from recursive_lightning.config import load_run_config
 
 
 def _state(run: Path) -> tuple[dict, str, int]:
@@ -27,9 +29,9 @@ def _state(run: Path) -> tuple[dict, str, int]:
     return files, r.info.status, points
 
 
-def _refused(run: Path) -> str:
+def _refused(run: Path, *flags: str) -> str:
     before = _state(run)
-    rc, out = command_output("train", "--resume", "--run-dir", run, timeout=600)
+    rc, out = command_output("train", "--resume", "--run-dir", run, *flags, timeout=600)
     assert rc == 2, out
     assert "Traceback" not in out, out
     assert _state(run) == before  # nothing written: no checkpoint, no config, no MLflow point or status
@@ -70,6 +72,37 @@ def test_resume_with_a_damaged_config_names_the_line_and_the_fix(trained_run, tm
         f"error: config file '{config}' has a tab on line {line}; YAML indents with spaces, so replace the tab "
         f"with spaces; it is the config the run in '{run}' was started with: repair it, or pass the config"
     ), said
+
+
+def test_resume_checks_the_overrides_against_the_runs_own_config(trained_run, tmp_path):
+    """An override that the run's own config takes but the default config does not (its data.seq_len 256 is
+    longer than 100): the resume's own refusal of the changed field, not the default config's."""
+    run = shutil.copytree(trained_run, tmp_path / "run")
+    assert _refused(run, "--model.max_seq_len", "100") == (
+        f"error: --resume: model.max_seq_len is 100 but the run in '{run}' was started with 128; resume with the "
+        "same config or use a new --run-dir."
+    )
+
+
+def test_resume_of_a_mela_run_with_the_triton_kernel_on_the_cpu_says_it_needs_cuda(tmp_path):
+    """``--train.memory_kernel triton`` onto a CPU Mela run's config: the CUDA refusal (checked against the
+    default config, a recursive model, the override would be refused as Mela's kernel); nothing in the run
+    directory changes."""
+    run = tmp_path / "run"
+    run.mkdir()
+    mela = Path(__file__).resolve().parents[2] / "experiments" / "cpu" / "mela.yaml"
+    (run / "config.yaml").write_text(load_run_config(mela, ["--train.accelerator", "cpu"]).to_yaml())
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    env = {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"}  # the interpreter runs triton on the CPU
+    rc, out = command_output(
+        "train", "--resume", "--run-dir", run, "--train.memory_kernel", "triton", env=env
+    )
+    assert rc == 2 and "Traceback" not in out, out
+    assert out.strip().splitlines()[-1] == (
+        "error: train.memory_kernel triton needs a CUDA GPU; set it torch on the CPU."
+    ), out
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert set(tmp_path.rglob("*")) == {run, run / "config.yaml"}
 
 
 def test_resuming_a_finished_run_with_no_step_left_logs_no_second_final_point(trained_run, tmp_path):

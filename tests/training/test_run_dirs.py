@@ -539,3 +539,48 @@ def test_sigterm_before_the_first_checkpoint_says_no_checkpoint_exists(tmp_path,
         )
     ), out
     assert "resumable from its last checkpoint" not in out, out
+
+
+MELA = Path(__file__).resolve().parents[2] / "experiments" / "cpu" / "mela.yaml"
+REFUSED = {  # flags: the end of the sentence; data.path and init_from are refused after the run dir is locked
+    "--train.memory_kernel triton": "train.memory_kernel triton needs a CUDA GPU; set it torch on the CPU.",
+    "--train.cuda_graphs true": "train.cuda_graphs needs a CUDA GPU; set it false on the CPU.",
+    "--train.strategy fsdp --train.compile true": "train.compile with train.strategy fsdp fails on the CPU "
+    "(torch.compile's C++ code generator rejects the FSDP2-wrapped layers); set train.compile false there, or "
+    "train on GPUs.",
+    "--model.d_model 100000000": "choose a smaller model (model.d_model, model.layout, model.preset) or a "
+    "machine with more memory.",
+    "--data.path /no/such/corpus.txt": "The data path /no/such/corpus.txt does not exist; pass an existing "
+    "file, folder, glob or hf:<dataset>.",
+    "--init-from /no/such/model": "train.init_from '/no/such/model' does not exist; pass a checkpoint or run "
+    "directory of this package, a local Hugging Face model directory, or a Hub name.",
+}
+
+
+@pytest.mark.parametrize("flags", REFUSED, ids=lambda f: f.split()[0].split(".")[-1])
+@pytest.mark.parametrize("run_dir_flag", [True, False], ids=["run-dir", "default-run-dir"])
+def test_a_refused_train_leaves_nothing_on_disk(
+    flags, run_dir_flag, tmp_path, data_cache, monkeypatch, capsys
+):
+    """A refusal after the config was read (this machine cannot run it, the data or the pretrained model is
+    missing) exits 2 in one sentence and leaves no folder: not the --run-dir, not the parents it would have
+    made, not runs/. A refusal that needs only the config comes before the run directory's lock makes any."""
+    from recursive_lightning.training import run_lock
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # Triton's interpreter would run triton on the CPU
+    made = []
+    make_dirs = run_lock._make_dirs
+    monkeypatch.setattr(run_lock, "_make_dirs", lambda folder: made.append(folder) or make_dirs(folder))
+    monkeypatch.chdir(tmp_path)  # the default run directory: runs/<name> here
+    before = set(tmp_path.rglob("*"))
+    argv = ["train", "--config", str(MELA), "--train.accelerator", "cpu", "--data.cache_dir", data_cache]
+    argv += flags.split()
+    if run_dir_flag:
+        argv += ["--run-dir", str(tmp_path / "a" / "b" / "run")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("error: ") and err.strip().endswith(REFUSED[flags]), err
+    assert len(err.strip().splitlines()) == 1, err
+    assert set(tmp_path.rglob("*")) == before
+    # a refusal that needs only the config comes before any folder; a later one removed what the lock made
+    assert bool(made) is flags.startswith(("--data.path", "--init-from")), made
