@@ -89,6 +89,8 @@ class DataConfig:
 
 
 COMPILE_SCOPES = ("layers", "glue", "model")  # train.compile values besides false / true (= layers)
+# train.accelerator values: Lightning's names for this machine's kind (auto), the CPU and a CUDA GPU
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
 
 @dataclass
@@ -155,6 +157,32 @@ def _devices_ok(devices: Any) -> bool:
             and all(p.strip().lstrip("-").isdigit() for p in text.split(",") if p.strip())
         )
     return False
+
+
+def check_train_choices(t: TrainConfig) -> None:
+    """One sentence for a ``train`` field set to a value outside its choices: devices, accelerator, strategy,
+    compile, precision (whether this machine can run the choice is ``training/parallel.check_supported``'s)."""
+    if not _devices_ok(t.devices):
+        raise ConfigError(
+            f"train.devices must be a count >= 1, auto, -1 (every device) or a list of device ids, not "
+            f"{t.devices!r}."
+        )
+    if t.accelerator not in ACCELERATORS:  # Lightning's others (tpu, mps) run no part of this package
+        raise ConfigError(
+            f"train.accelerator '{t.accelerator}' is not one this package trains on; choose "
+            f"{', '.join(ACCELERATORS[:-1])} or {ACCELERATORS[-1]}."
+        )
+    if t.strategy not in ("auto", "ddp", "fsdp"):
+        raise ConfigError(f"train.strategy '{t.strategy}' is unknown; choose auto, ddp or fsdp.")
+    if t.compile not in (False, True, *COMPILE_SCOPES):
+        raise ConfigError(
+            f"train.compile '{t.compile}' is unknown; choose false, true (= layers), layers, glue or model."
+        )
+    if t.precision not in ("auto", "32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true"):
+        raise ConfigError(
+            f"train.precision '{t.precision}' is unknown; choose auto, 32-true, 64-true, bf16-mixed, 16-mixed "
+            "or bf16-true."
+        )
 
 
 def check_cuda_graphs(t: TrainConfig) -> None:
@@ -318,19 +346,9 @@ class RunConfig:
                 f"train.weight_decay and train.grad_clip must be >= 0 (0: off), not {t.weight_decay} and "
                 f"{t.grad_clip}."
             )
-        if not _devices_ok(t.devices):
-            raise ConfigError(
-                f"train.devices must be a count >= 1, auto, -1 (every device) or a list of device ids, not "
-                f"{t.devices!r}."
-            )
+        check_train_choices(t)
         if not 0 <= t.warmup_ratio < 1 or not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError("train.warmup_ratio must lie in [0, 1) and train.min_lr_ratio in [0, 1].")
-        if t.compile not in (False, True, *COMPILE_SCOPES):
-            raise ConfigError(
-                f"train.compile '{t.compile}' is unknown; choose false, true (= layers), layers, glue or model."
-            )
-        if t.strategy not in ("auto", "ddp", "fsdp"):
-            raise ConfigError(f"train.strategy '{t.strategy}' is unknown; choose auto, ddp or fsdp.")
         if t.cuda_graphs:
             check_cuda_graphs(t)
         check_memory_kernel(t, self.model)
@@ -339,11 +357,6 @@ class RunConfig:
         if t.train_only is not None or t.train_only_steps:
             check_train_only(t.train_only, t.train_only_steps, t.max_steps)
         t.loops = check_train_loops(t.loops, self.model)
-        if t.precision not in ("auto", "32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true"):
-            raise ConfigError(
-                f"train.precision '{t.precision}' is unknown; choose auto, 32-true, 64-true, bf16-mixed, 16-mixed "
-                "or bf16-true."
-            )
         return self
 
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -92,8 +95,21 @@ def fused_memory_runs_on(device: str | torch.device) -> bool:
 
 
 def check_supported(cfg: TrainConfig) -> None:
-    """Refuse, before any work, combinations that are known to fail on this machine's kind."""
+    """Refuse, before any work, combinations that are known to fail (or hang) on this machine's kind."""
+    if cfg.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.accelerator {cfg.accelerator} needs a CUDA GPU; set it cpu or auto.")
     on_cpu = cfg.accelerator == "cpu" or (cfg.accelerator == "auto" and not torch.cuda.is_available())
+    if on_cpu and not _process_count(cfg.devices):
+        raise ConfigError(
+            f"train.devices {cfg.devices!r} selects GPUs (by id, or -1 for every one) and this run is on the "
+            "CPU; set it a count of processes there (1, 2, ...)."
+        )
+    if cfg.num_nodes > 1 and not launched_per_node():
+        raise ConfigError(
+            f"train.num_nodes {cfg.num_nodes} needs this command started on every node by a launcher (srun "
+            "under SLURM, torchrun, mpirun) and none started it, so it would wait for the other nodes forever; "
+            "launch it that way on each node, or set train.num_nodes 1."
+        )
     if cfg.cuda_graphs and on_cpu:
         raise ConfigError("train.cuda_graphs needs a CUDA GPU; set it false on the CPU.")
     if cfg.memory_kernel == "triton":
@@ -109,6 +125,74 @@ def check_supported(cfg: TrainConfig) -> None:
             "train.compile with train.strategy fsdp fails on the CPU (torch.compile's C++ code generator "
             "rejects the FSDP2-wrapped layers); set train.compile false there, or train on GPUs."
         )
+
+
+def _process_count(devices: Any) -> bool:
+    """Whether ``devices`` is a count Lightning's CPU accelerator takes (an int > 0, its string, or ``auto``):
+    ids and -1 (every device) name GPUs."""
+    if isinstance(devices, str):
+        devices = devices.strip()
+        return devices == "auto" or (devices.isdigit() and int(devices) > 0)
+    return isinstance(devices, int) and not isinstance(devices, bool) and devices > 0
+
+
+def launched_per_node() -> bool:
+    """Whether a launcher started this process as one rank of a multi-node job, as Lightning's cluster
+    environments detect one (SLURM's ``srun``, torchrun, LSF's ``jsrun``, MPI); or the user did, setting
+    ``NODE_RANK`` on each node for Lightning's own environment; or this process runs inside a SLURM allocation
+    with ``srun`` at hand, where a sweep starts each multi-node trial as an ``srun`` step
+    (``sweep/launch.slurm_launcher``). Without one, rank 0 waits for the other nodes' ranks forever."""
+    from lightning.fabric.plugins.environments import (  # heavy
+        LSFEnvironment,
+        MPIEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    with warnings.catch_warnings():  # SLURM's hint that srun is installed but not used: the refusal says it
+        warnings.simplefilter("ignore")
+        envs = (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment, MPIEnvironment)
+        if any(env.detect() for env in envs):
+            return True
+    if "NODE_RANK" in os.environ:
+        return True
+    return "SLURM_JOB_ID" in os.environ and shutil.which("srun") is not None
+
+
+def resolve_strategy(cfg: TrainConfig, unreached_parameters: bool = False) -> Any:
+    """Lightning strategy for ``train.strategy``: auto / ddp / fsdp (FSDP2 via ModelParallelStrategy).
+    ``unreached_parameters``: the model has parameters the loss does not reach (a Mela model's memory
+    parameters at a short ``data.seq_len``, ``model/mela/model.memory_without_gradient``); DDP then runs with
+    ``find_unused_parameters``, or its reducer fails the second step waiting for their gradients."""
+    if cfg.strategy == "fsdp":
+        from lightning.pytorch.strategies import ModelParallelStrategy  # heavy
+
+        devices = cfg.devices if isinstance(cfg.devices, int) else None
+        world = (devices or 1) * cfg.num_nodes
+        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    if unreached_parameters and (cfg.strategy == "ddp" or _several_processes(cfg)):
+        from lightning.pytorch.strategies import DDPStrategy  # heavy
+
+        return DDPStrategy(find_unused_parameters=True)
+    return cfg.strategy
+
+
+def _several_processes(cfg: TrainConfig) -> bool:
+    """Whether ``train.strategy auto`` runs several processes, so that Lightning picks DDP: several nodes, or
+    several devices (a count, ids, or ``auto`` / -1 on a machine with several GPUs)."""
+    d = cfg.devices.strip() if isinstance(cfg.devices, str) else cfg.devices
+    if isinstance(d, str) and d.isdigit():
+        d = int(d)
+    if isinstance(d, str) and d != "auto":  # "0,1": GPU ids
+        d = [p for p in d.split(",") if p.strip()]
+    if isinstance(d, list):
+        n = len(d)
+    elif isinstance(d, int) and d > 0:
+        n = d
+    else:  # auto / -1: every GPU, or one process on the CPU
+        on_cpu = cfg.accelerator == "cpu" or not torch.cuda.is_available()
+        n = 1 if on_cpu else torch.cuda.device_count()
+    return n * cfg.num_nodes > 1
 
 
 # the model width (per ``model.arch``) from which a CPU with native bf16 trains faster in bf16-mixed than in
@@ -158,19 +242,6 @@ def native_bf16() -> bool:
     except OSError:
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def resolve_strategy(cfg: TrainConfig):
-    """Lightning strategy for ``train.strategy``: auto / ddp / fsdp (FSDP2 via ModelParallelStrategy)."""
-    if cfg.strategy == "fsdp":
-        from lightning.pytorch.strategies import ModelParallelStrategy  # heavy
-
-        devices = cfg.devices if isinstance(cfg.devices, int) else None
-        world = (devices or 1) * cfg.num_nodes
-        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
-    if cfg.strategy == "ddp":
-        return "ddp"
-    return "auto"
 
 
 def persistent_compile_cache() -> str:

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import Terminated
+from recursive_lightning.model.mela.model import memory_without_gradient
 from recursive_lightning.run_dir import RunDir
 from recursive_lightning.training import parallel
 from recursive_lightning.training.checkpoint import read_checkpoint, save_atomic
@@ -125,7 +126,9 @@ def build_trainer(
     cbs = [periodic, best, *callbacks]
     if t.progress:
         cbs.append(TQDMProgressBar(refresh_rate=max(1, min(10, t.max_steps // 50))))
-    strategy = parallel.resolve_strategy(t)
+    # a Mela model at a short data.seq_len has memory parameters the loss never reaches: DDP must expect them
+    unreached = bool(memory_without_gradient(cfg.model, cfg.data.seq_len))
+    strategy = parallel.resolve_strategy(t, unreached)
     return L.Trainer(
         default_root_dir=str(run_dir),
         max_steps=t.max_steps,
@@ -139,7 +142,7 @@ def build_trainer(
         devices=t.devices,
         num_nodes=t.num_nodes,
         strategy=strategy,
-        plugins=[AtomicCheckpointIO()] if strategy in ("auto", "ddp") else [],
+        plugins=[AtomicCheckpointIO()] if t.strategy != "fsdp" else [],
         logger=logger,
         callbacks=cbs,
         enable_progress_bar=t.progress,

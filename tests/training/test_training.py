@@ -262,3 +262,129 @@ def test_build_trainer_trains_into_the_run_dir_or_validates_on_one_device(tmp_pa
     assert check.limit_val_batches == cfg.data.val_batches
     with pytest.raises(ValueError, match="run_dir"):
         build_trainer(cfg)
+
+
+_NO_CUDA = pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="refused only where CUDA is absent"
+)
+# what marks a process as one rank of a launched job (Lightning's cluster environments read them): none set
+_LAUNCHERS = ("SLURM_", "TORCHELASTIC_", "LSB_", "JSM_", "OMPI_", "PMI_", "NODE_RANK", "LOCAL_RANK")
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        (
+            ["--train.num_nodes", "2"],
+            "train.num_nodes 2 needs this command started on every node by a launcher (srun under SLURM, "
+            "torchrun, mpirun)",
+        ),
+        (
+            ["--train.accelerator", "foo"],
+            "train.accelerator 'foo' is not one this package trains on; choose auto, cpu, gpu or cuda.",
+        ),
+        (
+            ["--train.accelerator", "tpu"],
+            "train.accelerator 'tpu' is not one this package trains on; choose auto, cpu, gpu or cuda.",
+        ),
+        pytest.param(
+            ["--train.accelerator", "gpu"],
+            "train.accelerator gpu needs a CUDA GPU; set it cpu or auto.",
+            marks=_NO_CUDA,
+        ),
+        pytest.param(
+            ["--train.devices", "[0,1]"],
+            "train.devices [0, 1] selects GPUs (by id, or -1 for every one) and this run is on the CPU; set "
+            "it a count of processes there (1, 2, ...).",
+            marks=_NO_CUDA,
+        ),
+    ],
+    ids=[
+        "num-nodes-without-launcher",
+        "accelerator-unknown",
+        "accelerator-tpu",
+        "gpu-without-cuda",
+        "ids-on-cpu",
+    ],
+)
+def test_a_setting_this_machine_cannot_run_is_refused_before_any_work(tmp_path, override, says):
+    """Settings Lightning fails on (a traceback, a half-made run directory) or waits on forever (several nodes
+    with no launcher to start their ranks): one sentence, exit 2, no run directory."""
+    env = {k: v for k, v in ENV.items() if not k.startswith(_LAUNCHERS)}
+    run_dir = tmp_path / "r"
+    args = ["--config", str(ROOT / "experiments/cpu/mela.yaml"), *override, "--run-dir", str(run_dir)]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "recursive_lightning", "train", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:  # a run that hangs: the test fails, and leaves no process behind
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 2, out
+    assert "Traceback" not in out, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("error: ") and says in last, out
+    assert not run_dir.exists()
+
+
+def test_several_nodes_are_accepted_where_a_launcher_started_the_rank(tmp_path, monkeypatch):
+    """Under srun, torchrun, jsrun, with NODE_RANK set by hand, or in a SLURM allocation whose srun a sweep
+    starts its trials with, ``train.num_nodes 2`` is let through; with none of them it is refused."""
+    from recursive_lightning.config import TrainConfig
+    from recursive_lightning.training.parallel import check_supported
+
+    for name in [k for k in os.environ if k.startswith(_LAUNCHERS)]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun
+    cfg = TrainConfig(num_nodes=2, accelerator="cpu")
+    with pytest.raises(ConfigError, match="train.num_nodes 2 needs this command started on every node"):
+        check_supported(cfg)
+    srun = tmp_path / "srun"
+    srun.write_text("#!/bin/sh\n")
+    srun.chmod(0o755)
+    launched = [
+        {"SLURM_NTASKS": "4", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "7"},  # an srun step
+        {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "RANK": "0"},  # torchrun
+        {
+            "LSB_JOBID": "1",
+            "LSB_DJOB_RANKFILE": "f",
+            "JSM_NAMESPACE_LOCAL_RANK": "0",
+            "JSM_NAMESPACE_SIZE": "4",
+        },
+        {"NODE_RANK": "0", "MASTER_ADDR": "node0"},  # started on each node by hand
+        {"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "interactive"},  # a sweep worker, srun on PATH
+    ]
+    for env in launched:
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            check_supported(cfg)  # let through
+
+
+@pytest.mark.slow
+def test_ddp_trains_a_mela_model_whose_loss_reaches_not_every_parameter(tmp_path, data_cache):
+    """At one chunk a sequence some of a Mela model's memory parameters get no gradient (train warns); DDP on two
+    CPU processes still trains, expecting those parameters unused, instead of failing the second step."""
+    from recursive_lightning.model.mela.model import memory_without_gradient
+
+    cfg = {
+        "name": "mela-ddp",
+        "model": {"preset": "cpu-mela"},
+        "data": {"tokenizer": "bpe:4096", "seq_len": 64, "batch_size": 2, "val_batches": 1},
+        "train": {"max_steps": 2, "warmup_steps": 0, "devices": 2, "accelerator": "cpu", "progress": False},
+    }
+    cfg["data"]["cache_dir"] = data_cache
+    assert memory_without_gradient(RunConfig.from_dict(cfg).model, 64)  # the case: parameters left out
+    cfg_file = tmp_path / "mela.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    p = _cli(["--config", str(cfg_file), "--run-dir", str(tmp_path / "r")])
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert "trained 2 steps" in out, out
