@@ -751,7 +751,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("generate-prompt-not-utf8", ["generate", "{run}", "--prompt", "\udcff\udcfe"], "--prompt is not UTF-8"),
     ("generate-temperature-inf", ["generate", "{run}", "--temperature", "inf"], "--temperature"),
     ("generate-seed-big", ["generate", "{run}", "--temperature", "0.8", "--seed", str(2**64)], "--seed"),
-    ("generate-loops-bound", ["generate", "{run}", "--loops", "100000"], "--loops 100000 exceeds 256"),
+    (
+        "generate-loops-bound",
+        ["generate", "{run}", "--loops", "100000"],
+        "--loops must be one whole loop count from 1 to 256, not 100000",
+    ),
     ("generate-top-k", ["generate", "{run}", "--top-k", "0"], "--top-k"),
     ("generate-top-k-greedy", ["generate", "{run}", "--top-k", "5"], "--temperature"),
     ("generate-wrong-kind", ["generate", "{in}/tracking.db"], "not a checkpoint"),
