@@ -159,6 +159,23 @@ def _devices_ok(devices: Any) -> bool:
     return False
 
 
+def device_count(devices: Any, every: int) -> int:
+    """The processes ``train.devices`` starts on one node: a count, a list or comma string of device ids (its
+    length), or ``auto`` / -1 (``every``: all of the node's devices)."""
+    if isinstance(devices, bool):
+        return 1
+    if isinstance(devices, int):
+        return every if devices == -1 else devices
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    text = str(devices).strip()
+    if text in ("auto", "-1"):
+        return every
+    if "," in text:
+        return len([x for x in text.split(",") if x.strip()])
+    return int(text) if text.isdigit() else 1
+
+
 def check_train_choices(t: TrainConfig) -> None:
     """One sentence for a ``train`` field set to a value outside its choices: devices, accelerator, strategy,
     compile, precision (whether this machine can run the choice is ``training/parallel.check_supported``'s)."""

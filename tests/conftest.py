@@ -278,6 +278,7 @@ def hf_model_dirs(tmp_path_factory):
 
 
 # --- sweep test helpers (tests/test_sweep*.py, test_report.py, test_slurm.py): one definition each ----------
+import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -345,16 +346,24 @@ def live_children(pid: int) -> set[int]:
 
 
 def command_output(command: str, *args, env=None, timeout=900) -> tuple[int, str]:
-    """``python -m recursive_lightning COMMAND *args`` run to its end: (exit code, stdout and stderr)."""
-    p = subprocess.run(
+    """``python -m recursive_lightning COMMAND *args`` run to its end: (exit code, stdout and stderr). Past
+    ``timeout`` (a command that hangs) its whole process group is killed, its ranks and workers too, and
+    ``subprocess.TimeoutExpired`` raised."""
+    p = subprocess.Popen(
         [sys.executable, "-m", "recursive_lightning", command, *map(str, args)],
         env=env or ENV,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        timeout=timeout,
+        start_new_session=True,
     )
-    return p.returncode, p.stdout
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return p.returncode, out
 
 
 def sweep_output(*args, env=None, timeout=900) -> tuple[int, str]:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from recursive_lightning.config import device_count
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.run_dir import SweepDir
 from recursive_lightning.sweep.spec import SweepSpec
@@ -55,18 +56,7 @@ def devices_needed(cfg: Any, pool: list[str]) -> int:
     t = cfg.train
     if not pool or str(t.accelerator).lower() == "cpu":
         return 0
-    if isinstance(t.devices, bool):
-        return 1
-    if isinstance(t.devices, int):
-        return len(pool) if t.devices == -1 else t.devices
-    if isinstance(t.devices, (list, tuple)):
-        return len(t.devices)
-    text = str(t.devices).strip()
-    if text in ("auto", "-1"):
-        return len(pool)
-    if "," in text:
-        return len([x for x in text.split(",") if x.strip()])
-    return int(text) if text.isdigit() else 1
+    return device_count(t.devices, len(pool))
 
 
 @contextlib.contextmanager

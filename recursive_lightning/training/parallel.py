@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from recursive_lightning import files
-from recursive_lightning.config import COMPILE_SCOPES, TrainConfig
+from recursive_lightning.config import COMPILE_SCOPES, RunConfig, TrainConfig, device_count
 from recursive_lightning.errors import ConfigError
 from recursive_lightning.model.config import ModelConfig
 from recursive_lightning.threads import model_width
@@ -159,40 +159,34 @@ def launched_per_node() -> bool:
     return "SLURM_JOB_ID" in os.environ and shutil.which("srun") is not None
 
 
-def resolve_strategy(cfg: TrainConfig, unreached_parameters: bool = False) -> Any:
-    """Lightning strategy for ``train.strategy``: auto / ddp / fsdp (FSDP2 via ModelParallelStrategy).
-    ``unreached_parameters``: the model has parameters the loss does not reach (a Mela model's memory
-    parameters at a short ``data.seq_len``, ``model/mela/model.memory_without_gradient``); DDP then runs with
-    ``find_unused_parameters``, or its reducer fails the second step waiting for their gradients."""
+def resolve_strategy(run: RunConfig) -> Any:
+    """Lightning strategy for ``train.strategy``: auto / ddp / fsdp (FSDP2 via ModelParallelStrategy). DDP runs
+    with ``find_unused_parameters`` where the loss does not reach every parameter (a Mela model's memory
+    parameters at a short ``data.seq_len``, ``model/mela/model.memory_without_gradient``): its reducer would
+    otherwise fail the second step waiting for their gradients."""
+    cfg = run.train
     if cfg.strategy == "fsdp":
         from lightning.pytorch.strategies import ModelParallelStrategy  # heavy
 
         devices = cfg.devices if isinstance(cfg.devices, int) else None
         world = (devices or 1) * cfg.num_nodes
         return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
-    if unreached_parameters and (cfg.strategy == "ddp" or _several_processes(cfg)):
-        from lightning.pytorch.strategies import DDPStrategy  # heavy
+    if cfg.strategy == "ddp" or _several_processes(cfg):
+        from recursive_lightning.model.mela.model import memory_without_gradient  # heavy
 
-        return DDPStrategy(find_unused_parameters=True)
+        if memory_without_gradient(run.model, run.data.seq_len):
+            from lightning.pytorch.strategies import DDPStrategy  # heavy
+
+            return DDPStrategy(find_unused_parameters=True)
     return cfg.strategy
 
 
 def _several_processes(cfg: TrainConfig) -> bool:
     """Whether ``train.strategy auto`` runs several processes, so that Lightning picks DDP: several nodes, or
-    several devices (a count, ids, or ``auto`` / -1 on a machine with several GPUs)."""
-    d = cfg.devices.strip() if isinstance(cfg.devices, str) else cfg.devices
-    if isinstance(d, str) and d.isdigit():
-        d = int(d)
-    if isinstance(d, str) and d != "auto":  # "0,1": GPU ids
-        d = [p for p in d.split(",") if p.strip()]
-    if isinstance(d, list):
-        n = len(d)
-    elif isinstance(d, int) and d > 0:
-        n = d
-    else:  # auto / -1: every GPU, or one process on the CPU
-        on_cpu = cfg.accelerator == "cpu" or not torch.cuda.is_available()
-        n = 1 if on_cpu else torch.cuda.device_count()
-    return n * cfg.num_nodes > 1
+    several devices (a count, ids, or ``auto`` / -1 on a machine with several GPUs; one process on the CPU)."""
+    on_cpu = cfg.accelerator == "cpu" or not torch.cuda.is_available()
+    every = 1 if on_cpu else torch.cuda.device_count()
+    return device_count(cfg.devices, every) * cfg.num_nodes > 1
 
 
 # the model width (per ``model.arch``) from which a CPU with native bf16 trains faster in bf16-mixed than in

@@ -22,7 +22,6 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from recursive_lightning.config import RunConfig
 from recursive_lightning.errors import Terminated
-from recursive_lightning.model.mela.model import memory_without_gradient
 from recursive_lightning.run_dir import RunDir
 from recursive_lightning.training import parallel
 from recursive_lightning.training.checkpoint import read_checkpoint, save_atomic
@@ -126,9 +125,7 @@ def build_trainer(
     cbs = [periodic, best, *callbacks]
     if t.progress:
         cbs.append(TQDMProgressBar(refresh_rate=max(1, min(10, t.max_steps // 50))))
-    # a Mela model at a short data.seq_len has memory parameters the loss never reaches: DDP must expect them
-    unreached = bool(memory_without_gradient(cfg.model, cfg.data.seq_len))
-    strategy = parallel.resolve_strategy(t, unreached)
+    strategy = parallel.resolve_strategy(cfg)
     return L.Trainer(
         default_root_dir=str(run_dir),
         max_steps=t.max_steps,

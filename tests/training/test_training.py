@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import command_output
 from mlflow.tracking import MlflowClient
 
 from recursive_lightning.config import RunConfig
@@ -312,22 +313,9 @@ def test_a_setting_this_machine_cannot_run_is_refused_before_any_work(tmp_path, 
     with no launcher to start their ranks): one sentence, exit 2, no run directory."""
     env = {k: v for k, v in ENV.items() if not k.startswith(_LAUNCHERS)}
     run_dir = tmp_path / "r"
-    args = ["--config", str(ROOT / "experiments/cpu/mela.yaml"), *override, "--run-dir", str(run_dir)]
-    p = subprocess.Popen(
-        [sys.executable, "-m", "recursive_lightning", "train", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:  # a run that hangs: the test fails, and leaves no process behind
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    assert p.returncode == 2, out
+    args = ["--config", ROOT / "experiments/cpu/mela.yaml", *override, "--run-dir", run_dir]
+    rc, out = command_output("train", *args, env=env, timeout=120)  # a run that hangs fails, killed
+    assert rc == 2, out
     assert "Traceback" not in out, out
     last = out.strip().splitlines()[-1]
     assert last.startswith("error: ") and says in last, out
