@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_mela_numerics.py                          # cpu-mela, both carries, 1 and 2 threads
     .venv/bin/python benchmarks/bench_mela_numerics.py --floors 1.5,0 --chunks 32
-    .venv/bin/python benchmarks/bench_mela_numerics.py --ckpt runs/mela         # a trained checkpoint's weights
+    .venv/bin/python benchmarks/bench_mela_numerics.py --ckpt runs/cpu-mela     # a trained checkpoint's weights
     .venv/bin/python benchmarks/bench_mela_numerics.py --preset mela-400m-narrow --chunks 2 --batch 1
     python benchmarks/bench_mela_numerics.py --device cuda                      # the GPU's float32 / bf16
     .venv/bin/python benchmarks/bench_mela_numerics.py --memory-gemms float32,tf32,bf16 --threads 2

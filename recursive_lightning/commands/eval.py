@@ -1,11 +1,11 @@
 """``python -m recursive_lightning eval CHECKPOINT``: its arguments (made into ``EvalOptions``) and the tables it
 prints.
 
-    python -m recursive_lightning eval runs/looped-mesh                       # the default tasks, 0/5-shot
+    python -m recursive_lightning eval runs/cpu-looped-mesh                   # the default tasks, 0/5-shot
     python -m recursive_lightning eval runs/x/checkpoints/last.ckpt --ppl wiki=wiki.txt \\
         --context-lengths 256,512,1024,2048 --tasks lambada_openai,piqa --shots 0 --limit 200
-    python -m recursive_lightning eval runs/looped-mesh --ppl wiki=wiki.txt --tasks none --loops 1,2,4,8
-    python -m recursive_lightning eval runs/looped-mesh --ppl wiki=wiki.txt --tasks none --loops 8 --exit-kl 5e-4,1e-3
+    python -m recursive_lightning eval runs/cpu-looped-mesh --ppl wiki=wiki.txt --tasks none --loops 1,2,4,8
+    python -m recursive_lightning eval runs/cpu-looped-mesh --ppl wiki=wiki.txt --tasks none --loops 8 --exit-kl 5e-4,1e-3
 
 CHECKPOINT is a ``.ckpt`` file or a run directory (its newest good checkpoint); what is evaluated and where the
 results go: evaluation/run.py (``evaluate_checkpoint``, with the ``EvalOptions`` these arguments make). Without ``--tasks`` the tasks are ``DEFAULT_TASKS`` (evaluation/downstream.py); a
